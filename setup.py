@@ -1,0 +1,50 @@
+"""Installs tf_dp: differentially private training for TensorFlow / Keras 3."""
+
+import pathlib
+
+from setuptools import find_packages, setup
+
+HERE = pathlib.Path(__file__).parent
+
+setup(
+    name="tf_dp",
+    version="0.1.0",
+    description=(
+        "Differentially private training (DP-SGD, DP-Adam, JL and ghost clipping) for "
+        "TensorFlow / Keras 3, with a privacy ledger and tight accountants."
+    ),
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["tf_dp", "tf_dp.*"]),
+    install_requires=[
+        "tensorflow>=2.16,<2.22",
+        "keras>=3.0,<4",
+        "numpy>=1.26,<3",
+        "scipy>=1.11,<2",
+        "absl-py>=1.4,<3",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=7.4",
+            "dp-accounting>=0.4,<0.7",
+            "scikit-learn>=1.3",
+        ],
+        "tutorials": [
+            "matplotlib>=3.7",
+            "scikit-learn>=1.3",
+        ],
+    },
+    entry_points={
+        "console_scripts": [
+            "compute_dp_sgd_privacy=tf_dp.cli.compute_dp_sgd_privacy:run",
+            "compute_noise_from_budget=tf_dp.cli.compute_noise_from_budget:run",
+        ],
+    },
+    classifiers=[
+        "License :: OSI Approved :: Apache Software License",
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

@@ -1,0 +1,28 @@
+"""DP aggregate queries (McMahan et al. 2018): clip, accumulate, noise. See ``dp_query.py``."""
+
+from tf_dp.dp_query.dp_query import DPQuery, SumAggregationDPQuery, SumQuerySpec
+from tf_dp.dp_query.gaussian_query import GaussianSumQuery
+from tf_dp.dp_query.joint_clip_query import JointClipGaussianSumQuery
+from tf_dp.dp_query.nested_query import NestedQuery
+from tf_dp.dp_query.no_privacy_query import NoPrivacyAverageQuery, NoPrivacySumQuery
+from tf_dp.dp_query.noise import make_generator
+from tf_dp.dp_query.noise_allocation import (
+    dimension_adjusted_noise_allocation,
+    proportional_noise_allocation,
+)
+from tf_dp.dp_query.normalized_query import NormalizedQuery
+
+__all__ = [
+    "DPQuery",
+    "SumAggregationDPQuery",
+    "SumQuerySpec",
+    "GaussianSumQuery",
+    "JointClipGaussianSumQuery",
+    "NestedQuery",
+    "NoPrivacySumQuery",
+    "NoPrivacyAverageQuery",
+    "NormalizedQuery",
+    "make_generator",
+    "proportional_noise_allocation",
+    "dimension_adjusted_noise_allocation",
+]

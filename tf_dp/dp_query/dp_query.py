@@ -1,0 +1,195 @@
+"""The DPQuery protocol (McMahan et al. 2018, sections 2-3).
+
+A DP query aggregates a sample of records (here: per-example gradients, nested structures of
+tensors) and releases a noised aggregate. The protocol splits that into steps so that the same
+query serves a single-machine loop, microbatches, and distributed aggregation:
+
+1. ``global_state = query.initial_global_state()`` once.
+2. Per sample: ``params = query.derive_sample_params(global_state)``;
+   ``state = query.initial_sample_state(template)``.
+3. Per record: ``state = query.accumulate_record(params, state, record)`` (which is
+   ``preprocess_record`` -- e.g. clipping -- followed by ``accumulate_preprocessed_record``).
+   Partial states from several workers combine with ``merge_sample_states``.
+4. ``result, global_state = query.get_noised_result(state, global_state)``.
+
+Everything is TensorFlow ops on ``tf.nest`` structures, safe inside ``tf.function``.
+
+Queries also describe, for the privacy ledger, the sum queries they ran
+(:meth:`DPQuery.sum_query_specs`): each spec gives the L2 sensitivity and the noise standard
+deviation as tensors *of that step*. Sum queries additionally expose a *norm-based clipping rule*
+(:meth:`SumAggregationDPQuery.clip_weights`) that the fast gradient strategies (ghost clipping,
+JL) use without materialising per-example gradients.
+
+Example::
+
+    import tensorflow as tf
+    import tf_dp
+
+    query = tf_dp.GaussianSumQuery(l2_norm_clip=1.0, stddev=1.1)
+    gs = query.initial_global_state()
+    params = query.derive_sample_params(gs)
+    state = query.initial_sample_state(tf.zeros([3]))
+    for record in [tf.constant([3.0, 4.0, 0.0]), tf.constant([0.1, 0.0, 0.0])]:
+        state = query.accumulate_record(params, state, record)
+    noised_sum, gs = query.get_noised_result(state, gs)
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, NamedTuple
+
+import tensorflow as tf
+
+
+class SumQuerySpec(NamedTuple):
+    """What the ledger records for one sum query of one sample (tensors, values at run time).
+
+    ``private=False`` marks a query that adds no noise by design (``NoPrivacy*``).
+    """
+
+    l2_sensitivity: Any
+    noise_stddev: Any
+    private: bool = True
+
+
+class DPQuery(abc.ABC):
+    """Interface of all DP aggregate queries. See the module docstring for the call sequence."""
+
+    def initial_global_state(self) -> Any:
+        """Returns the state carried across samples (e.g. clip and noise parameters)."""
+        return ()
+
+    def derive_sample_params(self, global_state: Any) -> Any:
+        """Returns the parameters used to process every record of one sample."""
+        del global_state
+        return ()
+
+    @abc.abstractmethod
+    def initial_sample_state(self, template: Any) -> Any:
+        """Returns an empty accumulator shaped like ``template`` (a structure of tensors/specs)."""
+
+    def preprocess_record(self, params: Any, record: Any) -> Any:
+        """Transforms one record before accumulation (e.g. clips it). Default: identity."""
+        del params
+        return record
+
+    @abc.abstractmethod
+    def accumulate_preprocessed_record(self, sample_state: Any, preprocessed_record: Any) -> Any:
+        """Adds a preprocessed record to the accumulator."""
+
+    def accumulate_record(self, params: Any, sample_state: Any, record: Any) -> Any:
+        """Preprocesses ``record`` and adds it to ``sample_state``."""
+        return self.accumulate_preprocessed_record(
+            sample_state, self.preprocess_record(params, record)
+        )
+
+    @abc.abstractmethod
+    def merge_sample_states(self, sample_state_1: Any, sample_state_2: Any) -> Any:
+        """Combines two partial accumulators (e.g. from two workers or microbatch groups)."""
+
+    @abc.abstractmethod
+    def get_noised_result(self, sample_state: Any, global_state: Any) -> tuple[Any, Any]:
+        """Returns ``(noised_result, new_global_state)``."""
+
+    def derive_metrics(self, global_state: Any) -> dict[str, Any]:
+        """Returns a dict of scalar metrics about the global state (for logging)."""
+        del global_state
+        return {}
+
+    @abc.abstractmethod
+    def sum_query_specs(self, global_state: Any) -> list[SumQuerySpec]:
+        """The sum queries one ``get_noised_result`` call performs, for the privacy ledger."""
+
+    @property
+    def supports_norm_clipping(self) -> bool:
+        """Whether :meth:`clip_weights` is available (needed by the ghost and JL strategies)."""
+        return False
+
+    def clip_weights(self, params: Any, squared_norms: Any) -> Any:
+        """Norm-based clipping rule; see :meth:`SumAggregationDPQuery.clip_weights`."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no norm-based clipping rule; fast gradient strategies "
+            "(ghost, jl) need a sum query such as GaussianSumQuery or NestedQuery of them"
+        )
+
+
+class SumAggregationDPQuery(DPQuery):
+    """Base class for queries whose sample state is the sum of the (preprocessed) records."""
+
+    def initial_sample_state(self, template: Any) -> Any:
+        return tf.nest.map_structure(_zeros_like_spec, template)
+
+    def accumulate_preprocessed_record(self, sample_state: Any, preprocessed_record: Any) -> Any:
+        _check_same_structure(sample_state, preprocessed_record, "record")
+        return tf.nest.map_structure(_add, sample_state, preprocessed_record)
+
+    def merge_sample_states(self, sample_state_1: Any, sample_state_2: Any) -> Any:
+        _check_same_structure(sample_state_1, sample_state_2, "sample_state_2")
+        return tf.nest.map_structure(_add, sample_state_1, sample_state_2)
+
+    @property
+    def supports_norm_clipping(self) -> bool:
+        return True
+
+    def clip_weights(self, params: Any, squared_norms: Any) -> Any:
+        """Per-record clipping weights from per-record squared norms.
+
+        Args:
+          params: from :meth:`derive_sample_params`.
+          squared_norms: a structure matching the records, each leaf the squared L2 norm of that
+            part of each record (a tensor of shape ``[B]`` for ``B`` records, or a scalar).
+
+        Returns:
+          A structure matching ``squared_norms``: for each leaf, the weight ``w_i`` such that the
+          clipped record is ``w_i * record_i`` on that leaf. Summing ``w_i * g_i`` over records is
+          exactly what :meth:`accumulate_record` would have produced.
+        """
+        return tf.nest.map_structure(tf.ones_like, squared_norms)
+
+
+def _zeros_like_spec(t: Any) -> tf.Tensor:
+    if isinstance(t, tf.TensorSpec):
+        return tf.zeros(t.shape, t.dtype)
+    if isinstance(t, tf.IndexedSlices):
+        return tf.zeros(t.dense_shape, t.values.dtype)
+    if isinstance(t, tf.Variable) or hasattr(t, "value") and not isinstance(t, tf.Tensor):
+        t = tf.convert_to_tensor(t)
+    return tf.zeros_like(t)
+
+
+def _add(a: Any, b: Any) -> Any:
+    if isinstance(b, tf.IndexedSlices):
+        b = tf.convert_to_tensor(b) if isinstance(a, tf.IndexedSlices) else b
+        if not isinstance(a, tf.IndexedSlices):
+            return tf.tensor_scatter_nd_add(a, tf.expand_dims(b.indices, -1), b.values)
+    if isinstance(a, tf.IndexedSlices):
+        a = tf.convert_to_tensor(a)
+    return a + b
+
+
+def _check_same_structure(a: Any, b: Any, name: str) -> None:
+    try:
+        tf.nest.assert_same_structure(a, b, expand_composites=False)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{name} does not match the structure of the sample state: {e}") from None
+
+
+def squared_norm(t: Any) -> tf.Tensor:
+    """Squared L2 norm of a tensor or ``tf.IndexedSlices`` (float32 or wider)."""
+    if isinstance(t, tf.IndexedSlices):
+        # Rows may repeat (a token used twice): sum duplicate rows first, as the dense gradient does.
+        unique, idx = tf.unique(t.indices)
+        t = tf.math.unsorted_segment_sum(t.values, idx, tf.shape(unique)[0])
+    t = tf.convert_to_tensor(t)
+    if t.dtype in (tf.float16, tf.bfloat16):
+        t = tf.cast(t, tf.float32)
+    return tf.reduce_sum(tf.square(t))
+
+
+def scale(t: Any, w: Any) -> Any:
+    """``w * t`` for a tensor or ``tf.IndexedSlices``, casting ``w`` to ``t``'s dtype."""
+    if isinstance(t, tf.IndexedSlices):
+        return tf.IndexedSlices(t.values * tf.cast(w, t.values.dtype), t.indices, t.dense_shape)
+    t = tf.convert_to_tensor(t)
+    return t * tf.cast(w, t.dtype)

@@ -1,0 +1,33 @@
+"""Privacy ledger: sampling and sum-query events as they actually ran (McMahan et al. 2018, §6).
+
+``events`` and ``ledger_file`` are pure Python (readable without TensorFlow); the TensorFlow side
+(``PrivacyLedger``, ``QueryWithLedger``) is imported lazily.
+"""
+
+from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
+from tf_dp.ledger.ledger_file import LedgerFileError, read_ledger_file, write_ledger_file
+
+_LAZY = {
+    "PrivacyLedger": "tf_dp.ledger.privacy_ledger",
+    "QueryWithLedger": "tf_dp.ledger.query_with_ledger",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tf_dp.ledger' has no attribute {name!r}")
+
+
+__all__ = [
+    "SampleEntry",
+    "SamplingEvent",
+    "SumQueryEvent",
+    "LedgerFileError",
+    "read_ledger_file",
+    "write_ledger_file",
+    "PrivacyLedger",
+    "QueryWithLedger",
+]

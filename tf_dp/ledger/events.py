@@ -1,0 +1,167 @@
+"""Frozen event records: what accounting needs to know about one DP training run.
+
+A run is a sequence of *samples*. Each sample is one draw from the data (a sampling event: the
+population size ``n``, the selection probability ``q`` and the sampling policy) followed by one or
+more *sum queries* over that draw (each with its L2 sensitivity and the standard deviation of the
+Gaussian noise it added, plus mechanism-specific fields).
+
+Several Gaussian sum queries on the same sample are, for accounting, one Gaussian mechanism with
+sensitivity ``S* = sqrt(sum_g (S_g / sigma_g)^2)`` and unit noise (McMahan et al. 2018, Eq. (1)),
+so each sample reduces to a single *effective noise multiplier*
+``z = (sum_g (S_g / sigma_g)^2)^(-1/2)``.
+
+These records are pure Python (no TensorFlow) so that the accountants in ``tf_dp.accounting`` can
+consume them without importing TensorFlow.
+
+Example::
+
+    from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
+
+    entry = SampleEntry(
+        sampling=SamplingEvent(population_size=60000, selection_probability=256 / 60000),
+        queries=(SumQueryEvent(l2_sensitivity=1.0, noise_stddev=1.1),),
+    )
+    entry.effective_noise_multiplier()  # 1.1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence
+
+#: Sampling policies the ledger knows. ``poisson``: every example is selected independently with
+#: probability ``q`` (privacy amplification by subsampling applies). ``shuffle``: the data are
+#: shuffled and cut into fixed-size batches (each example used once per epoch); accountants report
+#: the bound that does not assume amplification for it.
+SAMPLING_POLICIES = ("poisson", "shuffle")
+
+#: Sum-query mechanisms. ``gaussian``: exact clipping plus Gaussian noise. ``jl``: clipping weights
+#: from Johnson-Lindenstrauss norm estimates (Bu et al. 2020) plus Gaussian noise; the event carries
+#: ``jl_projections``. ``none``: no noise (a non-private query); any sample that contains one has
+#: infinite epsilon.
+MECHANISMS = ("gaussian", "jl", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingEvent:
+    """One draw of a sample from a population.
+
+    Attributes:
+      population_size: ``n``, the number of records the sample was drawn from (>= 1).
+      selection_probability: ``q`` in [0, 1]; for ``poisson`` the per-record inclusion probability,
+        for ``shuffle`` the batch size divided by ``n``.
+      policy: one of :data:`SAMPLING_POLICIES`.
+    """
+
+    population_size: int
+    selection_probability: float
+    policy: str = "poisson"
+
+    def __post_init__(self):
+        if not (isinstance(self.population_size, int) and self.population_size >= 1):
+            raise ValueError(
+                f"population_size must be an integer >= 1, got {self.population_size!r}"
+            )
+        q = self.selection_probability
+        if not (isinstance(q, (int, float)) and math.isfinite(q) and 0.0 <= q <= 1.0):
+            raise ValueError(f"selection_probability must be in [0, 1], got {q!r}")
+        if self.policy not in SAMPLING_POLICIES:
+            raise ValueError(f"policy must be one of {SAMPLING_POLICIES}, got {self.policy!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SumQueryEvent:
+    """One Gaussian sum query (clip then add noise) over a sample.
+
+    Attributes:
+      l2_sensitivity: the L2 sensitivity of the sum under add/remove-one adjacency, as used at run
+        time (the clip ``C`` for one example per record; ``2C`` for microbatches of several).
+      noise_stddev: standard deviation of the Gaussian noise added to the sum (>= 0).
+      mechanism: one of :data:`MECHANISMS`.
+      jl_projections: for ``mechanism == "jl"``, the number ``r`` of JL projections; else None.
+    """
+
+    l2_sensitivity: float
+    noise_stddev: float
+    mechanism: str = "gaussian"
+    jl_projections: Optional[int] = None
+
+    def __post_init__(self):
+        s, sd = self.l2_sensitivity, self.noise_stddev
+        if not (isinstance(s, (int, float)) and s >= 0 and not math.isnan(s)):
+            raise ValueError(f"l2_sensitivity must be >= 0, got {s!r}")
+        if not (isinstance(sd, (int, float)) and sd >= 0 and not math.isnan(sd)):
+            raise ValueError(f"noise_stddev must be >= 0, got {sd!r}")
+        if self.mechanism not in MECHANISMS:
+            raise ValueError(f"mechanism must be one of {MECHANISMS}, got {self.mechanism!r}")
+        if self.mechanism == "jl":
+            r = self.jl_projections
+            if not (isinstance(r, int) and r >= 1):
+                raise ValueError(f"jl_projections must be an integer >= 1 for a jl event, got {r!r}")
+        elif self.jl_projections is not None:
+            raise ValueError("jl_projections is only allowed for mechanism='jl'")
+
+    @property
+    def private(self) -> bool:
+        """False when this query gives no privacy (no noise while the sensitivity is positive)."""
+        if self.mechanism == "none":
+            return False
+        return self.noise_stddev > 0 or self.l2_sensitivity == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleEntry:
+    """A sampling event together with the sum queries run on that sample."""
+
+    sampling: SamplingEvent
+    queries: tuple[SumQueryEvent, ...]
+
+    def effective_noise_multiplier(self) -> float:
+        """``z = (sum_g (S_g / sigma_g)^2)^(-1/2)`` (McMahan et al. 2018, Eq. (1)).
+
+        Returns ``0.0`` when any query is non-private (infinite epsilon) and ``math.inf`` when
+        no query touches the data (zero sensitivity everywhere; no privacy is spent).
+        """
+        total = 0.0
+        for q in self.queries:
+            if not q.private:
+                return 0.0
+            if q.l2_sensitivity == 0:
+                continue
+            total += (q.l2_sensitivity / q.noise_stddev) ** 2
+        return math.inf if total == 0 else total ** -0.5
+
+    @property
+    def jl_projections(self) -> Optional[int]:
+        """The JL dimension ``r`` of this sample, or None for exact clipping.
+
+        Raises ValueError when queries of one sample mix JL dimensions (no accountant handles it).
+        """
+        rs = {q.jl_projections for q in self.queries if q.mechanism == "jl"}
+        if not rs:
+            return None
+        if len(rs) > 1 or any(q.mechanism == "gaussian" and q.l2_sensitivity > 0 for q in self.queries):
+            raise ValueError(
+                f"a sample mixes JL dimensions {sorted(rs)} or JL with exact clipping; "
+                "the accountants support one JL dimension per sample"
+            )
+        return rs.pop()
+
+    @property
+    def private(self) -> bool:
+        return all(q.private for q in self.queries)
+
+
+def compress(entries: Sequence[SampleEntry]) -> list[tuple[SampleEntry, int]]:
+    """Run-length encodes consecutive identical entries: ``[(entry, count), ...]``.
+
+    Accountants use it to compose ``count`` identical steps at once.
+    """
+    out: list[tuple[SampleEntry, int]] = []
+    for e in entries:
+        if out and out[-1][0] == e:
+            out[-1] = (e, out[-1][1] + 1)
+        else:
+            out.append((e, 1))
+    return out

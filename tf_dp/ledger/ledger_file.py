@@ -1,0 +1,192 @@
+"""The ledger file: a versioned, checksummed JSON record of a run's sampling and sum-query events.
+
+Format (version 1)::
+
+    {
+      "format": "tf_dp.privacy_ledger",
+      "version": 1,
+      "num_samples": 1200,                  # total number of samples (steps), after expanding runs
+      "runs": [                              # consecutive identical samples, run-length encoded
+        {"count": 1200,
+         "sampling": {"population_size": 60000, "selection_probability": 0.004266,
+                      "policy": "poisson"},
+         "queries": [{"l2_sensitivity": 1.0, "noise_stddev": 1.1, "mechanism": "gaussian",
+                      "jl_projections": null}]}
+      ],
+      "metadata": {...},                     # free-form, informative only (not used by accounting)
+      "sha256": "<hex digest of the canonical JSON of every other key>"
+    }
+
+Files are written atomically (temporary file in the same directory, fsync, rename), so a reader
+never sees half a file. A file that fails to parse, has a different format/version, a bad checksum
+(edited or truncated), or events outside their valid ranges is rejected with
+:class:`LedgerFileError` naming the problem; nothing is half-read.
+
+This module is pure Python so that the accountants and command-line tools can read ledgers without
+TensorFlow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent, compress
+
+FORMAT_NAME = "tf_dp.privacy_ledger"
+FORMAT_VERSION = 1
+
+
+class LedgerFileError(ValueError):
+    """A ledger file could not be read: missing, malformed, edited, truncated or from another version."""
+
+
+def _canonical(payload: Mapping[str, Any]) -> bytes:
+    return json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def entries_to_payload(
+    entries: Sequence[SampleEntry], metadata: Optional[Mapping[str, Any]] = None
+) -> dict[str, Any]:
+    """Builds the JSON payload (with checksum) for ``entries``."""
+    runs = []
+    for entry, count in compress(entries):
+        runs.append(
+            {
+                "count": count,
+                "sampling": {
+                    "population_size": entry.sampling.population_size,
+                    "selection_probability": entry.sampling.selection_probability,
+                    "policy": entry.sampling.policy,
+                },
+                "queries": [
+                    {
+                        "l2_sensitivity": q.l2_sensitivity,
+                        "noise_stddev": q.noise_stddev,
+                        "mechanism": q.mechanism,
+                        "jl_projections": q.jl_projections,
+                    }
+                    for q in entry.queries
+                ],
+            }
+        )
+    payload: dict[str, Any] = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "num_samples": len(entries),
+        "runs": runs,
+        "metadata": dict(metadata or {}),
+    }
+    payload["sha256"] = hashlib.sha256(_canonical(payload)).hexdigest()
+    return payload
+
+
+def payload_to_entries(payload: Any) -> list[SampleEntry]:
+    """Validates a parsed payload and expands it to a list of :class:`SampleEntry`."""
+    if not isinstance(payload, dict):
+        raise LedgerFileError("ledger file must hold a JSON object")
+    if payload.get("format") != FORMAT_NAME:
+        raise LedgerFileError(f"not a tf_dp ledger file (format={payload.get('format')!r})")
+    if payload.get("version") != FORMAT_VERSION:
+        raise LedgerFileError(
+            f"unsupported ledger version {payload.get('version')!r}; this tf_dp reads version "
+            f"{FORMAT_VERSION}"
+        )
+    body = {k: v for k, v in payload.items() if k != "sha256"}
+    try:
+        digest = hashlib.sha256(_canonical(body)).hexdigest()
+    except (TypeError, ValueError) as e:
+        raise LedgerFileError(f"ledger file holds values that are not valid JSON numbers: {e}")
+    if payload.get("sha256") != digest:
+        raise LedgerFileError("ledger checksum mismatch: the file was edited or corrupted")
+    entries: list[SampleEntry] = []
+    try:
+        for run in payload["runs"]:
+            count = run["count"]
+            if not (isinstance(count, int) and count >= 1):
+                raise LedgerFileError(f"run count must be an integer >= 1, got {count!r}")
+            s = run["sampling"]
+            entry = SampleEntry(
+                sampling=SamplingEvent(
+                    population_size=s["population_size"],
+                    selection_probability=s["selection_probability"],
+                    policy=s["policy"],
+                ),
+                queries=tuple(
+                    SumQueryEvent(
+                        l2_sensitivity=q["l2_sensitivity"],
+                        noise_stddev=q["noise_stddev"],
+                        mechanism=q["mechanism"],
+                        jl_projections=q["jl_projections"],
+                    )
+                    for q in run["queries"]
+                ),
+            )
+            entries.extend([entry] * count)
+    except LedgerFileError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise LedgerFileError(f"malformed ledger event: {e}") from None
+    if len(entries) != payload.get("num_samples"):
+        raise LedgerFileError(
+            f"ledger says num_samples={payload.get('num_samples')!r} but holds {len(entries)}"
+        )
+    return entries
+
+
+def write_ledger_file(
+    path: str | os.PathLike,
+    entries: Sequence[SampleEntry],
+    metadata: Optional[Mapping[str, Any]] = None,
+) -> None:
+    """Writes ``entries`` to ``path`` atomically."""
+    data = json.dumps(entries_to_payload(entries, metadata), indent=1, allow_nan=False)
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".ledger-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def read_ledger_file(path: str | os.PathLike) -> list[SampleEntry]:
+    """Reads and validates a ledger file; returns its sample entries in order."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise LedgerFileError(f"cannot read ledger file {os.fspath(path)!r}: {e.strerror}") from None
+    try:
+        payload = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LedgerFileError(f"ledger file {os.fspath(path)!r} is not valid JSON ({e})") from None
+    return payload_to_entries(payload)
+
+
+def as_entries(source: Any) -> list[SampleEntry]:
+    """Normalises a ledger source: a path, a ``PrivacyLedger`` (anything with ``samples()``),
+    or an iterable of :class:`SampleEntry`."""
+    if isinstance(source, (str, os.PathLike)):
+        return read_ledger_file(source)
+    if hasattr(source, "samples") and callable(source.samples):
+        return list(source.samples())
+    if isinstance(source, Iterable):
+        items = list(source)
+        for e in items:
+            if not isinstance(e, SampleEntry):
+                raise TypeError(f"ledger entries must be SampleEntry, got {type(e).__name__}")
+        return items
+    raise TypeError(
+        "ledger must be a file path, a PrivacyLedger or a sequence of SampleEntry, "
+        f"got {type(source).__name__}"
+    )

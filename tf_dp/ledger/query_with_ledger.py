@@ -1,0 +1,153 @@
+"""QueryWithLedger: a DPQuery wrapper that records every sample in a PrivacyLedger."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import tensorflow as tf
+
+from tf_dp.dp_query.dp_query import DPQuery, SumQuerySpec
+from tf_dp.dp_query.validation import check_scalar
+from tf_dp.ledger.privacy_ledger import PrivacyLedger, mechanism_code, policy_code
+
+
+class QueryWithLedger(DPQuery):
+    """Wraps ``query`` so that each ``get_noised_result`` records one sample in ``ledger``.
+
+    On every ``get_noised_result`` call, after the noised result is computed, the wrapper records a
+    sampling event (population size ``n``, selection probability ``q``, sampling policy) followed by
+    one sum-query event per sum query of the wrapped query, with the clip and noise values of that
+    step multiplied by ``sensitivity_multiplier`` for the sensitivity.
+
+    The sampling parameters, the sensitivity multiplier and the JL dimension are ``tf.Variable``s:
+    change them with :meth:`set_sampling` / :meth:`set_mechanism` between steps (the Keras
+    integration does this from the data it is given) and the ledger records the new values.
+
+    Args:
+      query: the DPQuery to wrap.
+      ledger: the ``PrivacyLedger`` to record into (a new one by default).
+      population_size: ``n`` (integer >= 1).
+      selection_probability: ``q`` in (0, 1].
+      sampling_policy: ``"poisson"`` or ``"shuffle"``.
+
+    Example::
+
+        ledger = tf_dp.PrivacyLedger()
+        query = tf_dp.QueryWithLedger(tf_dp.GaussianSumQuery(1.0, 1.1), ledger,
+                                      population_size=60000, selection_probability=0.004)
+    """
+
+    def __init__(
+        self,
+        query: DPQuery,
+        ledger: Optional[PrivacyLedger] = None,
+        population_size: int = 1,
+        selection_probability: float = 1.0,
+        sampling_policy: str = "poisson",
+    ):
+        if not isinstance(query, DPQuery):
+            raise TypeError(f"query must be a DPQuery, got {type(query).__name__}")
+        if ledger is None:
+            ledger = PrivacyLedger()
+        if not isinstance(ledger, PrivacyLedger):
+            raise TypeError(f"ledger must be a PrivacyLedger, got {type(ledger).__name__}")
+        self._query = query
+        self._ledger = ledger
+        with tf.init_scope():
+            self._population_size = tf.Variable(1, dtype=tf.int64, trainable=False)
+            self._selection_probability = tf.Variable(1.0, dtype=tf.float64, trainable=False)
+            self._policy = tf.Variable(0, dtype=tf.int32, trainable=False)
+            self._sensitivity_multiplier = tf.Variable(1.0, dtype=tf.float32, trainable=False)
+            self._jl_projections = tf.Variable(0, dtype=tf.int32, trainable=False)
+        self.set_sampling(population_size, selection_probability, sampling_policy)
+
+    @property
+    def query(self) -> DPQuery:
+        return self._query
+
+    @property
+    def ledger(self) -> PrivacyLedger:
+        return self._ledger
+
+    def set_sampling(
+        self, population_size: int, selection_probability: float, sampling_policy: str = "poisson"
+    ) -> None:
+        """Sets the sampling parameters recorded from the next step on (validated first)."""
+        if isinstance(population_size, bool) or not isinstance(population_size, int) or (
+            population_size < 1
+        ):
+            raise ValueError(f"population_size must be an integer >= 1, got {population_size!r}")
+        q = check_scalar("selection_probability", selection_probability, allow_zero=False)
+        if q > 1:
+            raise ValueError(f"selection_probability must be in (0, 1], got {q}")
+        code = policy_code(sampling_policy)
+        self._population_size.assign(population_size)
+        self._selection_probability.assign(q)
+        self._policy.assign(code)
+
+    def set_mechanism(self, sensitivity_multiplier: float = 1.0, jl_projections: int = 0) -> None:
+        """Sets the L2 sensitivity multiplier (2 for microbatches of several examples under
+        add/remove adjacency) and the JL dimension (0 for exact clipping)."""
+        m = check_scalar("sensitivity_multiplier", sensitivity_multiplier, allow_zero=False)
+        if isinstance(jl_projections, bool) or not isinstance(jl_projections, int) or (
+            jl_projections < 0
+        ):
+            raise ValueError(f"jl_projections must be an integer >= 0, got {jl_projections!r}")
+        self._sensitivity_multiplier.assign(m)
+        self._jl_projections.assign(jl_projections)
+
+    @property
+    def sensitivity_multiplier(self) -> tf.Variable:
+        return self._sensitivity_multiplier
+
+    # -- DPQuery protocol: delegate ----------------------------------------------------------------
+
+    def initial_global_state(self) -> Any:
+        return self._query.initial_global_state()
+
+    def derive_sample_params(self, global_state: Any) -> Any:
+        return self._query.derive_sample_params(global_state)
+
+    def initial_sample_state(self, template: Any) -> Any:
+        return self._query.initial_sample_state(template)
+
+    def preprocess_record(self, params: Any, record: Any) -> Any:
+        return self._query.preprocess_record(params, record)
+
+    def accumulate_preprocessed_record(self, sample_state: Any, preprocessed_record: Any) -> Any:
+        return self._query.accumulate_preprocessed_record(sample_state, preprocessed_record)
+
+    def merge_sample_states(self, sample_state_1: Any, sample_state_2: Any) -> Any:
+        return self._query.merge_sample_states(sample_state_1, sample_state_2)
+
+    def derive_metrics(self, global_state: Any) -> dict[str, Any]:
+        return self._query.derive_metrics(global_state)
+
+    def sum_query_specs(self, global_state: Any) -> list[SumQuerySpec]:
+        return self._query.sum_query_specs(global_state)
+
+    @property
+    def supports_norm_clipping(self) -> bool:
+        return self._query.supports_norm_clipping
+
+    def clip_weights(self, params: Any, squared_norms: Any) -> Any:
+        return self._query.clip_weights(params, squared_norms)
+
+    def get_noised_result(self, sample_state: Any, global_state: Any):
+        specs = self._query.sum_query_specs(global_state)
+        result, new_state = self._query.get_noised_result(sample_state, global_state)
+        # Record only once the result exists: a step that fails leaves the ledger unchanged.
+        with tf.control_dependencies(tf.nest.flatten(result)):
+            self._ledger.record_sampling(
+                self._population_size, self._selection_probability, self._policy
+            )
+        jl = self._jl_projections.read_value()
+        for spec in specs:
+            if spec.private:
+                mech = tf.where(jl > 0, mechanism_code("jl"), mechanism_code("gaussian"))
+                sens = tf.cast(spec.l2_sensitivity, tf.float32) * self._sensitivity_multiplier
+            else:
+                mech = tf.constant(mechanism_code("none"))
+                sens = tf.cast(spec.l2_sensitivity, tf.float32)
+            self._ledger.record_sum_query(sens, spec.noise_stddev, mech, jl)
+        return result, new_state
