@@ -1,0 +1,24 @@
+"""Keras 3 integration: DP optimizers, private models, callbacks."""
+
+from tf_dp.keras.losses import PerExampleLoss
+from tf_dp.keras.models import DPModel, DPSequential, is_private, make_private
+from tf_dp.keras.optimizers import (
+    DPKerasAdagradOptimizer,
+    DPKerasAdamOptimizer,
+    DPKerasSGDOptimizer,
+    DPOptimizerMixin,
+    make_dp_optimizer_class,
+)
+
+__all__ = [
+    "DPKerasAdagradOptimizer",
+    "DPKerasAdamOptimizer",
+    "DPKerasSGDOptimizer",
+    "DPModel",
+    "DPOptimizerMixin",
+    "DPSequential",
+    "PerExampleLoss",
+    "is_private",
+    "make_dp_optimizer_class",
+    "make_private",
+]

@@ -1,0 +1,242 @@
+"""Private Keras models: a ``train_step`` that clips per example and noises through the optimizer.
+
+Three ways to get one, all with the same DP step:
+
+- ``tf_dp.keras.make_private(model)``: any existing Sequential, functional or subclassed model,
+  made private in place (and returned);
+- ``tf_dp.keras.DPSequential([...])``: a ``keras.Sequential``;
+- ``tf_dp.keras.DPModel(inputs, outputs)`` or a subclass of ``DPModel``.
+
+One DP step: the batch's per-example losses (from the compiled loss) -> the optimizer's gradient
+strategy computes the clipped sum with the query's clipping rule -> the optimizer noises it
+through its query (recording the step in its ledger) and normalises it -> gradients of weight
+regularisers (which do not depend on the data) are added -> the base optimizer's update.
+
+``model.fit`` also tells the optimizer how batches are drawn: in-memory arrays with ``batch_size``
+are recorded as ``shuffle`` batches (``q = batch_size / n``, no amplification assumed);
+``tf_dp.data.poisson_batches(...)`` as ``poisson`` with its real ``n`` and ``q``. For other inputs
+call ``model.optimizer.set_sampling(...)`` before ``fit``.
+
+Example::
+
+    model = tf_dp.keras.make_private(keras.Sequential([...]))
+    model.compile(optimizer=tf_dp.keras.DPKerasSGDOptimizer(
+        l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.1),
+        loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(x_train, y_train, batch_size=256, epochs=2)
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_dp.keras.losses import PerExampleLoss
+
+#: Layers that mix examples of a batch: per-example gradients are not defined for them.
+_MIXING_LAYERS = (keras.layers.BatchNormalization,)
+
+
+def _all_layers(model: keras.Model) -> list[keras.layers.Layer]:
+    flatten = getattr(model, "_flatten_layers", None)
+    if flatten is not None:
+        return list(flatten(include_self=False))
+    out, stack = [], list(getattr(model, "layers", []))
+    while stack:
+        layer = stack.pop()
+        out.append(layer)
+        stack.extend(getattr(layer, "layers", []))
+    return out
+
+
+def check_model_is_dp_compatible(model: keras.Model) -> None:
+    """Raises ValueError naming the first layer that DP training cannot support."""
+    for layer in _all_layers(model):
+        if isinstance(layer, _MIXING_LAYERS):
+            raise ValueError(
+                f"layer {layer.name!r} ({type(layer).__name__}) mixes the examples of a batch, so "
+                "per-example gradients (and DP-SGD's guarantee) are undefined; use "
+                "keras.layers.GroupNormalization or keras.layers.LayerNormalization instead"
+            )
+        if getattr(layer, "activity_regularizer", None) is not None:
+            raise ValueError(
+                f"layer {layer.name!r} has an activity_regularizer, a loss term that depends on "
+                "the batch and would bypass clipping; remove it for DP training"
+            )
+
+
+def _regularization_gradients(model: keras.Model, variables: list[Any]) -> list[Any] | None:
+    regularized = [v for v in variables if getattr(v, "regularizer", None) is not None]
+    if not regularized:
+        return None
+    with tf.GradientTape() as tape:
+        penalty = tf.add_n([tf.cast(v.regularizer(v), tf.float32) for v in regularized])
+    return tape.gradient(penalty, variables, unconnected_gradients="zero"), penalty
+
+
+def dp_train_step(model: keras.Model, data: Any) -> dict[str, Any]:
+    """The DP ``train_step`` used by every private model (see the module docstring)."""
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    optimizer = model.optimizer
+    if not getattr(optimizer, "_tf_dp_optimizer", False):
+        raise TypeError(
+            "a private model needs a tf_dp DP optimizer (e.g. tf_dp.keras.DPKerasSGDOptimizer), "
+            f"got {type(optimizer).__name__}"
+        )
+    strategy = optimizer.strategy_for(model)
+    variables = list(model.trainable_variables)
+    query = optimizer.dp_query
+    params = query.derive_sample_params(optimizer._dp_global_state)
+    loss_fn = PerExampleLoss(model)
+    clipped = strategy.clipped_sum(loss_fn, (x, y, sample_weight), variables, query, params)
+    grads = optimizer.dp_aggregate(clipped)
+    reg = _regularization_gradients(model, variables)
+    mean_loss = tf.reduce_mean(tf.cast(clipped.losses, tf.float32))
+    if reg is not None:
+        reg_grads, penalty = reg
+        grads = [g + tf.cast(r, g.dtype) for g, r in zip(grads, reg_grads)]
+        mean_loss += penalty
+    optimizer.apply_dp_gradients(grads, variables)
+    tracker = getattr(model, "_loss_tracker", None)
+    if tracker is not None:
+        tracker.update_state(mean_loss, sample_weight=tf.shape(clipped.losses)[0])
+    return model.compute_metrics(x, y, clipped.y_pred, sample_weight=sample_weight)
+
+
+def _num_examples(x: Any) -> int | None:
+    leaves = tf.nest.flatten(x)
+    if leaves and all(isinstance(t, (np.ndarray, tf.Tensor)) or hasattr(t, "shape") for t in leaves):
+        first = leaves[0]
+        if isinstance(first, tf.data.Dataset):
+            return None
+        shape = getattr(first, "shape", None)
+        if shape is not None and len(shape) > 0 and shape[0] is not None:
+            return int(shape[0])
+    return None
+
+
+def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Declares the sampling of ``fit``'s input to the DP optimizer; unwraps Poisson batches."""
+    optimizer = model.optimizer
+    if not getattr(optimizer, "_tf_dp_optimizer", False):
+        raise TypeError(
+            "a private model needs a tf_dp DP optimizer (e.g. tf_dp.keras.DPKerasSGDOptimizer); "
+            f"compile it with one (got {type(optimizer).__name__})"
+        )
+    args = list(args)
+    x = args[0] if args else kwargs.get("x")
+    sampling = getattr(x, "tf_dp_sampling", None)
+    if sampling is not None:
+        n, q = sampling
+        optimizer.set_sampling(n, q, "poisson")
+        if kwargs.get("batch_size") is not None:
+            raise ValueError("batch_size must be None when x is tf_dp.data.poisson_batches(...)")
+        dataset = x.dataset
+        if args:
+            args[0] = dataset
+        else:
+            kwargs["x"] = dataset
+        if kwargs.get("steps_per_epoch") is None and getattr(x, "steps_per_epoch", None):
+            kwargs["steps_per_epoch"] = x.steps_per_epoch
+        return tuple(args), kwargs
+    n = _num_examples(x)
+    if n is not None:
+        split = kwargs.get("validation_split") or 0.0
+        n_train = int(n * (1.0 - split)) if split else n
+        batch_size = kwargs.get("batch_size") or (args[2] if len(args) > 2 and args[2] else 32)
+        if kwargs.get("shuffle") is False:
+            raise ValueError(
+                "shuffle=False: batches would be the same fixed slices every epoch; DP accounting "
+                "for in-memory arrays assumes shuffled batches (or use tf_dp.data.poisson_batches)"
+            )
+        batch_size = min(int(batch_size), n_train)
+        optimizer.set_sampling(n_train, batch_size / n_train, "shuffle")
+        return tuple(args), kwargs
+    if not optimizer.sampling_configured:
+        raise ValueError(
+            "cannot tell how this input samples the data: pass in-memory arrays, "
+            "tf_dp.data.poisson_batches(...), or call model.optimizer.set_sampling("
+            "population_size=..., selection_probability=..., sampling_policy=...) before fit"
+        )
+    return tuple(args), kwargs
+
+
+class _PrivateTrainingMixin:
+    """``train_step`` and ``fit`` of a private model (shared by DPSequential and DPModel)."""
+
+    def train_step(self, data):
+        return dp_train_step(self, data)
+
+    def fit(self, *args, **kwargs):
+        check_model_is_dp_compatible(self)
+        args, kwargs = prepare_fit(self, args, kwargs)
+        return super().fit(*args, **kwargs)
+
+
+@keras.saving.register_keras_serializable(package="tf_dp")
+class DPSequential(_PrivateTrainingMixin, keras.Sequential):
+    """A ``keras.Sequential`` trained with DP-SGD by its DP optimizer.
+
+    Example::
+
+        model = tf_dp.keras.DPSequential([
+            keras.Input((28, 28, 1)),
+            keras.layers.Conv2D(16, 8, strides=2, padding="same", activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(10),
+        ])
+        model.compile(optimizer=tf_dp.keras.DPKerasSGDOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    """
+
+
+@keras.saving.register_keras_serializable(package="tf_dp")
+class DPModel(_PrivateTrainingMixin, keras.Model):
+    """A ``keras.Model`` (functional or subclassed) trained with DP-SGD by its DP optimizer.
+
+    Example::
+
+        inputs = keras.Input((20,))
+        outputs = keras.layers.Dense(2)(keras.layers.Dense(16, activation="relu")(inputs))
+        model = tf_dp.keras.DPModel(inputs, outputs)
+    """
+
+
+def make_private(model: keras.Model) -> keras.Model:
+    """Makes ``model`` (Sequential, functional or subclassed) private, in place, and returns it.
+
+    Its ``train_step`` becomes the DP step and its ``fit`` declares the sampling of its input to
+    the DP optimizer. Compile it with a tf_dp DP optimizer. Layers that mix examples
+    (BatchNormalization) are refused.
+
+    Example::
+
+        model = tf_dp.keras.make_private(model)
+        model.compile(optimizer=tf_dp.keras.DPKerasAdamOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=1e-3), loss="mse")
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"model must be a keras.Model, got {type(model).__name__}")
+    if isinstance(model, _PrivateTrainingMixin) or getattr(model, "_tf_dp_private", False):
+        return model
+    check_model_is_dp_compatible(model)
+    original_fit = model.fit
+
+    def fit(self, *args, **kwargs):
+        check_model_is_dp_compatible(self)
+        args, kwargs = prepare_fit(self, args, kwargs)
+        return original_fit(*args, **kwargs)
+
+    model.train_step = types.MethodType(dp_train_step, model)
+    model.fit = types.MethodType(fit, model)
+    model._tf_dp_private = True
+    return model
+
+
+def is_private(model: keras.Model) -> bool:
+    return isinstance(model, _PrivateTrainingMixin) or getattr(model, "_tf_dp_private", False)

@@ -1,0 +1,355 @@
+"""DP Keras optimizers: a Keras 3 optimizer that aggregates per-example gradients privately.
+
+Keras 3 trainers hand optimizers batch-averaged gradients, too late for per-example clipping. So
+the per-example work happens in the DP model's ``train_step`` (``make_private`` / ``DPSequential``
+/ ``DPModel``) and the DP optimizer carries the privacy configuration: the DP query (clip and
+noise), the :class:`~tf_dp.PrivacyLedger`, the gradient mode, and the aggregation step
+(:meth:`DPOptimizerMixin.dp_aggregate`: noise through the query, record in the ledger, normalise).
+A DP optimizer handed ordinary gradients (a model that was not made private) raises instead of
+training without privacy.
+
+Example::
+
+    model = tf_dp.keras.make_private(model)
+    model.compile(
+        optimizer=tf_dp.keras.DPKerasSGDOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.15),
+        loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(x, y, batch_size=256, epochs=3)
+    model.optimizer.ledger.save("ledger.json")
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Optional
+
+import keras
+import tensorflow as tf
+
+from tf_dp.dp_query.dp_query import DPQuery
+from tf_dp.dp_query.gaussian_query import GaussianSumQuery
+from tf_dp.dp_query.normalized_query import NormalizedQuery
+from tf_dp.gradients import ClippedGradients, GradientStrategy, gradient_modes, make_strategy
+from tf_dp.ledger.privacy_ledger import PrivacyLedger
+from tf_dp.ledger.query_with_ledger import QueryWithLedger
+
+_logger = logging.getLogger("tf_dp")
+
+_DP_KEYS = (
+    "l2_norm_clip",
+    "noise_multiplier",
+    "num_microbatches",
+    "gradient_mode",
+    "jl_projections",
+)
+
+
+class DPOptimizerMixin:
+    """Privacy configuration and private aggregation shared by every DP optimizer class."""
+
+    _tf_dp_optimizer = True
+
+    def _init_dp(
+        self,
+        l2_norm_clip: Optional[float],
+        noise_multiplier: Optional[float],
+        num_microbatches: Optional[int],
+        gradient_mode: str,
+        jl_projections: Optional[int],
+        dp_sum_query: Optional[DPQuery],
+        noise_seed: Optional[int],
+    ) -> None:
+        if dp_sum_query is None:
+            if l2_norm_clip is None or noise_multiplier is None:
+                raise ValueError(
+                    "pass l2_norm_clip (a finite number > 0) and noise_multiplier (a finite "
+                    "number >= 0), or an explicit dp_sum_query"
+                )
+            _check_number("l2_norm_clip", l2_norm_clip, positive=True)
+            _check_number("noise_multiplier", noise_multiplier, positive=False)
+            query: DPQuery = GaussianSumQuery(
+                l2_norm_clip, float(noise_multiplier) * float(l2_norm_clip), seed=noise_seed
+            )
+        else:
+            if l2_norm_clip is not None or noise_multiplier is not None:
+                raise ValueError(
+                    "pass either dp_sum_query or (l2_norm_clip, noise_multiplier), not both"
+                )
+            if not isinstance(dp_sum_query, DPQuery):
+                raise TypeError(
+                    f"dp_sum_query must be a tf_dp DPQuery, got {type(dp_sum_query).__name__}"
+                )
+            if isinstance(dp_sum_query, QueryWithLedger):
+                raise TypeError(
+                    "pass the bare query as dp_sum_query; the optimizer wraps it with its own "
+                    "ledger (available as optimizer.ledger)"
+                )
+            query = dp_sum_query
+        if num_microbatches is not None and (
+            isinstance(num_microbatches, bool)
+            or not isinstance(num_microbatches, int)
+            or num_microbatches < 1
+        ):
+            raise ValueError(
+                f"num_microbatches must be None or an integer >= 1, got {num_microbatches!r}"
+            )
+        modes = gradient_modes()
+        if gradient_mode not in modes:
+            raise ValueError(f"gradient_mode must be one of {modes}, got {gradient_mode!r}")
+        if gradient_mode == "microbatch" and num_microbatches is None:
+            raise ValueError("gradient_mode='microbatch' needs num_microbatches (an integer >= 1)")
+        if gradient_mode == "jl":
+            if (
+                isinstance(jl_projections, bool)
+                or not isinstance(jl_projections, int)
+                or jl_projections < 1
+            ):
+                raise ValueError(
+                    "gradient_mode='jl' needs jl_projections, an integer >= 1 "
+                    f"(got {jl_projections!r})"
+                )
+        elif jl_projections is not None:
+            raise ValueError("jl_projections is only used with gradient_mode='jl'")
+        self._l2_norm_clip = None if l2_norm_clip is None else float(l2_norm_clip)
+        self._noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
+        self._num_microbatches = num_microbatches
+        self._gradient_mode = gradient_mode
+        self._jl_projections = jl_projections
+        self._custom_query = dp_sum_query is not None
+        self._normalized = isinstance(query, NormalizedQuery)
+        self._ledger = PrivacyLedger(name=f"{self.name}_ledger")
+        self._dp_query = QueryWithLedger(query, self._ledger)
+        self._dp_global_state = query.initial_global_state()
+        self._sampling_configured = False
+        self._strategy: Optional[GradientStrategy] = None
+        self._dp_applying = False
+
+    # -- configuration --------------------------------------------------------------------------
+
+    @property
+    def ledger(self) -> PrivacyLedger:
+        """The :class:`~tf_dp.PrivacyLedger` this optimizer records every DP step in."""
+        return self._ledger
+
+    @property
+    def dp_query(self) -> QueryWithLedger:
+        return self._dp_query
+
+    @property
+    def gradient_mode(self) -> str:
+        return self._gradient_mode
+
+    @property
+    def noise_multiplier(self) -> Optional[float]:
+        return self._noise_multiplier
+
+    @property
+    def l2_norm_clip(self) -> Optional[float]:
+        return self._l2_norm_clip
+
+    @property
+    def num_microbatches(self) -> Optional[int]:
+        return self._num_microbatches
+
+    @property
+    def gradient_strategy(self) -> Optional[GradientStrategy]:
+        """The strategy in use (resolved from ``gradient_mode`` on the first training step)."""
+        return self._strategy
+
+    def set_sampling(
+        self, population_size: int, selection_probability: float, sampling_policy: str = "poisson"
+    ) -> None:
+        """Declares how batches are drawn (recorded in the ledger from the next step on).
+
+        ``model.fit`` of a private model sets this itself for in-memory arrays (``shuffle``) and
+        for :func:`tf_dp.data.poisson_batches` (``poisson``); call it yourself for other inputs.
+        """
+        self._dp_query.set_sampling(population_size, selection_probability, sampling_policy)
+        self._sampling_configured = True
+
+    @property
+    def sampling_configured(self) -> bool:
+        return self._sampling_configured
+
+    def strategy_for(self, model: Any) -> GradientStrategy:
+        """Resolves (once) the gradient strategy for ``model``; logs the choice."""
+        if self._strategy is None:
+            options = {}
+            if self._jl_projections is not None:
+                options["jl_projections"] = self._jl_projections
+            strategy = make_strategy(
+                self._gradient_mode, model=model, num_microbatches=self._num_microbatches, **options
+            )
+            reason = strategy.supports(model)
+            if reason is not None:
+                raise ValueError(
+                    f"gradient_mode={self._gradient_mode!r} cannot train this model: {reason}"
+                )
+            if not strategy.exact or strategy.name in ("ghost", "jl"):
+                if not self._dp_query.supports_norm_clipping:
+                    raise TypeError(
+                        f"gradient strategy {strategy.name!r} needs a query with a norm-based "
+                        f"clipping rule; {type(self._dp_query.query).__name__} has none"
+                    )
+            self._strategy = strategy
+            _logger.info(
+                "tf_dp: gradient_mode=%r uses the %r strategy", self._gradient_mode, strategy.name
+            )
+        return self._strategy
+
+    # -- the private aggregation -----------------------------------------------------------------
+
+    def dp_aggregate(self, clipped: ClippedGradients) -> list[tf.Tensor]:
+        """Noises the clipped sum through the query (recording the step in the ledger) and
+        normalises it to an average gradient.
+
+        The denominator is public: the expected batch size ``q * n`` under Poisson sampling, the
+        number of records (examples or microbatches) of the batch for shuffled batches, and 1 when
+        the query is a ``NormalizedQuery`` (it divides by its own denominator).
+        """
+        q = self._dp_query
+        q.sensitivity_multiplier.assign(tf.cast(clipped.sensitivity_multiplier, tf.float32))
+        q._jl_projections.assign(int(clipped.jl_projections))
+        noised, _ = q.get_noised_result(clipped.clipped_sum, self._dp_global_state)
+        if self._normalized:
+            return list(noised)
+        records = tf.cast(clipped.num_records, tf.float32)
+        if self._num_microbatches is not None and self._strategy is not None and (
+            self._strategy.name == "microbatch"
+        ):
+            denominator = records
+        else:
+            expected = tf.cast(q._population_size, tf.float32) * tf.cast(
+                q._selection_probability, tf.float32
+            )
+            denominator = tf.where(tf.equal(q._policy, 0), expected, records)
+        denominator = tf.maximum(denominator, 1e-12)
+        return [
+            tf.IndexedSlices(g.values / tf.cast(denominator, g.values.dtype), g.indices, g.dense_shape)
+            if isinstance(g, tf.IndexedSlices)
+            else g / tf.cast(denominator, g.dtype)
+            for g in noised
+        ]
+
+    def apply_dp_gradients(self, grads, trainable_variables) -> None:
+        """Applies gradients produced by :meth:`dp_aggregate` (the only way in)."""
+        self._dp_applying = True
+        try:
+            super().apply(grads, trainable_variables)  # type: ignore[misc]
+        finally:
+            self._dp_applying = False
+
+    def apply(self, grads, trainable_variables=None):
+        if not self._dp_applying:
+            raise RuntimeError(
+                f"{type(self).__name__} was handed batch-averaged gradients: the model was not "
+                "made private, so per-example clipping and noise cannot happen. Wrap the model "
+                "with tf_dp.keras.make_private(model) (or use tf_dp.keras.DPSequential / DPModel)."
+            )
+        return super().apply(grads, trainable_variables)  # type: ignore[misc]
+
+    # -- serialisation -------------------------------------------------------------------------
+
+    def get_config(self) -> dict[str, Any]:
+        if self._custom_query:
+            raise NotImplementedError(
+                f"{type(self).__name__} built from an explicit dp_sum_query cannot be serialised; "
+                "build it from l2_norm_clip and noise_multiplier to save it in a .keras file"
+            )
+        config = super().get_config()  # type: ignore[misc]
+        config.update(
+            {
+                "l2_norm_clip": self._l2_norm_clip,
+                "noise_multiplier": self._noise_multiplier,
+                "num_microbatches": self._num_microbatches,
+                "gradient_mode": self._gradient_mode,
+                "jl_projections": self._jl_projections,
+            }
+        )
+        return config
+
+
+def _check_number(name: str, value: Any, positive: bool) -> None:
+    accepted = "a finite number > 0" if positive else "a finite number >= 0"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be {accepted}, got {type(value).__name__}")
+    if math.isnan(value) or math.isinf(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name} must be {accepted}, got {value}")
+
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+def make_dp_optimizer_class(optimizer_class: type) -> type:
+    """Returns the DP version of a Keras 3 optimizer class.
+
+    The returned class takes the base class's arguments plus ``l2_norm_clip``,
+    ``noise_multiplier``, ``num_microbatches=None``, ``gradient_mode="auto"``,
+    ``jl_projections=None``, ``dp_sum_query=None`` and ``noise_seed=None`` (tests only).
+
+    Example::
+
+        DPKerasRMSprop = tf_dp.keras.make_dp_optimizer_class(keras.optimizers.RMSprop)
+        opt = DPKerasRMSprop(l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=1e-3)
+    """
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, keras.optimizers.Optimizer)):
+        raise TypeError(
+            f"optimizer_class must be a keras.optimizers.Optimizer subclass, got {optimizer_class!r}"
+        )
+    if issubclass(optimizer_class, DPOptimizerMixin):
+        raise TypeError(f"{optimizer_class.__name__} is already a DP optimizer")
+    if optimizer_class in _CLASS_CACHE:
+        return _CLASS_CACHE[optimizer_class]
+
+    def __init__(
+        self,
+        *args: Any,
+        l2_norm_clip: Optional[float] = None,
+        noise_multiplier: Optional[float] = None,
+        num_microbatches: Optional[int] = None,
+        gradient_mode: str = "auto",
+        jl_projections: Optional[int] = None,
+        dp_sum_query: Optional[DPQuery] = None,
+        noise_seed: Optional[int] = None,
+        **kwargs: Any,
+    ) -> None:
+        optimizer_class.__init__(self, *args, **kwargs)
+        self._init_dp(
+            l2_norm_clip,
+            noise_multiplier,
+            num_microbatches,
+            gradient_mode,
+            jl_projections,
+            dp_sum_query,
+            noise_seed,
+        )
+
+    name = f"DPKeras{optimizer_class.__name__}"
+    if name.endswith("Optimizer"):
+        name = name[: -len("Optimizer")]
+    name += "Optimizer"
+    doc = (
+        f"Differentially private {optimizer_class.__name__}: the base optimizer's update applied to "
+        "gradients clipped per example and noised by a Gaussian sum query, every step recorded in "
+        "``self.ledger``. Use with a model made private by ``tf_dp.keras.make_private``.\n\n"
+        "Args (in addition to the base optimizer's):\n"
+        "  l2_norm_clip: per-example L2 clip ``C`` (finite, > 0).\n"
+        "  noise_multiplier: ``sigma``; noise stddev is ``sigma * C`` (finite, >= 0).\n"
+        "  num_microbatches: None for per-example clipping, else the number of microbatches.\n"
+        "  gradient_mode: one of 'auto', 'vectorized', 'microbatch', 'ghost', 'jl'.\n"
+        "  jl_projections: JL dimension r for gradient_mode='jl'.\n"
+        "  dp_sum_query: an explicit tf_dp DPQuery instead of l2_norm_clip/noise_multiplier.\n"
+        "  noise_seed: tests and debugging only (a known seed voids the guarantee).\n"
+    )
+    cls = type(name, (DPOptimizerMixin, optimizer_class), {"__init__": __init__, "__doc__": doc})
+    cls.__module__ = __name__
+    cls = keras.saving.register_keras_serializable(package="tf_dp", name=name)(cls)
+    _CLASS_CACHE[optimizer_class] = cls
+    return cls
+
+
+DPKerasSGDOptimizer = make_dp_optimizer_class(keras.optimizers.SGD)
+DPKerasAdamOptimizer = make_dp_optimizer_class(keras.optimizers.Adam)
+DPKerasAdagradOptimizer = make_dp_optimizer_class(keras.optimizers.Adagrad)
