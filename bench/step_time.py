@@ -1,0 +1,314 @@
+"""Step time and peak memory of DP gradient modes vs non-private training, side by side.
+
+Usage::
+
+    python -m bench.step_time --model cnn --batch_size 256 \
+        --modes nonprivate,vectorized,microbatch --format text
+    python -m bench.step_time --model lstm --batch_size 64 --modes nonprivate,vectorized,jl:1 \
+        --format json
+
+Modes: ``nonprivate`` (the plain Keras model and optimizer), or any registered ``gradient_mode``
+(``tf_dp.gradients.gradient_modes()``: ``vectorized``, ``microbatch``, ``auto``, and ``ghost`` /
+``jl`` once registered). A mode may carry an integer option after a colon: ``jl:R`` (``R`` JL
+projections) and ``microbatch:M`` (``M`` microbatches; plain ``microbatch`` uses
+``M = batch_size``, one example per microbatch).
+
+Timing (all modes in ONE process, see ``bench/README.md``): each mode gets its own fresh model
+(same weights), compiled and warmed up through ``model.fit`` (the real Keras 3 path, traced
+``tf.function`` train step). Then the timed steps call the model's compiled ``train_function`` --
+the function ``fit`` calls once per step -- on an iterator over the same batch, waiting for the
+step's result each time. Modes are interleaved in rounds (a few steps of each mode per round) so
+that load from other processes on the machine hits every mode alike. Reported: the median step
+time, its ratio to ``nonprivate``'s median, and the peak memory (measured in a fresh subprocess
+per mode unless ``--memory none``/``inprocess``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Optional
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from bench.models import MODELS, build_model, make_batch  # noqa: E402
+
+NOISE_MULTIPLIER = 1.1
+L2_NORM_CLIP = 1.0
+LEARNING_RATE = 0.05
+
+
+def parse_mode(mode: str) -> tuple[str, Optional[int]]:
+    """``"jl:1"`` -> ``("jl", 1)``; ``"vectorized"`` -> ``("vectorized", None)``."""
+    if ":" in mode:
+        name, opt = mode.split(":", 1)
+        try:
+            value = int(opt)
+        except ValueError:
+            raise SystemExit(f"mode {mode!r}: the option after ':' must be an integer") from None
+        return name, value
+    return mode, None
+
+
+def _loss() -> keras.losses.Loss:
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def build(model_name: str, mode: str, batch_size: int, seed: int = 0) -> keras.Model:
+    """A compiled model for ``mode`` (fresh weights from ``seed``)."""
+    model = build_model(model_name, seed=seed)
+    name, option = parse_mode(mode)
+    if name == "nonprivate":
+        model.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE), loss=_loss())
+        return model
+    import tf_dp.keras as dpk
+    from tf_dp.gradients import gradient_modes
+
+    if name not in gradient_modes():
+        raise SystemExit(f"unknown mode {name!r}; registered: nonprivate, {gradient_modes()}")
+    kwargs: dict[str, Any] = {"gradient_mode": name}
+    if name == "microbatch":
+        kwargs["num_microbatches"] = option or batch_size
+    elif name == "jl":
+        kwargs["jl_projections"] = option or 1
+    elif option is not None:
+        raise SystemExit(f"mode {mode!r} takes no option")
+    optimizer = dpk.DPKerasSGDOptimizer(
+        l2_norm_clip=L2_NORM_CLIP,
+        noise_multiplier=NOISE_MULTIPLIER,
+        learning_rate=LEARNING_RATE,
+        **kwargs,
+    )
+    model = dpk.make_private(model)
+    model.compile(optimizer=optimizer, loss=_loss())
+    # The dataset below repeats one batch: declare the sampling a 60000-example shuffled epoch
+    # would have (it only affects the ledger, not the time).
+    optimizer.set_sampling(60000, batch_size / 60000, "shuffle")
+    return model
+
+
+def dataset(model_name: str, batch_size: int) -> tf.data.Dataset:
+    x, y = make_batch(model_name, batch_size)
+    return tf.data.Dataset.from_tensors((x, y)).repeat()
+
+
+def _sync(logs: Any) -> None:
+    for v in tf.nest.flatten(logs):
+        if hasattr(v, "numpy"):
+            v.numpy()
+
+
+def warm_up(model: keras.Model, ds: tf.data.Dataset, steps: int) -> None:
+    # shuffle=False: the dataset repeats one batch (Keras would warn that it ignores shuffle).
+    model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False)
+
+
+def time_modes(
+    model_name: str, batch_size: int, modes: list[str], warmup: int, steps: int, rounds: int
+) -> dict[str, list[float]]:
+    """Step times (seconds) per mode, interleaved in ``rounds`` rounds of ``steps`` steps."""
+    ds = dataset(model_name, batch_size)
+    models, iterators = {}, {}
+    for mode in modes:
+        model = build(model_name, mode, batch_size)
+        warm_up(model, ds, warmup)
+        models[mode] = model
+        iterators[mode] = iter(ds)
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(rounds):
+        for mode in modes:
+            fn, it = models[mode].train_function, iterators[mode]
+            _sync(fn(it))  # one untimed step after switching modes
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                _sync(fn(it))
+                times[mode].append(time.perf_counter() - t0)
+    return times
+
+
+# -- memory ----------------------------------------------------------------------------------------
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+class _PeakSampler:
+    """Samples the RSS every few milliseconds in a thread; ``peak`` is the largest seen."""
+
+    def __init__(self, interval: float = 0.002):
+        self.interval = interval
+        self.peak = _rss_mb()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss_mb())
+            time.sleep(self.interval)
+
+    def __enter__(self) -> "_PeakSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_mb())
+
+
+def _reset_hwm() -> bool:
+    """Resets the kernel's peak-RSS counter (VmHWM) of this process (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _hwm_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def probe_memory(model_name: str, batch_size: int, mode: str, steps: int = 3) -> float:
+    """Peak RSS increase (MB) of the first ``steps`` training steps (tracing included) over
+    the RSS of the process with the model, optimizer and data built. Run in a fresh process."""
+    ds = dataset(model_name, batch_size)
+    model = build(model_name, mode, batch_size)
+    gc.collect()
+    base = _rss_mb()
+    exact = _reset_hwm()
+    with _PeakSampler() as sampler:
+        warm_up(model, ds, steps)
+    peak = max(sampler.peak, _hwm_mb() if exact else 0.0)
+    return max(peak - base, 0.0)
+
+
+def memory_subprocess(model_name: str, batch_size: int, mode: str) -> Optional[float]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.step_time",
+        "--model",
+        model_name,
+        "--batch_size",
+        str(batch_size),
+        "--_probe_memory",
+        mode,
+    ]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("PEAK_MEM_MB "):
+            return float(line.split()[1])
+    sys.stderr.write(f"memory probe for {mode!r} failed:\n{proc.stderr[-2000:]}\n")
+    return None
+
+
+# -- main ------------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if "nonprivate" not in modes:
+        modes = ["nonprivate"] + modes
+    times = time_modes(args.model, args.batch_size, modes, args.warmup, args.steps, args.rounds)
+    medians = {m: statistics.median(t) * 1000.0 for m, t in times.items()}
+    memory: dict[str, Optional[float]] = {}
+    if args.memory == "subprocess":
+        for mode in modes:
+            memory[mode] = memory_subprocess(args.model, args.batch_size, mode)
+    elif args.memory == "inprocess":
+        ds = dataset(args.model, args.batch_size)
+        for mode in modes:
+            model = build(args.model, mode, args.batch_size)
+            gc.collect()
+            base = _rss_mb()
+            with _PeakSampler() as s:
+                warm_up(model, ds, 3)
+            memory[mode] = max(s.peak - base, 0.0)
+            del model
+            gc.collect()
+    result = {
+        "model": args.model,
+        "batch_size": args.batch_size,
+        "steps_timed": args.steps * args.rounds,
+        "memory_method": args.memory,
+        "modes": {
+            m: {
+                "ms_per_step": round(medians[m], 3),
+                "ratio": round(medians[m] / medians["nonprivate"], 3),
+                "peak_mem_mb": None if memory.get(m) is None else round(memory[m], 1),
+            }
+            for m in modes
+        },
+    }
+    return result
+
+
+def format_text(result: dict[str, Any]) -> str:
+    lines = [
+        f"model={result['model']} batch_size={result['batch_size']} "
+        f"(median of {result['steps_timed']} steps per mode, same process; "
+        f"memory: {result['memory_method']})",
+        f"{'mode':<16}{'ms/step':>10}{'ratio':>9}{'peak MB':>10}",
+    ]
+    for mode, r in result["modes"].items():
+        mem = "-" if r["peak_mem_mb"] is None else f"{r['peak_mem_mb']:.0f}"
+        lines.append(f"{mode:<16}{r['ms_per_step']:>10.1f}{r['ratio']:>8.2f}x{mem:>10}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=MODELS, default="cnn")
+    p.add_argument("--batch_size", type=int, default=None, help="default: 256 (cnn, mlp), 64 (lstm)")
+    p.add_argument("--modes", default="nonprivate,vectorized,microbatch")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--warmup", type=int, default=5, help="fit steps per mode before timing")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per mode per round")
+    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds over the modes")
+    p.add_argument(
+        "--memory",
+        choices=("subprocess", "inprocess", "none"),
+        default="subprocess",
+        help="peak memory: a fresh process per mode (default), in this process, or skip",
+    )
+    p.add_argument("--_probe_memory", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.batch_size is None:
+        from bench.models import DEFAULT_BATCH
+
+        args.batch_size = DEFAULT_BATCH[args.model]
+    if args.batch_size < 1:
+        p.error("--batch_size must be >= 1")
+    if args._probe_memory:
+        print(f"PEAK_MEM_MB {probe_memory(args.model, args.batch_size, args._probe_memory):.1f}")
+        return
+    result = run(args)
+    print(json.dumps(result, indent=2) if args.format == "json" else format_text(result))
+
+
+if __name__ == "__main__":
+    main()
