@@ -22,7 +22,8 @@ JL) use without materialising per-example gradients.
 
 Example::
 
-    import tensorflow as tf
+    import numpy as np
+import tensorflow as tf
     import tf_dp
 
     query = tf_dp.GaussianSumQuery(l2_norm_clip=1.0, stddev=1.1)
@@ -158,7 +159,35 @@ def _zeros_like_spec(t: Any) -> tf.Tensor:
     return tf.zeros_like(t)
 
 
+def _check_shapes(a: Any, b: Any) -> None:
+    """Refuses a record whose static shape or dtype differs from the (dense) accumulator's.
+
+    Without this, ``state + record`` would silently broadcast a record of shape ``[1]`` into a
+    state of shape ``[d]``. For ``tf.IndexedSlices`` the row shape (all but the first dimension)
+    is compared.
+    """
+    a_shape = tf.TensorShape(a.shape)
+    if isinstance(b, tf.IndexedSlices):
+        b_shape = tf.TensorShape(b.values.shape)
+        if a_shape.rank is None or b_shape.rank is None:
+            return
+        a_shape, b_shape = a_shape[1:], b_shape[1:]
+    else:
+        b_shape = tf.TensorShape(b.shape if hasattr(b, "shape") else np.shape(b))
+    b_dtype = b.values.dtype if isinstance(b, tf.IndexedSlices) else getattr(b, "dtype", None)
+    if isinstance(b_dtype, tf.DType) and isinstance(a.dtype, tf.DType) and b_dtype != a.dtype:
+        raise TypeError(
+            f"record has dtype {b_dtype.name}, but the sample state has dtype {a.dtype.name}"
+        )
+    if not a_shape.is_compatible_with(b_shape):
+        raise ValueError(
+            f"record has shape {b_shape}, which does not match the sample state's shape {a_shape}"
+        )
+
+
 def _add(a: Any, b: Any) -> Any:
+    if not isinstance(a, tf.IndexedSlices):
+        _check_shapes(a, b)
     if isinstance(b, tf.IndexedSlices):
         b = tf.convert_to_tensor(b) if isinstance(a, tf.IndexedSlices) else b
         if not isinstance(a, tf.IndexedSlices):

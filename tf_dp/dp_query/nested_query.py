@@ -65,6 +65,7 @@ class NestedQuery(dp_query.DPQuery):
         return self._map(lambda q: q.initial_global_state())
 
     def derive_sample_params(self, global_state: Any) -> Any:
+        self._check(global_state, "global_state")
         return self._map(lambda q, gs: q.derive_sample_params(gs), global_state)
 
     def initial_sample_state(self, template: Any) -> Any:
@@ -82,10 +83,13 @@ class NestedQuery(dp_query.DPQuery):
         )
 
     def merge_sample_states(self, sample_state_1: Any, sample_state_2: Any) -> Any:
+        self._check(sample_state_1, "sample_state_1")
         self._check(sample_state_2, "sample_state_2")
         return self._map(lambda q, a, b: q.merge_sample_states(a, b), sample_state_1, sample_state_2)
 
     def get_noised_result(self, sample_state: Any, global_state: Any):
+        self._check(sample_state, "sample_state")
+        self._check(global_state, "global_state")
         pairs = self._map(lambda q, s, gs: _Pair(q.get_noised_result(s, gs)), sample_state, global_state)
         flat = tf.nest.flatten(pairs)
         result = tf.nest.pack_sequence_as(self._queries, [p.value[0] for p in flat])
@@ -93,6 +97,7 @@ class NestedQuery(dp_query.DPQuery):
         return result, new_gs
 
     def sum_query_specs(self, global_state: Any) -> list[dp_query.SumQuerySpec]:
+        self._check(global_state, "global_state")
         specs: list[dp_query.SumQuerySpec] = []
         for q, gs in zip(
             tf.nest.flatten(self._queries),

@@ -2,9 +2,10 @@
 
 McMahan et al. 2018 (section 8) ask for noise from a cryptographically seeded generator: a
 predictable seed lets an adversary subtract the noise. :func:`make_generator` keys a
-``tf.random.Generator`` (Philox, counter-based, so streams are reproducible only from the key) with
-64 bits from ``os.urandom``. Passing ``seed`` is for tests and debugging only: with a known seed the
-noise is known and the privacy guarantee is void.
+``tf.random.Generator`` (Philox, counter-based, so streams are reproducible only from the key and
+counter) with a 64-bit key and a 128-bit starting counter from ``os.urandom``. Passing ``seed`` is
+for tests and debugging only: with a known seed the noise is known and the privacy guarantee is
+void.
 
 Caveat (same section): Gaussian samples in floating point are not exactly Gaussian; the accountants
 treat them as exact, as every DP-SGD implementation does.
@@ -22,8 +23,13 @@ def make_generator(seed: Optional[int] = None) -> tf.random.Generator:
     """Returns a Philox generator keyed from OS entropy, or from ``seed`` (tests only)."""
     with tf.init_scope():
         if seed is None:
-            key = int.from_bytes(os.urandom(8), "little") >> 1  # int64 range
-            return tf.random.Generator.from_key_counter(key=key, counter=[0, 0], alg="philox")
+            # 64-bit key and 128-bit starting counter, all from OS entropy: 192 unpredictable
+            # bits of generator state (section 8 asks for a seed of at least 128 bits; the Philox
+            # key alone has only 64).
+            words = [int.from_bytes(os.urandom(8), "little", signed=True) for _ in range(3)]
+            return tf.random.Generator.from_key_counter(
+                key=words[0], counter=words[1:], alg="philox"
+            )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         return tf.random.Generator.from_seed(seed, alg="philox")

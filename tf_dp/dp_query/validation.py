@@ -23,13 +23,18 @@ def check_scalar(name: str, value: Any, *, allow_zero: bool = True) -> Any:
     the ledger records.
     """
     accepted = "a finite number >= 0" if allow_zero else "a finite number > 0"
-    if isinstance(value, bool):
+    if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be {accepted}, got a bool")
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name} must be {accepted}, got {type(value).__name__} {value!r}")
     if is_tensor_like(value):
-        if value.shape.rank not in (0, None):
-            raise ValueError(f"{name} must be a scalar, got shape {value.shape}")
-        if not value.dtype.is_floating and not value.dtype.is_integer:
-            raise TypeError(f"{name} must be a numeric scalar, got dtype {value.dtype.name}")
+        # Keras 3 variables report shape as a tuple and dtype as a string: normalise both.
+        shape = tf.TensorShape(value.shape)
+        if shape.rank not in (0, None):
+            raise ValueError(f"{name} must be a scalar, got shape {shape}")
+        dtype = tf.as_dtype(value.dtype)
+        if not dtype.is_floating and not dtype.is_integer:
+            raise TypeError(f"{name} must be a numeric scalar, got dtype {dtype.name}")
         if tf.executing_eagerly():
             try:
                 v = float(tf.convert_to_tensor(value).numpy())

@@ -34,7 +34,7 @@ from tf_dp.ledger.events import (
     SamplingEvent,
     SumQueryEvent,
 )
-from tf_dp.ledger.ledger_file import read_ledger_file, write_ledger_file
+from tf_dp.ledger.ledger_file import LedgerFileError, read_ledger_file, write_ledger_file
 
 # Column layouts of the two buffers.
 _SAMPLE_COLS = 3  # population_size, selection_probability, policy code
@@ -52,6 +52,16 @@ def mechanism_code(mechanism: str) -> int:
     if mechanism not in MECHANISMS:
         raise ValueError(f"mechanism must be one of {MECHANISMS}, got {mechanism!r}")
     return MECHANISMS.index(mechanism)
+
+
+def _f64(x) -> tf.Tensor:
+    """``x`` as a float64 tensor without a float32 detour (``tf.cast(0.01, tf.float64)`` would
+    first make a float32 constant and record 0.0099999998)."""
+    if isinstance(x, (tf.Tensor, tf.Variable)) or hasattr(x, "dtype") and not isinstance(
+        x, (np.ndarray, np.generic)
+    ):
+        return tf.cast(x, tf.float64)
+    return tf.constant(x, tf.float64)
 
 
 class _Buffer(tf.Module):
@@ -116,9 +126,9 @@ class PrivacyLedger(tf.Module):
             policy = policy_code(policy)
         row = tf.stack(
             [
-                tf.cast(population_size, tf.float64),
-                tf.cast(selection_probability, tf.float64),
-                tf.cast(policy, tf.float64),
+                _f64(population_size),
+                _f64(selection_probability),
+                _f64(policy),
             ]
         )
         return self._samples.append(row)
@@ -132,11 +142,11 @@ class PrivacyLedger(tf.Module):
         sample_index = self._samples.count.read_value() - 1
         row = tf.stack(
             [
-                tf.cast(sample_index, tf.float64),
-                tf.cast(l2_sensitivity, tf.float64),
-                tf.cast(noise_stddev, tf.float64),
-                tf.cast(mechanism, tf.float64),
-                tf.cast(jl_projections, tf.float64),
+                _f64(sample_index),
+                _f64(l2_sensitivity),
+                _f64(noise_stddev),
+                _f64(mechanism),
+                _f64(jl_projections),
             ]
         )
         return self._queries.append(row)
@@ -162,8 +172,10 @@ class PrivacyLedger(tf.Module):
             mech_name = MECHANISMS[int(mech)]
             per_sample[i].append(
                 SumQueryEvent(
-                    l2_sensitivity=float(np.float32(sens)),
-                    noise_stddev=float(np.float32(std)),
+                    # Stored as float64: values recorded at run time are the float32 values the
+                    # step used (exactly representable); values restored from a file stay exact.
+                    l2_sensitivity=float(sens),
+                    noise_stddev=float(std),
                     mechanism=mech_name,
                     jl_projections=int(r) if mech_name == "jl" else None,
                 )
@@ -187,8 +199,15 @@ class PrivacyLedger(tf.Module):
     @classmethod
     def load(cls, path: str | os.PathLike, name: str = "privacy_ledger") -> "PrivacyLedger":
         """Reads a ledger file (rejecting corrupted files) into a new ledger."""
+        try:
+            entries = read_ledger_file(path)
+        except UnicodeDecodeError as e:  # binary garbage: not a ledger file either
+            raise LedgerFileError(
+                f"ledger file {os.fspath(path)!r} is not valid UTF-8 JSON ({e.reason} at byte "
+                f"{e.start})"
+            ) from None
         ledger = cls(name=name)
-        ledger.restore_entries(read_ledger_file(path))
+        ledger.restore_entries(entries)
         return ledger
 
     def restore_entries(self, entries: Sequence[SampleEntry]) -> None:

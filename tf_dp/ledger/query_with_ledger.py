@@ -135,9 +135,11 @@ class QueryWithLedger(DPQuery):
 
     def get_noised_result(self, sample_state: Any, global_state: Any):
         specs = self._query.sum_query_specs(global_state)
+        checks = _check_specs(specs)
         result, new_state = self._query.get_noised_result(sample_state, global_state)
-        # Record only once the result exists: a step that fails leaves the ledger unchanged.
-        with tf.control_dependencies(tf.nest.flatten(result)):
+        # Record only once the result exists (and the run-time clip and noise values passed their
+        # checks): a step that fails leaves the ledger unchanged.
+        with tf.control_dependencies(tf.nest.flatten(result) + checks):
             self._ledger.record_sampling(
                 self._population_size, self._selection_probability, self._policy
             )
@@ -151,3 +153,27 @@ class QueryWithLedger(DPQuery):
                 sens = tf.cast(spec.l2_sensitivity, tf.float32)
             self._ledger.record_sum_query(sens, spec.noise_stddev, mech, jl)
         return result, new_state
+
+
+def _check_specs(specs: list[SumQuerySpec]) -> list[Any]:
+    """Checks the run-time clip and noise values (a tensor clip may have been set to a bad value).
+
+    Eagerly: raises ValueError naming the value. In a graph: returns assertion ops that fail the
+    step (``InvalidArgumentError``) before anything is recorded.
+    """
+    ops: list[Any] = []
+    for i, spec in enumerate(specs):
+        for name, value in (
+            ("l2_sensitivity (the clip)", spec.l2_sensitivity),
+            ("noise_stddev", spec.noise_stddev),
+        ):
+            label = f"sum query {i}: {name} must be a finite number >= 0"
+            if tf.executing_eagerly():
+                v = float(tf.convert_to_tensor(value).numpy())
+                if not (v >= 0 and v != float("inf")):
+                    raise ValueError(f"{label}, got {v} at run time")
+            else:
+                t = tf.cast(value, tf.float32)
+                ops.append(tf.debugging.assert_all_finite(t, label))
+                ops.append(tf.debugging.assert_non_negative(t, label))
+    return ops
