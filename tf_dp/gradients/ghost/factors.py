@@ -1,0 +1,240 @@
+"""How a layer's per-example gradient factors, and what the ghost engine does with each form.
+
+A norm rule (see :mod:`tf_dp.gradients.ghost.rules`) describes the per-example gradient of each of
+its layer's variables with one of three *factors*, all with the batch on axis 0:
+
+- :class:`Outer` ``(a [B, T, C], g [B, T, D])``: the per-example gradient is ``sum_t a_t g_t^T``
+  (a ``C x D`` matrix, then reshaped/transposed to the variable). Dense kernels (``T = 1`` for 2-D
+  inputs, ``T`` = sequence length otherwise), convolution kernels (``a`` = unfolded patches) and
+  EinsumDense kernels have this form.
+- :class:`Rows` ``(ids [B, T], g [B, T, D])``: the per-example gradient of a ``[V, D]`` table whose
+  row ``ids[b, t]`` receives ``g[b, t]`` (embeddings).
+- :class:`PerExample` ``(grads [B, *variable.shape])``: the per-example gradient itself, for
+  variables that are cheap to materialise (biases, normalisation scales and offsets).
+
+The engine never needs more than this: squared norms come from the factors without materialising
+large per-example gradients (Goodfellow 2015 for ``T = 1``; the Gram-matrix "ghost norm"
+``sum_{t,s} (a_t . a_s)(g_t . g_s)`` of Li et al. 2021 when ``T^2 (C + D) < T C D``, materialised
+``[B, C, D]`` otherwise), and the clipped sum ``sum_b w_b grad_b`` is computed from the same
+factors (book-keeping, Bu et al. 2022), so the clipped record is exactly the vector whose norm was
+measured. A layer called several times (shared weights) contributes one factor per call; factors of
+one variable are concatenated along ``T`` (or summed, for :class:`PerExample`), which gives the
+exact norm of the summed per-example gradient, cross terms between calls included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import tensorflow as tf
+
+
+def _f32(t: tf.Tensor) -> tf.Tensor:
+    t = tf.convert_to_tensor(t)
+    return t if t.dtype in (tf.float32, tf.float64) else tf.cast(t, tf.float32)
+
+
+def _as_btx(t: tf.Tensor) -> tf.Tensor:
+    """``[B, C]`` -> ``[B, 1, C]``; ``[B, T, C]`` unchanged."""
+    t = _f32(t)
+    if t.shape.rank == 2:
+        return t[:, None, :]
+    if t.shape.rank != 3:
+        raise ValueError(f"expected a [B, T, C] or [B, C] tensor, got shape {t.shape}")
+    return t
+
+
+@dataclasses.dataclass
+class Outer:
+    """Per-example gradient ``sum_t a[b, t] (x) g[b, t]``, shape ``[C, D]``.
+
+    Args:
+      a: ``[B, T, C]`` (or ``[B, C]`` for ``T = 1``), e.g. a dense layer's inputs or a
+        convolution's unfolded patches.
+      g: ``[B, T, D]`` (or ``[B, D]``), the matching output gradients.
+      unflat_shape: shape the ``[C, D]`` matrix is reshaped to (default: the variable's shape).
+      perm: then transposed by this permutation (default: none).
+    """
+
+    a: tf.Tensor
+    g: tf.Tensor
+    unflat_shape: Optional[Sequence[int]] = None
+    perm: Optional[Sequence[int]] = None
+
+    def __post_init__(self):
+        self.a = _as_btx(self.a)
+        self.g = _as_btx(self.g)
+
+
+@dataclasses.dataclass
+class Rows:
+    """Per-example gradient of a ``[V, D]`` table: row ``ids[b, t]`` gets ``g[b, t]``.
+
+    Args:
+      ids: integer ``[B, T]`` (or ``[B]``) row indices.
+      g: ``[B, T, D]`` (or ``[B, D]``) gradients of the gathered rows.
+      num_rows: ``V``.
+    """
+
+    ids: tf.Tensor
+    g: tf.Tensor
+    num_rows: int
+
+    def __post_init__(self):
+        ids = tf.convert_to_tensor(self.ids)
+        if ids.dtype not in (tf.int32, tf.int64):
+            ids = tf.cast(ids, tf.int64)
+        self.ids = tf.cast(ids if ids.shape.rank != 1 else ids[:, None], tf.int64)
+        self.g = _as_btx(self.g)
+
+
+@dataclasses.dataclass
+class PerExample:
+    """The per-example gradients themselves, ``[B, *variable.shape]``."""
+
+    grads: tf.Tensor
+
+    def __post_init__(self):
+        self.grads = _f32(self.grads)
+
+
+Factor = (Outer, Rows, PerExample)
+
+
+# -- combining the factors of several calls --------------------------------------------------------
+
+
+def combine(factors: list, variable_shape: Sequence[int]):
+    """One factor for a variable from the factors of all calls of its layer (exact cross terms)."""
+    if len(factors) == 1:
+        return factors[0]
+    kinds = {type(f) for f in factors}
+    if kinds == {Outer} and _same_layout(factors):
+        return Outer(
+            tf.concat([f.a for f in factors], axis=1),
+            tf.concat([f.g for f in factors], axis=1),
+            factors[0].unflat_shape,
+            factors[0].perm,
+        )
+    if kinds == {Rows}:
+        return Rows(
+            tf.concat([f.ids for f in factors], axis=1),
+            tf.concat([f.g for f in factors], axis=1),
+            factors[0].num_rows,
+        )
+    if Rows in kinds:
+        raise TypeError("a variable described by Rows in one call must be described by Rows in all")
+    return PerExample(tf.add_n([materialize(f, variable_shape) for f in factors]))
+
+
+def _same_layout(factors) -> bool:
+    f0 = factors[0]
+    return all(
+        _tuple(f.unflat_shape) == _tuple(f0.unflat_shape) and _tuple(f.perm) == _tuple(f0.perm)
+        for f in factors
+    )
+
+
+def _tuple(x):
+    return None if x is None else tuple(int(v) for v in x)
+
+
+def _to_variable(m: tf.Tensor, f: Outer, variable_shape, batched: bool) -> tf.Tensor:
+    """Reshapes ``[.., C, D]`` to the variable's layout (keeping a leading batch axis if any)."""
+    lead = [tf.shape(m)[0]] if batched else []
+    if f.unflat_shape is not None:
+        m = tf.reshape(m, lead + list(f.unflat_shape))
+        if f.perm is not None:
+            perm = list(f.perm)
+            m = tf.transpose(m, ([0] + [p + 1 for p in perm]) if batched else perm)
+    return tf.reshape(m, lead + list(variable_shape))
+
+
+def materialize(f, variable_shape) -> tf.Tensor:
+    """Per-example gradients ``[B, *variable_shape]`` from a factor."""
+    if isinstance(f, PerExample):
+        return tf.reshape(f.grads, [tf.shape(f.grads)[0]] + list(variable_shape))
+    if isinstance(f, Outer):
+        m = tf.einsum("btc,btd->bcd", f.a, f.g)
+        return _to_variable(m, f, variable_shape, batched=True)
+    raise TypeError("Rows factors are not materialised")
+
+
+# -- norms and weighted sums -----------------------------------------------------------------------
+
+
+def _use_ghost(f: Outer) -> bool:
+    t, c, d = f.a.shape[1], f.a.shape[2], f.g.shape[2]
+    if t is None or c is None or d is None:
+        return True
+    return t * t * (c + d) < t * c * d
+
+
+def squared_norm_and_sum(f, variable_shape):
+    """``(squared norms [B], weighted_sum_fn)`` for one variable's combined factor.
+
+    The caller first collects every variable's squared norms, asks the query for clip weights,
+    then calls ``weighted_sum_fn(w)`` for ``sum_b w_b grad_b`` (book-keeping: no second backward).
+    """
+    if isinstance(f, PerExample):
+        grads = f.grads
+        sq = tf.reduce_sum(tf.reshape(tf.square(grads), [tf.shape(grads)[0], -1]), axis=1)
+        return sq, lambda w: tf.reshape(
+            tf.tensordot(tf.cast(w, grads.dtype), grads, axes=1), variable_shape
+        )
+    if isinstance(f, Outer):
+        a, g = f.a, f.g
+        if a.shape[1] == 1:
+            sq = tf.reduce_sum(tf.square(a[:, 0]), -1) * tf.reduce_sum(tf.square(g[:, 0]), -1)
+            return sq, lambda w: _outer_weighted(f, w, variable_shape)
+        if _use_ghost(f):
+            aa = tf.matmul(a, a, transpose_b=True)
+            gg = tf.matmul(g, g, transpose_b=True)
+            sq = tf.reduce_sum(aa * gg, axis=[1, 2])
+            return sq, lambda w: _outer_weighted(f, w, variable_shape)
+        m = tf.einsum("btc,btd->bcd", a, g)
+        sq = tf.reduce_sum(tf.square(m), axis=[1, 2])
+        return sq, lambda w: _to_variable(
+            tf.tensordot(tf.cast(w, m.dtype), m, axes=1), f, variable_shape, batched=False
+        )
+    if isinstance(f, Rows):
+        return _rows_sq(f), lambda w: _rows_weighted(f, w, variable_shape)
+    raise TypeError(f"a norm rule returned {type(f).__name__}; expected Outer, Rows or PerExample")
+
+
+def _outer_weighted(f: Outer, w: tf.Tensor, variable_shape) -> tf.Tensor:
+    a, g = f.a, f.g
+    w = tf.cast(w, g.dtype)
+    if g.shape[2] is not None and a.shape[2] is not None and a.shape[2] < g.shape[2]:
+        a = a * w[:, None, None]
+    else:
+        g = g * w[:, None, None]
+    c, d = tf.shape(a)[2], tf.shape(g)[2]
+    m = tf.matmul(tf.reshape(a, [-1, c]), tf.reshape(g, [-1, d]), transpose_a=True)
+    return _to_variable(m, f, variable_shape, batched=False)
+
+
+def _rows_keys(f: Rows):
+    batch = tf.shape(f.ids, out_type=tf.int64)[0]
+    b = tf.range(batch, dtype=tf.int64)[:, None] * tf.cast(f.num_rows, tf.int64)
+    keys = tf.reshape(f.ids + b, [-1])
+    uniq, idx = tf.unique(keys)
+    return batch, uniq, idx
+
+
+def _rows_sq(f: Rows) -> tf.Tensor:
+    batch, uniq, idx = _rows_keys(f)
+    d = tf.shape(f.g)[2]
+    sums = tf.math.unsorted_segment_sum(tf.reshape(f.g, [-1, d]), idx, tf.size(uniq))
+    per_row = tf.reduce_sum(tf.square(sums), axis=1)
+    return tf.math.unsorted_segment_sum(per_row, uniq // tf.cast(f.num_rows, tf.int64), batch)
+
+
+def _rows_weighted(f: Rows, w: tf.Tensor, variable_shape) -> tf.Tensor:
+    g = f.g * tf.cast(w, f.g.dtype)[:, None, None]
+    d = tf.shape(g)[2]
+    out = tf.math.unsorted_segment_sum(
+        tf.reshape(g, [-1, d]), tf.reshape(f.ids, [-1]), tf.cast(f.num_rows, tf.int64)
+    )
+    return tf.reshape(out, variable_shape)

@@ -1,0 +1,351 @@
+"""The per-layer norm-rule registry, and the built-in rules.
+
+A *norm rule* tells the ghost strategy how the per-example gradient of each of a layer's variables
+factors into things the forward and backward passes already computed. Signature::
+
+    def rule(layer, inputs, grad_output) -> Sequence[tuple[variable, factor]]
+
+- ``layer``: the layer instance (a ``keras.layers.Layer``);
+- ``inputs``: the first positional argument its ``call`` received in this call (as received:
+  the ghost strategy records every call, so a layer used twice is seen twice);
+- ``grad_output``: the gradient of the batch's summed per-example losses with respect to the
+  output of ``call`` -- taken *before* the layer's ``activation`` when the rule was registered with
+  ``split_activation=True`` (Dense, EinsumDense, Conv). Row ``b`` is example ``b``'s gradient;
+  sample weights and masks are already in it.
+- returns, for each of the layer's variables that the rule covers, a factor from
+  :mod:`tf_dp.gradients.ghost.factors`: ``Outer(a, g)`` (gradient ``sum_t a_t g_t^T``),
+  ``Rows(ids, g, num_rows)`` (embedding tables) or ``PerExample(grads)`` (materialised, for small
+  variables). The strategy derives the per-example norms, the cross terms between several calls,
+  and the clipped sum from these factors. Variables of the layer the rule leaves out get their
+  per-example gradients from the vectorized fallback.
+
+Register with :func:`register_layer_norm_rule`; the built-in rules for ``Dense``, ``EinsumDense``,
+``Conv1D``, ``Conv2D``, ``Embedding``, ``LayerNormalization`` and ``GroupNormalization`` are
+registered the same way (``MultiHeadAttention`` owns no variables itself: its four projections are
+``EinsumDense`` layers).
+
+Example (a layer computing ``x * scale`` elementwise, ``scale`` of shape ``[d]``)::
+
+    from tf_dp.gradients.ghost import PerExample, register_layer_norm_rule
+
+    def scale_rule(layer, inputs, grad_output):
+        per_example = tf.reduce_sum(tf.reshape(inputs * grad_output, [tf.shape(inputs)[0], -1,
+                                                                      layer.scale.shape[0]]), 1)
+        return [(layer.scale, PerExample(per_example))]
+
+    register_layer_norm_rule(MyScale, scale_rule)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+from typing import Any, Callable, Optional, Sequence
+
+import keras
+import tensorflow as tf
+
+from tf_dp.gradients.ghost.factors import Outer, PerExample, Rows
+
+NormRule = Callable[[Any, Any, tf.Tensor], Sequence[tuple[Any, Any]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleEntry:
+    layer_class: type
+    rule: NormRule
+    supports: Optional[Callable[[Any], Optional[str]]] = None
+    split_activation: bool = False
+
+
+_RULES: dict[type, RuleEntry] = {}
+
+
+def register_layer_norm_rule(
+    layer_class: type,
+    rule: NormRule,
+    *,
+    supports: Optional[Callable[[Any], Optional[str]]] = None,
+    split_activation: bool = False,
+) -> None:
+    """Registers ``rule`` (see the module docstring) for ``layer_class``.
+
+    Args:
+      layer_class: a ``keras.layers.Layer`` subclass. The rule also applies to its subclasses
+        that do not override ``call``.
+      rule: ``rule(layer, inputs, grad_output) -> [(variable, factor), ...]``.
+      supports: optional ``supports(layer) -> None | reason``; a layer it refuses (e.g. a
+        configuration the rule does not handle) falls back to vectorized per-example gradients.
+      split_activation: the layer has an ``activation`` attribute applied last in ``call``; the
+        strategy runs ``call`` with ``activation=None`` and applies the activation itself, so
+        ``grad_output`` is the gradient before the activation.
+    """
+    if not (isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)):
+        raise TypeError(f"layer_class must be a keras.layers.Layer subclass, got {layer_class!r}")
+    if not callable(rule):
+        raise TypeError(f"rule must be callable, got {rule!r}")
+    _RULES[layer_class] = RuleEntry(layer_class, rule, supports, bool(split_activation))
+
+
+def unregister_layer_norm_rule(layer_class: type) -> None:
+    _RULES.pop(layer_class, None)
+
+
+def registered_layer_classes() -> tuple[type, ...]:
+    return tuple(_RULES)
+
+
+def find_rule(layer: Any) -> tuple[Optional[RuleEntry], Optional[str]]:
+    """The rule entry for ``layer`` (or None, with the reason)."""
+    cls = type(layer)
+    for base in cls.__mro__:
+        entry = _RULES.get(base)
+        if entry is None:
+            continue
+        if base is not cls and getattr(cls, "call", None) is not getattr(base, "call", None):
+            return None, f"{cls.__name__} overrides call() of {base.__name__}"
+        if entry.supports is not None:
+            reason = entry.supports(layer)
+            if reason is not None:
+                return None, reason
+        return entry, None
+    return None, f"no norm rule registered for {cls.__name__}"
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def _f32(t):
+    t = tf.convert_to_tensor(t)
+    return t if t.dtype in (tf.float32, tf.float64) else tf.cast(t, tf.float32)
+
+
+def _batch(t):
+    return tf.shape(t)[0]
+
+
+def _plain(layer) -> Optional[str]:
+    if getattr(layer, "lora_enabled", False):
+        return f"{layer.name}: LoRA-enabled layers have no built-in norm rule"
+    if getattr(layer, "quantization_mode", None) is not None:
+        return f"{layer.name}: quantized layers have no built-in norm rule"
+    return None
+
+
+def _bias_per_example(g, bias):
+    """Per-example bias gradient: ``g`` summed over every axis but the batch and the last."""
+    g = _f32(g)
+    d = g.shape[-1]
+    return PerExample(tf.reduce_sum(tf.reshape(g, [_batch(g), -1, d]), axis=1))
+
+
+# -- Dense ----------------------------------------------------------------------------------------
+
+
+def dense_rule(layer, inputs, grad_output):
+    x, g = _f32(inputs), _f32(grad_output)
+    d, p = layer.kernel.shape
+    out = [(layer.kernel, Outer(tf.reshape(x, [_batch(x), -1, d]), tf.reshape(g, [_batch(g), -1, p])))]
+    if layer.bias is not None:
+        out.append((layer.bias, _bias_per_example(g, layer.bias)))
+    return out
+
+
+# -- EinsumDense ----------------------------------------------------------------------------------
+
+
+def _parse_einsum(equation: str):
+    lhs, out = equation.replace(" ", "").split("->")
+    x_spec, k_spec = lhs.split(",")
+    return x_spec, k_spec, out
+
+
+def _einsum_supports(layer) -> Optional[str]:
+    plain = _plain(layer)
+    if plain:
+        return plain
+    try:
+        x_spec, k_spec, o_spec = _parse_einsum(layer.equation)
+    except ValueError:
+        return f"{layer.name}: cannot parse equation {layer.equation!r}"
+    if "." in layer.equation:
+        return f"{layer.name}: equations with '...' have no built-in norm rule"
+    if not x_spec or not o_spec or x_spec[0] != o_spec[0] or x_spec[0] in k_spec:
+        return f"{layer.name}: the batch axis must be the first axis of input and output"
+    if set(k_spec) - set(x_spec) - set(o_spec):
+        return f"{layer.name}: kernel axes must appear in the input or the output"
+    if layer.bias_axes and o_spec[0] in layer.bias_axes:
+        return f"{layer.name}: a bias over the batch axis is not supported"
+    return None
+
+
+def einsum_dense_rule(layer, inputs, grad_output):
+    x_spec, k_spec, o_spec = _parse_einsum(layer.equation)
+    x, g = _f32(inputs), _f32(grad_output)
+    b = x_spec[0]
+    xs, ks, os_ = set(x_spec), set(k_spec), set(o_spec)
+    # Sum away input axes that appear nowhere else.
+    x_only = [c for c in x_spec[1:] if c not in ks and c not in os_]
+    if x_only:
+        x_spec_r = "".join(c for c in x_spec if c not in x_only)
+        x = tf.einsum(f"{x_spec}->{x_spec_r}", x)
+        x_spec = x_spec_r
+    shared = [c for c in k_spec if c in xs and c in os_]
+    kernel = layer.kernel
+    out = []
+    if shared:
+        per_ex = tf.einsum(f"{x_spec},{o_spec}->{b}{k_spec}", x, g)
+        out.append((kernel, PerExample(per_ex)))
+    else:
+        t_letters = [c for c in x_spec[1:] if c in os_ and c not in ks]
+        c_letters = [c for c in k_spec if c in xs]
+        d_letters = [c for c in k_spec if c in os_]
+        x_t = tf.einsum(f"{x_spec}->{b}{''.join(t_letters + c_letters)}", x)
+        g_t = tf.einsum(f"{o_spec}->{b}{''.join(t_letters + d_letters)}", g)
+        kdims = dict(zip(k_spec, kernel.shape))
+        cn = 1
+        for c in c_letters:
+            cn *= kdims[c]
+        dn = 1
+        for c in d_letters:
+            dn *= kdims[c]
+        order = c_letters + d_letters
+        perm = [order.index(c) for c in k_spec]
+        out.append(
+            (
+                kernel,
+                Outer(
+                    tf.reshape(x_t, [_batch(x_t), -1, cn]),
+                    tf.reshape(g_t, [_batch(g_t), -1, dn]),
+                    unflat_shape=[kdims[c] for c in order],
+                    perm=None if perm == list(range(len(perm))) else perm,
+                ),
+            )
+        )
+    if layer.bias is not None:
+        bias_letters = "".join(c for c in o_spec if c in layer.bias_axes)
+        per_ex = tf.einsum(f"{o_spec}->{b}{bias_letters}", g)
+        out.append((layer.bias, PerExample(tf.reshape(per_ex, [_batch(g)] + list(layer.bias.shape)))))
+    return out
+
+
+# -- Conv1D / Conv2D ------------------------------------------------------------------------------
+
+
+def _conv_supports(layer) -> Optional[str]:
+    plain = _plain(layer)
+    if plain:
+        return plain
+    if getattr(layer, "rank", None) not in (1, 2):
+        return f"{layer.name}: only 1-D and 2-D convolutions have a built-in norm rule"
+    if getattr(layer, "groups", 1) != 1:
+        return f"{layer.name}: grouped convolutions have no built-in norm rule"
+    return None
+
+
+def conv_rule(layer, inputs, grad_output):
+    x, g = _f32(inputs), _f32(grad_output)
+    rank = layer.rank
+    if layer.data_format == "channels_first":
+        perm = [0] + list(range(2, rank + 2)) + [1]
+        x, g = tf.transpose(x, perm), tf.transpose(g, perm)
+    padding = layer.padding
+    ks, st, dr = list(layer.kernel_size), list(layer.strides), list(layer.dilation_rate)
+    if rank == 1:
+        if padding == "causal":
+            x = tf.pad(x, [[0, 0], [dr[0] * (ks[0] - 1), 0], [0, 0]])
+            padding = "valid"
+        x, g = x[:, None], g[:, None]
+        ks, st, dr = [1] + ks, [1] + st, [1] + dr
+    patches = tf.image.extract_patches(
+        x,
+        sizes=[1, *ks, 1],
+        strides=[1, *st, 1],
+        rates=[1, *dr, 1],
+        padding=padding.upper(),
+    )
+    k = patches.shape[-1]
+    f = g.shape[-1]
+    out = [(layer.kernel, Outer(tf.reshape(patches, [_batch(x), -1, k]), tf.reshape(g, [_batch(g), -1, f])))]
+    if layer.bias is not None:
+        out.append((layer.bias, _bias_per_example(g, layer.bias)))
+    return out
+
+
+# -- Embedding ------------------------------------------------------------------------------------
+
+
+def embedding_rule(layer, inputs, grad_output):
+    ids = tf.convert_to_tensor(inputs)
+    g = _f32(grad_output)
+    d = g.shape[-1]
+    return [
+        (
+            layer.embeddings,
+            Rows(tf.reshape(ids, [_batch(ids), -1]), tf.reshape(g, [_batch(g), -1, d]), layer.input_dim),
+        )
+    ]
+
+
+# -- LayerNormalization / GroupNormalization ------------------------------------------------------
+
+
+def _affine_norm_factors(layer, xhat, g, param_axes, rank, beta_used=True):
+    """Per-example gamma/beta gradients: sums of ``g * xhat`` / ``g`` over the other axes."""
+    reduce_axes = [a for a in range(1, rank) if a not in param_axes]
+    out = []
+    gamma = getattr(layer, "gamma", None)
+    beta = getattr(layer, "beta", None)
+    if gamma is not None:
+        per_ex = tf.reduce_sum(g * xhat, axis=reduce_axes) if reduce_axes else g * xhat
+        out.append((gamma, PerExample(tf.reshape(per_ex, [_batch(g)] + list(gamma.shape)))))
+    if beta is not None:
+        per_ex = tf.reduce_sum(g, axis=reduce_axes) if reduce_axes else g
+        if not beta_used:  # e.g. LayerNormalization(rms_scaling=True) ignores beta
+            per_ex = tf.zeros_like(per_ex)
+        out.append((beta, PerExample(tf.reshape(per_ex, [_batch(g)] + list(beta.shape)))))
+    return out
+
+
+def layer_norm_rule(layer, inputs, grad_output):
+    x, g = _f32(inputs), _f32(grad_output)
+    rank = x.shape.rank
+    axes = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+    axes = sorted(a % rank for a in axes)
+    xhat = keras.ops.layer_normalization(
+        x, None, None, axis=axes, epsilon=layer.epsilon, rms_scaling=layer.rms_scaling
+    )
+    return _affine_norm_factors(
+        layer, _f32(xhat), g, axes, rank, beta_used=not layer.rms_scaling
+    )
+
+
+def group_norm_rule(layer, inputs, grad_output):
+    x, g = _f32(inputs), _f32(grad_output)
+    rank = x.shape.rank
+    axis = layer.axis % rank
+    shape = tf.shape(x)
+    grouped = [shape[i] for i in range(rank)]
+    grouped[axis] = x.shape[axis] // layer.groups
+    grouped.insert(axis, layer.groups)
+    xg = tf.reshape(x, grouped)
+    red = [a for a in range(1, rank + 1) if a != axis]
+    mean, var = keras.ops.moments(xg, axes=red, keepdims=True)
+    xhat = tf.reshape((xg - mean) * tf.math.rsqrt(var + layer.epsilon), shape)
+    return _affine_norm_factors(layer, xhat, g, [axis], rank)
+
+
+def _register_builtins() -> None:
+    L = keras.layers
+    register_layer_norm_rule(L.Dense, dense_rule, supports=_plain, split_activation=True)
+    register_layer_norm_rule(
+        L.EinsumDense, einsum_dense_rule, supports=_einsum_supports, split_activation=True
+    )
+    for cls in (L.Conv1D, L.Conv2D):
+        register_layer_norm_rule(cls, conv_rule, supports=_conv_supports, split_activation=True)
+    register_layer_norm_rule(L.Embedding, embedding_rule, supports=_plain)
+    register_layer_norm_rule(L.LayerNormalization, layer_norm_rule)
+    register_layer_norm_rule(L.GroupNormalization, group_norm_rule)
+
+
+_register_builtins()

@@ -1,0 +1,346 @@
+"""The ghost strategy: per-example norms from layer inputs and output gradients, no per-example
+gradients, and the clipped sum by book-keeping (no second backward pass).
+
+One step:
+
+1. One forward pass under a ``GradientTape``, with every layer that owns trainable variables
+   *recorded*: its ``call`` is temporarily wrapped so that each call's inputs and output are kept
+   (for Dense/EinsumDense/Conv the output before the activation).
+2. One backward pass for the gradients of the summed per-example losses with respect to the
+   recorded outputs only (no parameter gradients).
+3. Each covered layer's norm rule turns (inputs, output gradients) into factors of its per-example
+   gradients (:mod:`~tf_dp.gradients.ghost.factors`); the factors give per-example, per-variable
+   squared norms; the query's clipping rule (``query.clip_weights``) gives per-example weights --
+   per variable, so per-layer clipping with a ``NestedQuery`` works -- and the same factors give
+   ``sum_b w_b grad_b`` for each variable.
+4. Layers without a rule ("mixed" mode) get materialised per-example gradients of their own
+   variables, from a ``tf.vectorized_map`` of their own ``call`` on each example's recorded inputs
+   with its recorded output gradient (a local vectorized VJP, not a re-run of the model).
+   Variables owned by no layer, or by several layers (tied weights), get per-example gradients
+   from the vectorized strategy on the whole model.
+
+Every clipped record is exactly the vector whose norm was measured (the same factors give both), so
+a rule that missed a use of a variable would bias the gradient but never break the clipping bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from typing import Any, Optional
+
+import tensorflow as tf
+
+from tf_dp.gradients import base
+from tf_dp.gradients.ghost import factors as F
+from tf_dp.gradients.ghost.rules import RuleEntry, find_rule
+from tf_dp.gradients.vectorized import VectorizedStrategy
+
+_logger = logging.getLogger("tf_dp")
+
+
+def _key(v: Any) -> int:
+    return id(base.as_tf_variables([v])[0])
+
+
+def _own_trainable(layer) -> list:
+    own = getattr(layer, "_trainable_variables", None)
+    if own is None:
+        return []
+    return list(own)
+
+
+def _all_layers(model) -> list:
+    flatten = getattr(model, "_flatten_layers", None)
+    layers = list(flatten(include_self=True, recursive=True)) if flatten else [model]
+    seen, out = set(), []
+    for layer in layers:
+        if id(layer) not in seen:
+            seen.add(id(layer))
+            out.append(layer)
+    return out
+
+
+@dataclasses.dataclass
+class Plan:
+    """Which layers the ghost strategy records, and how each variable gets its norms."""
+
+    ghost: list  # [(layer, RuleEntry)]
+    local: list  # [(layer, reason)] -- vectorized over the layer's own call
+    model_level: list  # variables (keys) for the whole-model vectorized fallback
+    model_level_names: list
+
+    @property
+    def mode(self) -> str:
+        return "ghost" if not self.local and not self.model_level else "mixed"
+
+    @property
+    def description(self) -> str:
+        if self.mode == "ghost":
+            return "ghost"
+        parts = [layer.name for layer, _ in self.local]
+        if self.model_level_names:
+            parts.append("model-level variables: " + ", ".join(self.model_level_names))
+        return "ghost+vectorized (layers: " + ", ".join(parts) + ")"
+
+
+def make_plan(model, variables) -> Plan:
+    var_keys = {_key(v) for v in variables}
+    layers = _all_layers(model)
+    owners: dict[int, list] = {}
+    for layer in layers:
+        for v in _own_trainable(layer):
+            k = _key(v)
+            if k in var_keys:
+                owners.setdefault(k, [])
+                if layer not in owners[k]:
+                    owners[k].append(layer)
+    ghost, local, model_level, names = [], [], [], []
+    for layer in layers:
+        own = [v for v in _own_trainable(layer) if _key(v) in var_keys]
+        if not own:
+            continue
+        tied = [v for v in own if len(owners[_key(v)]) > 1]
+        if tied:
+            for v in tied:
+                if _key(v) not in model_level:
+                    model_level.append(_key(v))
+                    names.append(getattr(v, "path", None) or v.name)
+            continue
+        entry, reason = find_rule(layer) if layer is not model else (None, "the model itself")
+        if entry is not None:
+            ghost.append((layer, entry))
+        else:
+            local.append((layer, reason))
+    for v in variables:
+        if _key(v) not in owners and _key(v) not in model_level:
+            model_level.append(_key(v))
+            names.append(getattr(v, "path", None) or v.name)
+    return Plan(ghost, local, model_level, names)
+
+
+@dataclasses.dataclass
+class _Record:
+    layer: Any
+    entry: Optional[RuleEntry]
+    orig: Any
+    args: tuple
+    kwargs: dict
+    inputs: Any
+    outputs: list  # float output leaves (watched)
+
+
+def _float_leaves(z) -> list:
+    return [t for t in tf.nest.flatten(z) if tf.is_tensor(t) and t.dtype.is_floating]
+
+
+class _Capture:
+    """Wraps the ``call`` of the planned layers while active; records each call."""
+
+    def __init__(self, plan: Plan, tape: tf.GradientTape):
+        self._plan = plan
+        self._tape = tape
+        self.records: list[_Record] = []
+        self._saved: list = []
+
+    def __enter__(self):
+        items = [(l, e) for l, e in self._plan.ghost] + [(l, None) for l, _ in self._plan.local]
+        for layer, entry in items:
+            had = "call" in layer.__dict__
+            prev = layer.__dict__.get("call")
+            orig = layer.call
+            object.__setattr__(layer, "call", self._wrap(layer, entry, orig))
+            self._saved.append((layer, had, prev))
+        return self
+
+    def __exit__(self, *exc):
+        for layer, had, prev in reversed(self._saved):
+            if had:
+                object.__setattr__(layer, "call", prev)
+            else:
+                object.__delattr__(layer, "call")
+        self._saved = []
+        return False
+
+    def _wrap(self, layer, entry, orig):
+        try:
+            first = next(iter(inspect.signature(orig).parameters))
+        except (StopIteration, TypeError, ValueError):
+            first = None
+
+        def call(*args, **kwargs):
+            inputs = args[0] if args else kwargs.get(first)
+            split = entry is not None and entry.split_activation
+            act = layer.activation if split else None
+            if split:
+                object.__setattr__(layer, "activation", None)
+            try:
+                z = orig(*args, **kwargs)
+            finally:
+                if split:
+                    object.__setattr__(layer, "activation", act)
+            leaves = _float_leaves(z)
+            self._tape.watch(leaves)
+            self.records.append(_Record(layer, entry, orig, args, kwargs, inputs, leaves))
+            return act(z) if act is not None else z
+
+        return call
+
+
+def _local_per_example(rec: _Record, grads: list, variables: list) -> list:
+    """Per-example gradients of ``variables`` through one recorded call of its layer alone."""
+    flat = tf.nest.flatten((rec.args, rec.kwargs))
+    batch = rec.outputs[0].shape[0] if rec.outputs else None
+    slots = [
+        i
+        for i, t in enumerate(flat)
+        if tf.is_tensor(t) and t.shape.rank and t.shape.rank >= 1 and t.shape[0] == batch
+    ]
+    tf_vars = base.as_tf_variables(variables)
+    n = len(slots)
+
+    def one(elems):
+        vals = list(flat)
+        for j, i in enumerate(slots):
+            vals[i] = elems[j][None]
+        args, kwargs = tf.nest.pack_sequence_as((rec.args, rec.kwargs), vals)
+        with tf.GradientTape() as tape:
+            out = _float_leaves(rec.orig(*args, **kwargs))
+        gs = tape.gradient(
+            out,
+            tf_vars,
+            output_gradients=[g[None] for g in elems[n:]],
+            unconnected_gradients=tf.UnconnectedGradients.ZERO,
+        )
+        return [tf.convert_to_tensor(g) for g in gs]
+
+    elems = [flat[i] for i in slots] + list(grads)
+    return tf.vectorized_map(one, elems, fallback_to_while_loop=True)
+
+
+class GhostStrategy(base.GradientStrategy):
+    """Ghost clipping with a per-layer norm registry and a vectorized fallback.
+
+    ``mode`` is ``"ghost"`` when every trainable variable is covered by a norm rule, ``"mixed"``
+    otherwise; ``description`` names the layers that use the fallback. Both are set when the
+    strategy meets a model (``supports(model)`` or the first step).
+
+    Example::
+
+        opt = tf_dp.keras.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1,
+                                              learning_rate=0.1, gradient_mode="ghost")
+        model.fit(...)
+        opt.gradient_strategy.description   # "ghost" or "ghost+vectorized (layers: lstm)"
+    """
+
+    name = "ghost"
+
+    def __init__(self, **_options: Any):
+        self._plans: dict = {}
+        self._logged: set = set()
+        self.mode: Optional[str] = None
+        self.description: Optional[str] = None
+
+    def _plan_for(self, model, variables) -> Plan:
+        key = (id(model), tuple(_key(v) for v in variables))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = make_plan(model, variables)
+            self._plans[key] = plan
+        self.mode, self.description = plan.mode, plan.description
+        if key not in self._logged:
+            self._logged.add(key)
+            _logger.info("tf_dp: ghost strategy for model %r: %s", model.name, plan.description)
+        return plan
+
+    def supports(self, model: Optional[Any]) -> Optional[str]:
+        if model is None:
+            return "the ghost strategy needs the model"
+        if not getattr(model, "built", True) or not model.trainable_variables:
+            return "the model is not built (or has no trainable variables)"
+        plan = self._plan_for(model, list(model.trainable_variables))
+        if not plan.ghost:
+            reasons = "; ".join(str(r) for _, r in plan.local[:3])
+            return f"no layer of the model has a ghost norm rule ({reasons})"
+        return None
+
+    def __repr__(self) -> str:
+        return f"GhostStrategy(mode={self.mode!r}, description={self.description!r})"
+
+    def clipped_sum(self, loss_fn, data, variables, query, params) -> base.ClippedGradients:
+        base.check_weights_structure(query, variables)
+        variables = list(variables)
+        model = loss_fn.model
+        plan = self._plan_for(model, variables)
+        x, y, sw = data
+
+        with tf.GradientTape() as tape:
+            with _Capture(plan, tape) as capture:
+                losses, y_pred = loss_fn(x, y, sw)
+            total = tf.reduce_sum(losses)
+        records = capture.records
+        targets = [t for rec in records for t in rec.outputs]
+        out_grads = (
+            tape.gradient(total, targets, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            if targets
+            else []
+        )
+
+        index = {_key(v): i for i, v in enumerate(variables)}
+        parts: dict[int, list] = {}
+        pos = 0
+        for rec in records:
+            grads = out_grads[pos : pos + len(rec.outputs)]
+            pos += len(rec.outputs)
+            own = [v for v in _own_trainable(rec.layer) if _key(v) in index]
+            if rec.entry is not None:
+                g = grads[0] if len(grads) == 1 else grads
+                pairs = list(rec.entry.rule(rec.layer, rec.inputs, g))
+                got = {_key(v) for v, _ in pairs}
+                missing = [v for v in own if _key(v) not in got]
+                if missing:
+                    raise ValueError(
+                        f"the ghost norm rule for {type(rec.layer).__name__} returned no factor for "
+                        f"{[getattr(v, 'path', v.name) for v in missing]} of layer "
+                        f"{rec.layer.name!r}; a rule must cover every trainable variable"
+                    )
+                for v, factor in pairs:
+                    if _key(v) in index:
+                        parts.setdefault(_key(v), []).append(factor)
+            elif own:
+                per_ex = _local_per_example(rec, grads, own)
+                for v, pe in zip(own, per_ex):
+                    parts.setdefault(_key(v), []).append(F.PerExample(pe))
+
+        if plan.model_level:
+            fallback_vars = [v for v in variables if _key(v) in set(plan.model_level)]
+            per_ex, _, _ = VectorizedStrategy().per_example_gradients(loss_fn, data, fallback_vars)
+            for v, pe in zip(fallback_vars, per_ex):
+                parts.setdefault(_key(v), []).append(F.PerExample(pe))
+
+        batch = tf.shape(losses)[0]
+        squared, summers = [], []
+        for v in variables:
+            shape = list(v.shape)
+            factors = parts.get(_key(v))
+            if not factors:  # the variable took no part in this forward pass
+                squared.append(tf.zeros([batch], tf.float32))
+                summers.append(lambda w, shape=shape: tf.zeros(shape, tf.float32))
+                continue
+            sq, summer = F.squared_norm_and_sum(F.combine(factors, shape), shape)
+            squared.append(sq)
+            summers.append(summer)
+        weights = query.clip_weights(params, squared)
+        weights = tf.nest.flatten(weights)
+        clipped = [
+            tf.cast(summer(w), v.dtype) for summer, w, v in zip(summers, weights, variables)
+        ]
+        return base.ClippedGradients(
+            clipped_sum=clipped,
+            norms=base.global_norms(squared),
+            num_records=base.batch_size_of(x),
+            sensitivity_multiplier=1.0,
+            y_pred=y_pred,
+            losses=losses,
+        )
