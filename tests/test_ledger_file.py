@@ -222,7 +222,11 @@ def test_atomic_write_leaves_no_temp_files(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ledger.json"]
     assert read_ledger_file(path) == make_entries()[:2]
     # A write that fails (a value JSON cannot hold) leaves the old file intact and no temp file.
-    bad = [SampleEntry(SamplingEvent(10, 0.5), (SumQueryEvent(1.0, float("inf")),))]
+    event = SumQueryEvent(1.0, 1.0)
+    object.__setattr__(event, "noise_stddev", float("inf"))  # bypass validation to force a failure
+    with pytest.raises(ValueError):
+        SumQueryEvent(1.0, float("inf"))  # events themselves refuse it
+    bad = [SampleEntry(SamplingEvent(10, 0.5), (event,))]
     with pytest.raises(ValueError):
         write_ledger_file(path, bad)
     assert sorted(os.listdir(tmp_path)) == ["ledger.json"]

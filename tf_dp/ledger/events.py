@@ -59,12 +59,15 @@ class SamplingEvent:
     policy: str = "poisson"
 
     def __post_init__(self):
-        if not (isinstance(self.population_size, int) and self.population_size >= 1):
+        n = self.population_size
+        if isinstance(n, bool) or not (isinstance(n, int) and n >= 1):
             raise ValueError(
                 f"population_size must be an integer >= 1, got {self.population_size!r}"
             )
         q = self.selection_probability
-        if not (isinstance(q, (int, float)) and math.isfinite(q) and 0.0 <= q <= 1.0):
+        if isinstance(q, bool) or not (
+            isinstance(q, (int, float)) and math.isfinite(q) and 0.0 <= q <= 1.0
+        ):
             raise ValueError(f"selection_probability must be in [0, 1], got {q!r}")
         if self.policy not in SAMPLING_POLICIES:
             raise ValueError(f"policy must be one of {SAMPLING_POLICIES}, got {self.policy!r}")
@@ -89,15 +92,17 @@ class SumQueryEvent:
 
     def __post_init__(self):
         s, sd = self.l2_sensitivity, self.noise_stddev
-        if not (isinstance(s, (int, float)) and s >= 0 and not math.isnan(s)):
+        if isinstance(s, bool) or not (isinstance(s, (int, float)) and math.isfinite(s) and s >= 0):
             raise ValueError(f"l2_sensitivity must be >= 0, got {s!r}")
-        if not (isinstance(sd, (int, float)) and sd >= 0 and not math.isnan(sd)):
+        if isinstance(sd, bool) or not (
+            isinstance(sd, (int, float)) and math.isfinite(sd) and sd >= 0
+        ):
             raise ValueError(f"noise_stddev must be >= 0, got {sd!r}")
         if self.mechanism not in MECHANISMS:
             raise ValueError(f"mechanism must be one of {MECHANISMS}, got {self.mechanism!r}")
         if self.mechanism == "jl":
             r = self.jl_projections
-            if not (isinstance(r, int) and r >= 1):
+            if isinstance(r, bool) or not (isinstance(r, int) and r >= 1):
                 raise ValueError(f"jl_projections must be an integer >= 1 for a jl event, got {r!r}")
         elif self.jl_projections is not None:
             raise ValueError("jl_projections is only allowed for mechanism='jl'")

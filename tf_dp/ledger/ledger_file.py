@@ -106,7 +106,7 @@ def payload_to_entries(payload: Any) -> list[SampleEntry]:
     try:
         for run in payload["runs"]:
             count = run["count"]
-            if not (isinstance(count, int) and count >= 1):
+            if isinstance(count, bool) or not (isinstance(count, int) and count >= 1):
                 raise LedgerFileError(f"run count must be an integer >= 1, got {count!r}")
             s = run["sampling"]
             entry = SampleEntry(
@@ -166,6 +166,8 @@ def read_ledger_file(path: str | os.PathLike) -> list[SampleEntry]:
             text = f.read()
     except OSError as e:
         raise LedgerFileError(f"cannot read ledger file {os.fspath(path)!r}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise LedgerFileError(f"ledger file {os.fspath(path)!r} is not UTF-8 text") from None
     try:
         payload = json.loads(text)
     except json.JSONDecodeError as e:
