@@ -1,0 +1,205 @@
+"""tf_dp.data.poisson_batches: Poisson sampling, padding, overflow, empty batches, the ledger."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from scipy import stats
+
+import tf_dp
+from tf_dp.data import default_max_batch_size, poisson_batches
+from tf_dp.gradients.vectorized import VectorizedStrategy
+from tf_dp.keras.losses import PerExampleLoss
+
+
+def _indexed_data(n):
+    """x[i] = (i, i), y[i] = i: lets a test tell which examples a batch holds."""
+    x = np.stack([np.arange(n), np.arange(n)], axis=1).astype(np.float32)
+    y = np.arange(n).astype(np.int32)
+    return x, y
+
+
+def _batches(pb, count):
+    out = []
+    it = iter(pb.dataset.repeat())
+    for _ in range(count):
+        bx, by, bw = next(it)
+        out.append((bx.numpy(), by.numpy(), bw.numpy()))
+    return out
+
+
+def test_batch_sizes_follow_binomial():
+    n, q, k = 1000, 0.05, 400
+    x, y = _indexed_data(n)
+    pb = poisson_batches(x, y, sampling_probability=q, seed=7)
+    sizes = np.array([bw.sum() for _, _, bw in _batches(pb, k)])
+    mean, var = n * q, n * q * (1 - q)
+    # Sample mean of k Binomial(n, q) draws: sd sqrt(var / k); 5 sd tolerance.
+    assert abs(sizes.mean() - mean) < 5 * math.sqrt(var / k)
+    # Sample variance: relative sd about sqrt(2 / (k - 1)) (plus a small kurtosis term).
+    assert abs(sizes.var(ddof=1) / var - 1) < 5 * math.sqrt(2 / (k - 1)) + 0.05
+    # Distribution: Kolmogorov-Smirnov-type check against the Binomial cdf.
+    grid = np.arange(int(mean - 4 * math.sqrt(var)), int(mean + 4 * math.sqrt(var)))
+    emp = np.array([(sizes <= g).mean() for g in grid])
+    assert np.max(np.abs(emp - stats.binom.cdf(grid, n, q))) < 1.63 / math.sqrt(k) * 1.5
+
+
+def test_each_example_included_with_probability_q_and_rows_stay_paired():
+    n, q, k = 200, 0.1, 300
+    x, y = _indexed_data(n)
+    pb = poisson_batches(x, y, sampling_probability=q, seed=3)
+    counts = np.zeros(n)
+    for bx, by, bw in _batches(pb, k):
+        real = bw > 0
+        ids = by[real]
+        assert len(np.unique(ids)) == len(ids), "an example appears twice in one batch"
+        np.testing.assert_array_equal(bx[real, 0], ids)  # x and y rows stay paired
+        np.testing.assert_array_equal(bx[~real], 0)
+        counts[ids] += 1
+    # counts ~ Binomial(k, q) per example; the overall mean has sd sqrt(k q (1-q) / n).
+    assert abs(counts.mean() - k * q) < 5 * math.sqrt(k * q * (1 - q) / n)
+    # Independence across examples: dispersion of counts matches Binomial(k, q).
+    assert abs(counts.var() / (k * q * (1 - q)) - 1) < 5 * math.sqrt(2 / n)
+
+
+def test_padding_shape_weights_and_sample_weight():
+    n, q = 300, 0.1
+    x, y = _indexed_data(n)
+    sw = np.linspace(0.5, 2.0, n).astype(np.float32)
+    pb = poisson_batches(x, y, sampling_probability=q, sample_weight=sw, seed=1)
+    assert pb.tf_dp_sampling == (n, q)
+    assert pb.steps_per_epoch == 10
+    assert pb.max_batch_size == default_max_batch_size(n, q)
+    assert pb.dataset.element_spec[0].shape.as_list() == [None, 2]
+    for bx, by, bw in _batches(pb, 20):
+        assert bx.shape[0] == pb.max_batch_size
+        k = int((bw > 0).sum())
+        np.testing.assert_allclose(bw[:k], sw[by[:k]])
+        np.testing.assert_array_equal(bw[k:], 0)
+
+
+def test_default_max_batch_size_is_the_binomial_quantile():
+    n, q, p = 60000, 256 / 60000, 1e-6
+    k = default_max_batch_size(n, q, p)
+    assert stats.binom.sf(k, n, q) <= p < stats.binom.sf(k - 1, n, q)
+    assert 256 < k < 400
+
+
+def test_overflow_emits_the_full_sample_untruncated():
+    n, q = 100, 0.5
+    x, y = _indexed_data(n)
+    pb = poisson_batches(x, y, sampling_probability=q, max_batch_size=5, seed=2)
+    for bx, by, bw in _batches(pb, 5):
+        assert bw.shape[0] > 5  # ~50 examples: the whole sample, no padding, no truncation
+        np.testing.assert_array_equal(bw, 1.0)
+        assert len(np.unique(by)) == len(by)
+
+
+def test_fresh_samples_every_pass_and_seed_reproduces():
+    x, y = _indexed_data(500)
+    pb = poisson_batches(x, y, sampling_probability=0.1, seed=11)
+    first = [b[1].numpy().tolist() for b in pb.dataset]
+    second = [b[1].numpy().tolist() for b in pb.dataset]
+    assert first != second  # Keras re-iterates the dataset each epoch: new samples
+    again = [b[1].numpy().tolist() for b in poisson_batches(x, y, sampling_probability=0.1, seed=11).dataset]
+    assert again == first
+    unseeded = [b[1].numpy().tolist() for b in poisson_batches(x, y, sampling_probability=0.1).dataset]
+    assert unseeded != first
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(sampling_probability=0.0), "sampling_probability"),
+        (dict(sampling_probability=1.5), "sampling_probability"),
+        (dict(sampling_probability="0.1"), "sampling_probability"),
+        (dict(sampling_probability=0.1, max_batch_size=0), "max_batch_size"),
+        (dict(sampling_probability=0.1, steps_per_epoch=-1), "steps_per_epoch"),
+        (dict(sampling_probability=0.1, sample_weight=np.ones(3)), "sample_weight"),
+    ],
+)
+def test_bad_arguments_fail_with_the_argument_name(kwargs, match):
+    x, y = _indexed_data(10)
+    with pytest.raises((ValueError, TypeError), match=match):
+        poisson_batches(x, y, **kwargs)
+
+
+def test_missing_y_and_mismatched_lengths_fail():
+    x, y = _indexed_data(10)
+    with pytest.raises(ValueError, match="y is required"):
+        poisson_batches(x, sampling_probability=0.1)
+    with pytest.raises(ValueError, match="same number of examples"):
+        poisson_batches(x, y[:5], sampling_probability=0.1)
+
+
+def _model(noise, seed=0):
+    keras.utils.set_random_seed(seed)
+    model = tf_dp.keras.make_private(
+        keras.Sequential([keras.Input((2,)), keras.layers.Dense(4, activation="tanh"),
+                          keras.layers.Dense(3)])
+    )
+    model.compile(
+        optimizer=tf_dp.keras.DPKerasSGDOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=noise, learning_rate=0.1, noise_seed=seed),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def test_zero_weight_padding_rows_contribute_nothing_to_the_clipped_sum():
+    model = _model(noise=0.0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(6, 2)).astype(np.float32) * 3
+    y = np.array([0, 1, 2, 0, 1, 2], np.int32)
+    xp = np.concatenate([x, np.zeros((4, 2), np.float32)])
+    yp = np.concatenate([y, np.zeros(4, np.int32)])
+    wp = np.concatenate([np.ones(6), np.zeros(4)]).astype(np.float32)
+    query = model.optimizer.dp_query
+    params = query.derive_sample_params(model.optimizer._dp_global_state)
+    strategy = VectorizedStrategy()
+    loss_fn = PerExampleLoss(model)
+    variables = list(model.trainable_variables)
+    real = strategy.clipped_sum(loss_fn, (x, y, None), variables, query, params)
+    padded = strategy.clipped_sum(loss_fn, (xp, yp, wp), variables, query, params)
+    for a, b in zip(real.clipped_sum, padded.clipped_sum):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6)
+    assert np.any([np.abs(a.numpy()).sum() > 0 for a in real.clipped_sum])
+
+
+def test_ledger_records_poisson_with_real_n_and_q():
+    x, y = _indexed_data(120)
+    x = x / 120.0
+    y = y % 3
+    model = _model(noise=1.0)
+    pb = poisson_batches(x, y, sampling_probability=0.1, seed=5)
+    model.fit(pb, epochs=2, verbose=0)
+    entries = model.optimizer.ledger.samples()
+    assert len(entries) == 2 * pb.steps_per_epoch == 20
+    for e in entries:
+        assert (e.sampling.population_size, e.sampling.selection_probability) == (120, 0.1)
+        assert e.sampling.policy == "poisson"
+        assert e.queries[0].noise_stddev == pytest.approx(1.0)
+
+
+def test_empty_batches_record_a_step_add_noise_and_no_gradient():
+    x, y = _indexed_data(20)
+    x, y = x / 20.0, y % 3
+    # q tiny: nearly every batch is empty (all padding, all weights 0).
+    pb = poisson_batches(x, y, sampling_probability=1e-6, steps_per_epoch=3,
+                         max_batch_size=4, seed=1)
+    assert all(float(b[2].numpy().sum()) == 0 for b in pb.dataset)
+    quiet = _model(noise=0.0)
+    before = [w.copy() for w in quiet.get_weights()]
+    quiet.fit(pb, epochs=1, verbose=0)
+    assert quiet.optimizer.ledger.num_samples == 3
+    for a, b in zip(before, quiet.get_weights()):
+        np.testing.assert_array_equal(a, b)  # zero clipped sum, zero noise: no change
+    noisy = _model(noise=1.0)
+    before = [w.copy() for w in noisy.get_weights()]
+    noisy.fit(pb, epochs=1, verbose=0)
+    assert noisy.optimizer.ledger.num_samples == 3
+    assert any(np.abs(a - b).max() > 0 for a, b in zip(before, noisy.get_weights()))
+    assert all(np.all(np.isfinite(w)) for w in noisy.get_weights())

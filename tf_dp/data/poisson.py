@@ -1,0 +1,245 @@
+"""Poisson-sampled batches for ``model.fit``: each example joins each batch independently.
+
+DP-SGD's tightest accounting (privacy amplification by subsampling; Abadi et al. 2016, Bu et al.
+2019) assumes *Poisson sampling*: at every step, every one of the ``n`` training examples is
+included independently with probability ``q``. Batch sizes then vary, following
+``Binomial(n, q)``, and a batch may even be empty. :func:`poisson_batches` draws such batches from
+in-memory arrays as a ``tf.data.Dataset`` and tells a private model's ``fit`` the real ``n`` and
+``q``, so that the ledger records ``poisson`` sampling::
+
+    batches = tf_dp.data.poisson_batches(x_train, y_train, sampling_probability=256 / len(x_train))
+    model.fit(batches, epochs=3)          # the ledger records (n, q, "poisson") at every step
+
+How variable batch sizes are handled:
+
+- Every batch is padded to a fixed ``max_batch_size`` with rows of zeros whose sample weight is 0
+  (real rows get weight 1, or the user's ``sample_weight``). A zero-weight row has zero loss, hence
+  a zero per-example gradient: it adds nothing to the clipped sum, whatever the clip. The DP
+  optimizer divides the noised sum by the *expected* batch size ``q * n`` (public), never by the
+  padded size, so padding does not change the update.
+- ``max_batch_size`` defaults to a high quantile of ``Binomial(n, q)`` (exceeded with probability
+  ``overflow_probability``, 1e-6 by default, per step). If a step's sample is larger anyway, the
+  full sample is emitted unpadded (never truncated: dropping examples would change the mechanism
+  the ledger describes). The dataset's batch dimension is ``None``, so Keras traces its train step
+  once; a larger batch costs no retrace there (an XLA-compiled step would recompile for it).
+- An empty sample is an all-padding batch: the clipped sum is zero, noise is still added, and the
+  step is recorded, exactly as the Poisson mechanism requires.
+
+Randomness: each pass over the dataset draws fresh samples from a counter-based (Philox) stateless
+generator whose key comes from OS entropy (``os.urandom``). ``seed`` fixes the key: for tests and
+debugging only, since a known seed lets anyone replay which examples were in which batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Optional
+
+import numpy as np
+import tensorflow as tf
+
+#: Default per-step probability that a Poisson sample exceeds the padded ``max_batch_size``.
+DEFAULT_OVERFLOW_PROBABILITY = 1e-6
+
+
+def default_max_batch_size(
+    population_size: int,
+    sampling_probability: float,
+    overflow_probability: float = DEFAULT_OVERFLOW_PROBABILITY,
+) -> int:
+    """Smallest ``k`` with ``P[Binomial(n, q) > k] <= overflow_probability`` (at least 1).
+
+    Example::
+
+        default_max_batch_size(60000, 256 / 60000)   # about 333
+    """
+    from scipy import stats
+
+    if not 0.0 < overflow_probability < 1.0:
+        raise ValueError(f"overflow_probability must be in (0, 1), got {overflow_probability!r}")
+    k = int(stats.binom.isf(overflow_probability, population_size, sampling_probability))
+    return max(1, min(k, population_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class PoissonBatches:
+    """Poisson-sampled batches, ready for ``model.fit`` of a private model.
+
+    Attributes:
+      dataset: a ``tf.data.Dataset`` of ``(x, y, sample_weight)`` batches, ``steps_per_epoch`` of
+        them per pass (each pass draws fresh samples). Usable with ``fit`` directly (pass
+        ``steps_per_epoch`` and call ``optimizer.set_sampling(n, q, "poisson")`` yourself), but
+        passing this object to a private model's ``fit`` does both for you.
+      tf_dp_sampling: ``(n, q)``, the population size and the per-example inclusion probability.
+      steps_per_epoch: number of batches per epoch (default ``round(1 / q)``: one expected pass).
+      max_batch_size: the padded batch size.
+      expected_batch_size: ``q * n``.
+    """
+
+    dataset: tf.data.Dataset
+    tf_dp_sampling: tuple[int, float]
+    steps_per_epoch: int
+    max_batch_size: int
+
+    @property
+    def population_size(self) -> int:
+        return self.tf_dp_sampling[0]
+
+    @property
+    def sampling_probability(self) -> float:
+        return self.tf_dp_sampling[1]
+
+    @property
+    def expected_batch_size(self) -> float:
+        n, q = self.tf_dp_sampling
+        return n * q
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+
+def _as_numpy_leaves(name: str, value: Any) -> Any:
+    def convert(t):
+        if isinstance(t, tf.Tensor):
+            return t.numpy()
+        if isinstance(t, tf.data.Dataset):
+            raise TypeError(
+                f"{name} must be in-memory arrays (numpy or tensors), got a tf.data.Dataset; "
+                "Poisson sampling needs random access to every example"
+            )
+        arr = np.asarray(t)
+        if arr.ndim == 0:
+            raise ValueError(f"{name} must have a leading example dimension, got a scalar")
+        return arr
+
+    return tf.nest.map_structure(convert, value)
+
+
+def _check_probability(q: Any) -> float:
+    if isinstance(q, bool) or not isinstance(q, (int, float, np.floating, np.integer)):
+        raise TypeError(
+            "sampling_probability must be a number in (0, 1] (e.g. batch_size / len(x)), "
+            f"got {type(q).__name__}"
+        )
+    q = float(q)
+    if not (math.isfinite(q) and 0.0 < q <= 1.0):
+        raise ValueError(f"sampling_probability must be in (0, 1], got {q}")
+    return q
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def poisson_batches(
+    x: Any,
+    y: Any = None,
+    sampling_probability: Optional[float] = None,
+    sample_weight: Any = None,
+    steps_per_epoch: Optional[int] = None,
+    max_batch_size: Optional[int] = None,
+    seed: Optional[int] = None,
+    overflow_probability: float = DEFAULT_OVERFLOW_PROBABILITY,
+) -> PoissonBatches:
+    """Poisson-sampled, padded batches of in-memory data for a private model's ``fit``.
+
+    Args:
+      x: inputs, an array or a nested structure (dict, tuple) of arrays with ``n`` rows each.
+      y: targets (same structure rules), ``n`` rows; required (padding is masked through the
+        sample weight, which Keras only applies together with targets).
+      sampling_probability: ``q`` in (0, 1]: each example is in each batch independently with
+        probability ``q``; the expected batch size is ``q * n``.
+      sample_weight: optional per-example weights ``[n]``; padded rows always get weight 0.
+      steps_per_epoch: batches per epoch; default ``round(1 / q)`` (one expected pass).
+      max_batch_size: padded batch size; default: the ``1 - overflow_probability`` quantile of
+        ``Binomial(n, q)``. A larger sample is emitted whole (see the module docstring).
+      seed: fixes the sampling randomness. Tests and debugging only (default: OS entropy).
+      overflow_probability: per-step probability that the default ``max_batch_size`` is exceeded.
+
+    Returns:
+      A :class:`PoissonBatches` (``.dataset``, ``.tf_dp_sampling == (n, q)``, ``.steps_per_epoch``).
+
+    Example::
+
+        batches = tf_dp.data.poisson_batches(x, y, sampling_probability=256 / len(x))
+        model.fit(batches, epochs=3)
+    """
+    q = _check_probability(sampling_probability)
+    if y is None:
+        raise ValueError(
+            "y is required: padded rows are masked with sample_weight 0, which Keras applies "
+            "only together with targets"
+        )
+    x = _as_numpy_leaves("x", x)
+    y = _as_numpy_leaves("y", y)
+    leaves = tf.nest.flatten(x) + tf.nest.flatten(y)
+    n = int(leaves[0].shape[0])
+    for leaf in leaves:
+        if leaf.shape[0] != n:
+            raise ValueError(
+                f"x and y must have the same number of examples in every array; got {n} and "
+                f"{leaf.shape[0]}"
+            )
+    if n < 1:
+        raise ValueError("x must hold at least one example")
+    if sample_weight is not None:
+        sample_weight = np.asarray(sample_weight, dtype=np.float32).reshape(-1)
+        if sample_weight.shape[0] != n:
+            raise ValueError(
+                f"sample_weight must have one weight per example ({n}), got {sample_weight.shape[0]}"
+            )
+        if not np.all(np.isfinite(sample_weight)) or np.any(sample_weight < 0):
+            raise ValueError("sample_weight must be finite and >= 0")
+    if steps_per_epoch is None:
+        steps_per_epoch = max(1, int(round(1.0 / q)))
+    steps_per_epoch = _check_positive_int("steps_per_epoch", steps_per_epoch)
+    if max_batch_size is None:
+        max_batch_size = default_max_batch_size(n, q, overflow_probability)
+    max_batch_size = _check_positive_int("max_batch_size", max_batch_size)
+    if seed is None:
+        key = int.from_bytes(os.urandom(8), "little") >> 1  # OS entropy; int64-safe
+    else:
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"seed must be None or an integer, got {type(seed).__name__}")
+        key = int(seed) & ((1 << 63) - 1)
+
+    x_t = tf.nest.map_structure(tf.convert_to_tensor, x)
+    y_t = tf.nest.map_structure(tf.convert_to_tensor, y)
+    sw_t = None if sample_weight is None else tf.convert_to_tensor(sample_weight)
+    q64 = tf.constant(q, tf.float64)
+    key_t = tf.constant(key, tf.int64)
+
+    def pad(t: tf.Tensor, k: tf.Tensor) -> tf.Tensor:
+        # Pads the batch dimension from k rows up to max_batch_size (no-op when k >= max).
+        extra = tf.maximum(max_batch_size - k, 0)
+        paddings = tf.concat(
+            [[[0, extra]], tf.zeros([tf.rank(t) - 1, 2], tf.int32)], axis=0
+        )
+        out = tf.pad(t, paddings)
+        out.set_shape([None] + t.shape[1:].as_list())
+        return out
+
+    def sample(counter: tf.Tensor):
+        # A Philox key per step: (OS-entropy key, per-step random counter from the dataset).
+        u = tf.random.stateless_uniform([n], seed=tf.stack([key_t, counter]), dtype=tf.float64)
+        idx = tf.reshape(tf.where(u < q64), [-1])
+        k = tf.shape(idx, out_type=tf.int32)[0]
+        bx = tf.nest.map_structure(lambda t: pad(tf.gather(t, idx), k), x_t)
+        by = tf.nest.map_structure(lambda t: pad(tf.gather(t, idx), k), y_t)
+        w = tf.ones([k], tf.float32) if sw_t is None else tf.gather(sw_t, idx)
+        bw = pad(w, k)
+        return bx, by, bw
+
+    # Fresh random counters on every pass over the dataset (Keras re-iterates it each epoch).
+    counters = tf.data.Dataset.random(seed=key % (1 << 31), rerandomize_each_iteration=True)
+    dataset = counters.take(steps_per_epoch).map(sample).prefetch(2)
+    return PoissonBatches(
+        dataset=dataset,
+        tf_dp_sampling=(n, q),
+        steps_per_epoch=steps_per_epoch,
+        max_batch_size=max_batch_size,
+    )

@@ -1,0 +1,448 @@
+"""Keras callbacks for DP training: privacy per epoch, a privacy budget, ledger persistence.
+
+All of them read the DP optimizer's :class:`~tf_dp.PrivacyLedger` (what actually ran) and ask an
+accountant of :mod:`tf_dp.accounting` for the guarantee.
+
+- :class:`PrivacyReport` puts ``epsilon`` (spent so far) into the epoch ``logs``, so it lands in
+  ``History.history["epsilon"]`` and in TensorBoard (list it *before* ``keras.callbacks.TensorBoard``).
+- :class:`PrivacyBudget` is the ``DPTrain`` loop of Abadi et al. 2016: it stops training *before*
+  the step that would take epsilon over the budget.
+- :class:`BackupAndRestore` is ``keras.callbacks.BackupAndRestore`` that also backs up and restores
+  the ledger, so an interrupted run resumes with the same ledger (and the same spent budget).
+- :class:`LedgerCheckpoint` writes the ledger file next to your ``ModelCheckpoint`` files.
+
+Example::
+
+    callbacks = [
+        tf_dp.keras.callbacks.BackupAndRestore("backup/"),        # weights + ledger
+        tf_dp.keras.callbacks.PrivacyBudget(target_epsilon=3.0, delta=1e-5),
+        tf_dp.keras.callbacks.PrivacyReport(delta=1e-5),
+        keras.callbacks.ModelCheckpoint("ckpt/model-{epoch:02d}.keras"),
+        tf_dp.keras.callbacks.LedgerCheckpoint("ckpt/ledger-{epoch:02d}.json"),
+        keras.callbacks.TensorBoard("logs/"),
+    ]
+    model.fit(tf_dp.data.poisson_batches(x, y, sampling_probability=0.01), epochs=50,
+              callbacks=callbacks)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any, Optional, Sequence
+
+import keras
+
+from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
+from tf_dp.ledger.ledger_file import read_ledger_file
+
+_logger = logging.getLogger("tf_dp")
+
+#: Ledger file name inside a BackupAndRestore backup directory.
+LEDGER_BACKUP_NAME = "privacy_ledger.json"
+
+
+def _dp_optimizer(model: keras.Model, who: str):
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or not getattr(optimizer, "_tf_dp_optimizer", False):
+        raise TypeError(
+            f"{who} needs a model compiled with a tf_dp DP optimizer (e.g. "
+            f"tf_dp.keras.DPKerasSGDOptimizer), got {type(optimizer).__name__}"
+        )
+    return optimizer
+
+
+def _check_delta(delta: Any) -> float:
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)):
+        raise TypeError(f"delta must be a number in (0, 1), got {type(delta).__name__}")
+    if not 0.0 < float(delta) < 1.0:
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    return float(delta)
+
+
+def _check_accountant(accountant: Any) -> str:
+    if not isinstance(accountant, str) or not accountant:
+        raise ValueError(f"accountant must be an accountant name such as 'rdp', got {accountant!r}")
+    return accountant
+
+
+def compute_epsilon(entries: Sequence[SampleEntry], delta: float, accountant: str):
+    """``(epsilon, result)`` for ``entries`` from :func:`tf_dp.accounting.compute_epsilon`.
+
+    No entries: nothing was released, epsilon is 0 (``result`` is None).
+    """
+    if len(entries) == 0:
+        return 0.0, None
+    from tf_dp import accounting
+
+    result = accounting.compute_epsilon(list(entries), delta=delta, accountant=accountant)
+    return float(getattr(result, "epsilon", result)), result
+
+
+class PrivacyReport(keras.callbacks.Callback):
+    """Adds ``epsilon`` (privacy spent so far, from the ledger) to each epoch's ``logs``.
+
+    Keras's ``History`` (``model.fit(...).history["epsilon"]``) and any ``TensorBoard`` callback
+    listed *after* this one record it. Epsilon is computed at ``delta`` by ``accountant`` from the
+    optimizer's ledger of everything recorded so far (earlier ``fit`` calls and a restored ledger
+    included). ``statements`` keeps the accountant's full statement per epoch.
+
+    Args:
+      delta: the delta of the (epsilon, delta) guarantee, in (0, 1).
+      accountant: an accountant name of :func:`tf_dp.accounting.compute_epsilon` ("rdp", "pld"...).
+      log_key: the logs key (default ``"epsilon"``).
+      verbose: print the statement at the end of each epoch.
+
+    Example::
+
+        history = model.fit(batches, epochs=5, callbacks=[tf_dp.keras.callbacks.PrivacyReport(1e-5)])
+        history.history["epsilon"]     # [0.41, 0.58, ...]
+    """
+
+    def __init__(
+        self, delta: float, accountant: str = "rdp", log_key: str = "epsilon", verbose: bool = False
+    ):
+        super().__init__()
+        self.delta = _check_delta(delta)
+        self.accountant = _check_accountant(accountant)
+        self.log_key = log_key
+        self.verbose = verbose
+        self.statements: list[str] = []
+
+    def on_train_begin(self, logs=None):
+        _dp_optimizer(self.model, "PrivacyReport")
+
+    def on_epoch_end(self, epoch, logs=None):
+        ledger = _dp_optimizer(self.model, "PrivacyReport").ledger
+        epsilon, result = compute_epsilon(ledger.samples(), self.delta, self.accountant)
+        if logs is not None:
+            logs[self.log_key] = epsilon
+        statement = str(result) if result is not None else "no DP step recorded: epsilon = 0"
+        self.statements.append(statement)
+        if self.verbose:
+            print(f"\nEpoch {epoch + 1}: {statement}")
+
+
+def predicted_next_entry(optimizer) -> Optional[SampleEntry]:
+    """The ledger entry the optimizer's next DP step will record, from its current state.
+
+    Sampling ``(n, q, policy)`` as declared by ``set_sampling`` (or ``fit``), the sum queries'
+    clip and noise from the query's global state, times the current sensitivity multiplier (2 for
+    microbatches of several examples, known after the first step; assumed 2 before it when
+    ``num_microbatches`` is set). Returns None if the state cannot be read.
+    """
+    from tf_dp.ledger.events import MECHANISMS, SAMPLING_POLICIES
+
+    try:
+        query = optimizer.dp_query
+        n = int(query._population_size.numpy())
+        q = float(query._selection_probability.numpy())
+        policy = SAMPLING_POLICIES[int(query._policy.numpy())]
+        multiplier = float(query.sensitivity_multiplier.numpy())
+        if optimizer.ledger.num_samples == 0 and optimizer.num_microbatches is not None:
+            multiplier = max(multiplier, 2.0)
+        jl = int(query._jl_projections.numpy())
+        events = []
+        for spec in query.sum_query_specs(optimizer._dp_global_state):
+            sens = float(spec.l2_sensitivity)
+            std = float(spec.noise_stddev)
+            if spec.private:
+                mech = "jl" if jl > 0 else "gaussian"
+                events.append(
+                    SumQueryEvent(
+                        l2_sensitivity=sens * multiplier,
+                        noise_stddev=std,
+                        mechanism=mech,
+                        jl_projections=jl if mech == "jl" else None,
+                    )
+                )
+            else:
+                events.append(SumQueryEvent(sens, std, MECHANISMS[2]))
+        return SampleEntry(SamplingEvent(n, q, policy), tuple(events))
+    except Exception as e:  # noqa: BLE001 -- an unusual query: fall back to the ledger
+        _logger.debug("tf_dp: cannot predict the next ledger entry: %s", e)
+        return None
+
+
+class BudgetExhaustedError(RuntimeError):
+    """Raised by :class:`PrivacyBudget` when ``fit`` starts with no budget left for one step."""
+
+
+class PrivacyBudget(keras.callbacks.Callback):
+    """Stops training before the step that would spend more than ``target_epsilon``.
+
+    The ``DPTrain`` loop of Abadi et al. 2016 (Algorithm 1 with the accountant's stopping rule):
+    after each step, ask whether *one more step of the kind about to run* (the optimizer's current
+    sampling, clip and noise) would take the ledger's epsilon at ``delta`` above
+    ``target_epsilon``; if so, set ``model.stop_training`` so that step never runs. Epsilon after
+    training is therefore ``<= target_epsilon`` (also across ``fit`` calls and resumed runs: the
+    ledger holds all previous steps).
+
+    Cost: the number of further steps of one kind that the budget allows is computed once (a
+    search over step counts, each an accountant call on the run-length-compressed ledger) and then
+    counted down, so a batch costs a few variable reads. It is recomputed when the kind of step
+    changes (e.g. a clip schedule) and checked against the full ledger at each epoch end.
+
+    If ``fit`` starts with not even one step left, it raises :class:`BudgetExhaustedError` from
+    ``on_train_batch_begin`` (no step runs) unless ``raise_if_exhausted=False``, in which case the
+    first step is replaced by a no-op and training stops.
+
+    Attributes:
+      stopped: True once the callback stopped training.
+      epsilon_spent: epsilon of the ledger when training ended.
+
+    Example::
+
+        budget = tf_dp.keras.callbacks.PrivacyBudget(target_epsilon=3.0, delta=1e-5)
+        model.fit(batches, epochs=1000, callbacks=[budget])   # stops when the budget is spent
+    """
+
+    def __init__(
+        self,
+        target_epsilon: float,
+        delta: float,
+        accountant: str = "rdp",
+        raise_if_exhausted: bool = True,
+        verbose: bool = True,
+    ):
+        super().__init__()
+        if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, (int, float)):
+            raise TypeError(f"target_epsilon must be a number > 0, got {type(target_epsilon).__name__}")
+        if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+            raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon}")
+        self.target_epsilon = float(target_epsilon)
+        self.delta = _check_delta(delta)
+        self.accountant = _check_accountant(accountant)
+        self.raise_if_exhausted = raise_if_exhausted
+        self.verbose = verbose
+        self.stopped = False
+        self.epsilon_spent: Optional[float] = None
+        self._reset_plan()
+
+    # -- planning ------------------------------------------------------------------------------
+
+    def _reset_plan(self) -> None:
+        self._plan_kind: Optional[SampleEntry] = None
+        self._plan_base = 0  # ledger.num_samples when the plan was made
+        self._plan_headroom = 0  # further steps of _plan_kind the budget allows
+
+    def _epsilon(self, entries: Sequence[SampleEntry]) -> float:
+        return compute_epsilon(entries, self.delta, self.accountant)[0]
+
+    def _cap(self) -> int:
+        params = getattr(self, "params", None) or {}
+        steps, epochs = params.get("steps"), params.get("epochs")
+        if steps and epochs:
+            return int(steps) * int(epochs) + 1
+        return 1 << 20
+
+    def headroom(self, entries: Sequence[SampleEntry], kind: SampleEntry, cap: int) -> int:
+        """Largest ``k <= cap`` such that ``entries + [kind] * k`` stays within the budget."""
+        entries = list(entries)
+
+        def fits(k: int) -> bool:
+            return self._epsilon(entries + [kind] * k) <= self.target_epsilon
+
+        if not fits(1):
+            return 0
+        lo, hi = 1, 2
+        while hi <= cap and fits(hi):
+            lo, hi = hi, hi * 2
+        if hi > cap:
+            if fits(cap):
+                return cap
+            hi = cap
+        while hi - lo > 1:  # fits(lo) and not fits(hi)
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    def _plan(self, optimizer, kind: SampleEntry) -> None:
+        entries = optimizer.ledger.samples()
+        self._plan_kind = kind
+        self._plan_base = len(entries)
+        self._plan_headroom = self.headroom(entries, kind, self._cap())
+
+    def steps_left(self) -> Optional[int]:
+        """Further steps the budget allows (as last computed), or None before training."""
+        optimizer = _dp_optimizer(self.model, "PrivacyBudget")
+        if self._plan_kind is None:
+            return None
+        return max(0, self._plan_headroom - (optimizer.ledger.num_samples - self._plan_base))
+
+    def _next_step_allowed(self) -> bool:
+        optimizer = _dp_optimizer(self.model, "PrivacyBudget")
+        kind = predicted_next_entry(optimizer)
+        if kind is None:
+            entries = optimizer.ledger.samples()
+            if not entries:
+                _logger.warning(
+                    "tf_dp PrivacyBudget: cannot predict the first step; it is checked after it runs"
+                )
+                return True
+            kind = entries[-1]
+        n = optimizer.ledger.num_samples
+        if kind != self._plan_kind or n < self._plan_base:
+            self._plan(optimizer, kind)
+        return self._plan_headroom - (n - self._plan_base) >= 1
+
+    # -- Keras hooks ---------------------------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        _dp_optimizer(self.model, "PrivacyBudget")
+        self.stopped = False
+        self._first_batch = True
+        self._reset_plan()  # the ledger may have been restored (BackupAndRestore) since
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if not self._first_batch:
+            return
+        self._first_batch = False
+        if self._next_step_allowed():
+            return
+        self._stop()
+        message = (
+            f"PrivacyBudget: the privacy budget epsilon={self.target_epsilon:g} at "
+            f"delta={self.delta:g} is spent (ledger: {self._epsilon_now():.4g}); not even one "
+            "more step can run"
+        )
+        if self.raise_if_exhausted:
+            raise BudgetExhaustedError(message)
+        _logger.warning("tf_dp %s", message)
+        original = self.model.train_function
+        self._original_train_function = original
+        self.model.train_function = lambda iterator: {}
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.stopped and not self._next_step_allowed():
+            self._stop()
+
+    def on_epoch_end(self, epoch, logs=None):
+        # Full check against the ledger as recorded (the counted plan is an optimisation).
+        optimizer = _dp_optimizer(self.model, "PrivacyBudget")
+        kind = predicted_next_entry(optimizer)
+        if kind is not None:
+            self._plan(optimizer, kind)
+            if self._plan_headroom < 1 and not self.stopped:
+                self._stop()
+
+    def on_train_end(self, logs=None):
+        original = getattr(self, "_original_train_function", None)
+        if original is not None:
+            self.model.train_function = original
+            self._original_train_function = None
+        self.epsilon_spent = self._epsilon_now()
+        if self.stopped and self.verbose:
+            print(
+                f"PrivacyBudget: stopped after {self.model.optimizer.ledger.num_samples} DP steps "
+                f"(epsilon {self.epsilon_spent:.4g} <= {self.target_epsilon:g} at "
+                f"delta={self.delta:g}); one more step would exceed the budget"
+            )
+
+    def _stop(self) -> None:
+        self.stopped = True
+        self.model.stop_training = True
+
+    def _epsilon_now(self) -> float:
+        return self._epsilon(_dp_optimizer(self.model, "PrivacyBudget").ledger.samples())
+
+
+class BackupAndRestore(keras.callbacks.BackupAndRestore):
+    """``keras.callbacks.BackupAndRestore`` that also backs up and restores the privacy ledger.
+
+    Same arguments and behaviour as the Keras callback (use it instead). Each backup writes the
+    optimizer's ledger to ``backup_dir/privacy_ledger.json`` *before* the weights, so a crash in
+    between leaves a ledger that over-counts (a valid bound), never one that under-counts. On
+    restart, ``fit`` restores the weights, the epoch and the ledger: the resumed run continues the
+    same ledger and a :class:`PrivacyBudget` sees the budget already spent.
+
+    Example::
+
+        model.fit(batches, epochs=30, callbacks=[
+            tf_dp.keras.callbacks.BackupAndRestore("/tmp/backup"),
+            tf_dp.keras.callbacks.PrivacyBudget(3.0, 1e-5)])
+        # killed at epoch 12; run the same script again: it resumes at epoch 12 with its ledger
+    """
+
+    @property
+    def ledger_path(self) -> str:
+        return os.path.join(self.backup_dir, LEDGER_BACKUP_NAME)
+
+    def _save_model(self):
+        optimizer = _dp_optimizer(self.model, "tf_dp BackupAndRestore")
+        os.makedirs(self.backup_dir, exist_ok=True)
+        optimizer.ledger.save(
+            self.ledger_path, metadata={"epoch": self._current_epoch, "backup": True}
+        )
+        super()._save_model()
+
+    def _load_model(self):
+        optimizer = _dp_optimizer(self.model, "tf_dp BackupAndRestore")
+        weights_exist = os.path.exists(self._weights_path)
+        if os.path.exists(self.ledger_path):
+            entries = read_ledger_file(self.ledger_path)
+            optimizer.ledger.restore_entries(entries)
+            _logger.info(
+                "tf_dp: restored %d ledger entries from %s", len(entries), self.ledger_path
+            )
+        elif weights_exist:
+            raise FileNotFoundError(
+                f"backup {self.backup_dir!r} holds weights but no {LEDGER_BACKUP_NAME}: resuming "
+                "would forget the privacy already spent (was it written by "
+                "keras.callbacks.BackupAndRestore?)"
+            )
+        super()._load_model()
+
+
+class LedgerCheckpoint(keras.callbacks.Callback):
+    """Saves the optimizer's ledger file alongside ``keras.callbacks.ModelCheckpoint``.
+
+    ``filepath`` may hold ``{epoch}`` (and any ``logs`` key), formatted like ModelCheckpoint's
+    (``epoch`` is 1-based). Written at each epoch end (or every ``save_freq`` batches) and at
+    the end of training; the file is what ``tf_dp.accounting`` and ``compute_dp_sgd_privacy`` read.
+    To resume from a ModelCheckpoint file, restore its ledger too:
+    ``model.optimizer.ledger.restore_entries(tf_dp.ledger.read_ledger_file(path))``.
+
+    Example::
+
+        callbacks = [keras.callbacks.ModelCheckpoint("ckpt/model-{epoch:02d}.keras"),
+                     tf_dp.keras.callbacks.LedgerCheckpoint("ckpt/ledger-{epoch:02d}.json")]
+    """
+
+    def __init__(self, filepath: str, save_freq: Any = "epoch", metadata: Optional[dict] = None):
+        super().__init__()
+        if save_freq != "epoch" and (
+            isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
+        ):
+            raise ValueError(f"save_freq must be 'epoch' or an integer >= 1, got {save_freq!r}")
+        self.filepath = os.fspath(filepath)
+        self.save_freq = save_freq
+        self.metadata = dict(metadata or {})
+        self._epoch = 0
+        self._batches = 0
+        self.last_path: Optional[str] = None
+
+    def _save(self, epoch: int, logs: Optional[dict]) -> None:
+        optimizer = _dp_optimizer(self.model, "LedgerCheckpoint")
+        path = self.filepath.format(epoch=epoch + 1, **(logs or {}))
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        optimizer.ledger.save(path, metadata={**self.metadata, "epoch": epoch + 1})
+        self.last_path = path
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.save_freq != "epoch":
+            self._batches += 1
+            if self._batches % self.save_freq == 0:
+                self._save(self._epoch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.save_freq == "epoch":
+            self._save(epoch, logs)
+
+    def on_train_end(self, logs=None):
+        self._save(self._epoch, logs)
