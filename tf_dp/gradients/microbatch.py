@@ -19,6 +19,7 @@ from typing import Any
 import tensorflow as tf
 
 from tf_dp.gradients import base
+from tf_dp.gradients.vectorized import fast_pfor_converters
 
 
 class MicrobatchStrategy(base.GradientStrategy):
@@ -73,7 +74,10 @@ class MicrobatchStrategy(base.GradientStrategy):
             grads = tape.gradient(loss, tf_vars, unconnected_gradients="zero")
             return [tf.convert_to_tensor(g) for g in grads], y_pred, losses
 
-        per_mb, y_pred, losses = tf.vectorized_map(one, (xs, ys, ws, counts), fallback_to_while_loop=True)
+        with fast_pfor_converters():
+            per_mb, y_pred, losses = tf.vectorized_map(
+                one, (xs, ys, ws, counts), fallback_to_while_loop=True
+            )
         sq = base.squared_norms_of(per_mb)
         weights = query.clip_weights(params, sq)
         clipped = [base.weighted_sum(w, g) for w, g in zip(weights, per_mb)]
