@@ -1,0 +1,224 @@
+"""tf_dp.keras.callbacks: PrivacyReport, PrivacyBudget, BackupAndRestore with the ledger, LedgerCheckpoint."""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+from sklearn.datasets import load_digits
+
+import tf_dp
+from tf_dp import accounting
+from tf_dp.keras import callbacks as dpcb
+from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
+from tf_dp.ledger.ledger_file import read_ledger_file
+
+N, Q, SIGMA, CLIP = 300, 0.1, 1.0, 1.0
+STEPS = 10  # round(1 / Q)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    x, y = load_digits(return_X_y=True)
+    return (x[:N] / 16.0).astype(np.float32), y[:N].astype(np.int32)
+
+
+def _model(seed=0, sigma=SIGMA):
+    keras.utils.set_random_seed(seed)
+    model = tf_dp.keras.make_private(
+        keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+    )
+    model.compile(
+        optimizer=tf_dp.keras.DPKerasSGDOptimizer(
+            l2_norm_clip=CLIP, noise_multiplier=sigma, learning_rate=0.5, noise_seed=seed),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def _batches(digits, seed=0):
+    x, y = digits
+    return tf_dp.data.poisson_batches(x, y, sampling_probability=Q, seed=seed)
+
+
+ENTRY = SampleEntry(SamplingEvent(N, Q, "poisson"), (SumQueryEvent(CLIP, SIGMA * CLIP),))
+
+
+def _eps(k, delta=1e-5, accountant="rdp"):
+    return float(accounting.compute_epsilon([ENTRY] * k, delta=delta, accountant=accountant).epsilon)
+
+
+def test_privacy_report_epsilon_equals_the_accountant_on_the_ledger(digits):
+    model = _model()
+    report = dpcb.PrivacyReport(delta=1e-5)
+    history = model.fit(_batches(digits), epochs=3, verbose=0, callbacks=[report])
+    eps = history.history["epsilon"]
+    assert len(eps) == 3 and eps[0] < eps[1] < eps[2]
+    ledger = model.optimizer.ledger
+    assert ledger.num_samples == 3 * STEPS
+    assert all(e == ENTRY for e in ledger.samples())
+    expected = accounting.compute_epsilon(ledger.samples(), delta=1e-5, accountant="rdp")
+    assert eps[-1] == pytest.approx(float(expected.epsilon), rel=1e-12)
+    assert eps[0] == pytest.approx(_eps(STEPS), rel=1e-12)
+    assert len(report.statements) == 3 and report.statements[-1] == str(expected)
+
+
+def test_privacy_report_feeds_tensorboard_logs(digits, tmp_path):
+    seen = []
+
+    class Spy(keras.callbacks.Callback):  # stands for TensorBoard: reads the same logs dict
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(logs.get("epsilon"))
+
+    model = _model()
+    model.fit(_batches(digits), epochs=1, verbose=0,
+              callbacks=[dpcb.PrivacyReport(delta=1e-5), Spy()])
+    assert seen and seen[0] > 0
+
+
+def test_privacy_budget_stops_before_the_step_that_would_exceed(digits):
+    # Independently, step by step: the largest k with eps(k) <= target.
+    eps = [_eps(k) for k in range(1, 41)]
+    target = 0.5 * (eps[22] + eps[23])  # eps(23) <= target < eps(24)
+    expected = max(k for k in range(1, 41) if eps[k - 1] <= target)
+    assert expected == 23
+    model = _model()
+    budget = dpcb.PrivacyBudget(target_epsilon=target, delta=1e-5, verbose=False)
+    model.fit(_batches(digits), epochs=10, verbose=0, callbacks=[budget])
+    ledger = model.optimizer.ledger
+    assert budget.stopped
+    assert ledger.num_samples == expected  # mid-epoch stop (epoch 3, step 3)
+    spent = float(accounting.compute_epsilon(ledger.samples(), 1e-5, accountant="rdp").epsilon)
+    assert spent <= target < _eps(expected + 1)
+    assert budget.epsilon_spent == pytest.approx(spent)
+    # Budget already spent: the next fit raises before any step runs.
+    with pytest.raises(dpcb.BudgetExhaustedError, match="spent"):
+        model.fit(_batches(digits), epochs=1, verbose=0, callbacks=[budget])
+    assert ledger.num_samples == expected
+
+
+def test_privacy_budget_no_raise_runs_no_step(digits):
+    model = _model()
+    model.fit(_batches(digits), epochs=1, verbose=0)
+    target = _eps(STEPS) * 1.0000001  # exactly one epoch's worth: no further step fits
+    budget = dpcb.PrivacyBudget(target, 1e-5, raise_if_exhausted=False, verbose=False)
+    weights = [w.copy() for w in model.get_weights()]
+    model.fit(_batches(digits), epochs=2, verbose=0, callbacks=[budget])
+    assert budget.stopped and model.optimizer.ledger.num_samples == STEPS
+    for a, b in zip(weights, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    # The train function is restored: without the budget, training goes on.
+    model.fit(_batches(digits), epochs=1, verbose=0)
+    assert model.optimizer.ledger.num_samples == 2 * STEPS
+
+
+def test_privacy_budget_headroom_matches_step_by_step():
+    budget = dpcb.PrivacyBudget(target_epsilon=4.0, delta=1e-5)
+    k = budget.headroom([], ENTRY, cap=10_000)
+    assert k > 10 and _eps(k) <= 4.0 < _eps(k + 1)
+    assert budget.headroom([ENTRY] * k, ENTRY, cap=10_000) == 0
+    assert budget.headroom([], ENTRY, cap=5) == 5
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def __init__(self, at_epoch):
+        super().__init__()
+        self.at_epoch = at_epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.at_epoch:
+            raise KeyboardInterrupt("simulated preemption")
+
+
+def test_backup_and_restore_resumes_with_the_same_ledger(digits, tmp_path):
+    backup = str(tmp_path / "backup")
+    model = _model(seed=1)
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(_batches(digits), epochs=4, verbose=0,
+                  callbacks=[dpcb.BackupAndRestore(backup), _Interrupt(at_epoch=2)])
+    before = model.optimizer.ledger.samples()
+    assert len(before) == 2 * STEPS
+    saved = read_ledger_file(os.path.join(backup, dpcb.LEDGER_BACKUP_NAME))
+    assert saved == before
+
+    # A new process: fresh model and optimizer (empty ledger), same backup dir.
+    resumed = _model(seed=2)
+    resumed.build((None, 64))
+    assert resumed.optimizer.ledger.num_samples == 0
+    report = dpcb.PrivacyReport(delta=1e-5)
+    history = resumed.fit(_batches(digits), epochs=4, verbose=0,
+                          callbacks=[dpcb.BackupAndRestore(backup), report])
+    assert len(history.history["epsilon"]) == 2  # epochs 3 and 4 only
+    after = resumed.optimizer.ledger.samples()
+    assert len(after) == 4 * STEPS and after[: 2 * STEPS] == before
+    # The spent budget carries over: epsilon after epoch 3 is that of 30 steps, not 10.
+    assert history.history["epsilon"][0] == pytest.approx(_eps(3 * STEPS), rel=1e-12)
+    assert not os.path.exists(backup)  # deleted at the end, as Keras does
+
+
+def test_backup_and_restore_refuses_weights_without_a_ledger(digits, tmp_path):
+    backup = tmp_path / "plain"
+    model = _model()
+    model.fit(_batches(digits), epochs=1, verbose=0,
+              callbacks=[keras.callbacks.BackupAndRestore(str(backup), delete_checkpoint=False)])
+    fresh = _model()
+    fresh.build((None, 64))
+    with pytest.raises(FileNotFoundError, match="privacy"):
+        fresh.fit(_batches(digits), epochs=2, verbose=0,
+                  callbacks=[dpcb.BackupAndRestore(str(backup))])
+
+
+def test_resumed_budget_counts_the_restored_ledger(digits, tmp_path):
+    backup = str(tmp_path / "b")
+    target = 0.5 * (_eps(25) + _eps(26))
+    model = _model(seed=3)
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(_batches(digits), epochs=10, verbose=0,
+                  callbacks=[dpcb.PrivacyBudget(target, 1e-5, verbose=False),
+                             dpcb.BackupAndRestore(backup), _Interrupt(at_epoch=2)])
+    resumed = _model(seed=4)
+    resumed.build((None, 64))
+    budget = dpcb.PrivacyBudget(target, 1e-5, verbose=False)
+    resumed.fit(_batches(digits), epochs=10, verbose=0,
+                callbacks=[budget, dpcb.BackupAndRestore(backup)])
+    assert budget.stopped and resumed.optimizer.ledger.num_samples == 25
+
+
+def test_ledger_checkpoint_writes_a_ledger_per_epoch(digits, tmp_path):
+    model = _model()
+    pattern = str(tmp_path / "ckpt" / "ledger-{epoch:02d}.json")
+    model.fit(_batches(digits), epochs=2, verbose=0, callbacks=[
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "ckpt" / "model-{epoch:02d}.keras")),
+        dpcb.LedgerCheckpoint(pattern, metadata={"run": "t"}),
+    ])
+    for epoch in (1, 2):
+        path = pattern.format(epoch=epoch)
+        assert len(read_ledger_file(path)) == epoch * STEPS
+        assert os.path.exists(tmp_path / "ckpt" / f"model-{epoch:02d}.keras")
+    with open(pattern.format(epoch=2)) as f:
+        assert json.load(f)["metadata"]["run"] == "t"
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: dpcb.PrivacyReport(delta=0.0), "delta"),
+        (lambda: dpcb.PrivacyReport(delta=1e-5, accountant=""), "accountant"),
+        (lambda: dpcb.PrivacyBudget(target_epsilon=-1.0, delta=1e-5), "target_epsilon"),
+        (lambda: dpcb.PrivacyBudget(target_epsilon=float("inf"), delta=1e-5), "target_epsilon"),
+        (lambda: dpcb.LedgerCheckpoint("x.json", save_freq=0), "save_freq"),
+    ],
+)
+def test_bad_arguments_fail_with_the_argument_name(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()
+
+
+def test_callbacks_refuse_a_non_private_optimizer(digits):
+    x, y = digits
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    with pytest.raises(TypeError, match="DP optimizer"):
+        model.fit(x, y, epochs=1, verbose=0, callbacks=[dpcb.PrivacyReport(1e-5)])
