@@ -1,0 +1,375 @@
+"""JL clipping (``gradient_mode="jl"``): per-example norms estimated from random projections.
+
+This is DP-SGD-JL / DP-Adam-JL of Bu et al. 2020 ("Fast Differentially Private-SGD via JL
+Projections", ``../shared/seeds/001_c7860cdbce90d9c7.txt``), Algorithm 1:
+
+1. draw ``r`` directions ``v_1..v_r ~ N(0, I_d)`` over all trainable variables (from a Philox
+   generator keyed from OS entropy, like the noise: :func:`tf_dp.dp_query.make_generator`);
+2. compute the projections ``p_ij = <grad L_i, v_j>`` of every per-example gradient, i.e. the
+   Jacobian-vector products ``J v_j`` of the per-example loss vector ``F = (L_1, ..., L_B)``;
+3. estimate each norm as ``M_i = sqrt(mean_j p_ij^2)`` (Proposition 2.1: ``r M_i^2 / ||g_i||^2`` is
+   ``chi2_r``, so ``E[M_i^2] = ||g_i||^2``);
+4. weight each example's loss by the query's clipping weight ``min(1, C / M_i)`` (treated as a
+   constant) and take one backward pass of the weighted sum: the "clipped" sum
+   ``sum_i min(1, C/M_i) g_i``.
+
+The optimizer's query then adds noise ``sigma * C`` and the ledger records the step as a JL
+mechanism with ``r`` projections (``ClippedGradients.jl_projections``). Because ``M_i`` is only an
+estimate, a clipped gradient can have norm larger than ``C``: the privacy of a step is not that of
+the Gaussian mechanism but Lemma 4.3's ``T(Z_r, N(Z_r/sigma, 1) || Z_r, N(0, 1))`` with
+``Z_r = sqrt(r / chi2_r)``, composed over steps as in Theorem 4.1. That accounting lives in
+``tf_dp.accounting``; this module only computes gradients.
+
+Two routes compute the projections (section 2.1 of the paper), with the same result:
+
+- ``"forward"``: ``tf.autodiff.ForwardAccumulator`` (forward-mode jvp). The first projection is
+  computed during the same forward pass the backward tape records; each further projection is one
+  more forward-mode pass, run with the model's non-trainable state (Keras seed generators, so
+  dropout masks are replayed) restored to its value before the step, so that every projection is
+  of the very per-example gradients that are summed.
+- ``"double_vjp"``: the double-vjp trick. ``G(a) = a^T J`` is a vjp (a backward pass with output
+  cotangent ``a``); ``grad_a <G(a), v> = J v``. An outer tape watching ``a`` gives every
+  projection from one forward pass and one backward pass, plus one second-order backward pass per
+  projection. It works through ``tf.while_loop`` (Keras 3's recurrent layers), where forward mode
+  fails.
+
+``method="auto"`` (what ``gradient_mode="jl"`` uses) picks ``"forward"`` for ``r == 1`` on models it
+can trace in forward mode and ``"double_vjp"`` otherwise: recurrent layers without
+``unroll=True`` go straight to double-vjp, and any other model whose forward-mode trace fails
+falls back to it. For ``r > 1`` the single shared forward pass of double-vjp is both the faster and
+the safer route (no replay of randomness), so ``auto`` uses it.
+
+Supported queries: those whose clipping rule depends only on the total norm of a record
+(``GaussianSumQuery``, ``NoPrivacySumQuery``, and them wrapped in ``QueryWithLedger``,
+``NormalizedQuery`` or a single-leaf ``NestedQuery``). Per-group clipping (a ``NestedQuery`` with
+several groups, ``JointClipGaussianSumQuery``) would need per-group projections and a per-group JL
+analysis; it is refused with an error that names the query.
+
+Example::
+
+    opt = tf_dp.keras.DPKerasAdamOptimizer(
+        l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=1e-3,
+        gradient_mode="jl", jl_projections=1)
+    model = tf_dp.keras.make_private(model)
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=64, epochs=1)
+    # opt.ledger records every step with mechanism "jl" and r = 1
+
+    # or directly:
+    strategy = JLStrategy(jl_projections=4)
+    out = strategy.clipped_sum(loss_fn, (x, y, None), model.trainable_variables, query, params)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Sequence
+
+import keras
+import tensorflow as tf
+
+from tf_dp.dp_query.dp_query import DPQuery
+from tf_dp.dp_query.gaussian_query import GaussianSumQuery
+from tf_dp.dp_query.nested_query import NestedQuery
+from tf_dp.dp_query.no_privacy_query import NoPrivacySumQuery
+from tf_dp.dp_query.noise import make_generator
+from tf_dp.dp_query.normalized_query import NormalizedQuery
+from tf_dp.gradients import base
+from tf_dp.gradients.registry import register_gradient_mode
+
+_logger = logging.getLogger("tf_dp")
+
+METHODS = ("auto", "forward", "double_vjp")
+_ZERO = tf.UnconnectedGradients.ZERO
+
+
+# -- queries ---------------------------------------------------------------------------------------
+
+
+def _unwrap_query(query: Any) -> Any:
+    """The query whose clipping rule applies, through ledger / normalising / single-leaf wrappers."""
+    seen = 0
+    while seen < 16:
+        seen += 1
+        inner = getattr(query, "query", None)  # QueryWithLedger
+        if inner is not None and isinstance(inner, DPQuery) and inner is not query:
+            query = inner
+            continue
+        if isinstance(query, NormalizedQuery):
+            query = query.numerator_query
+            continue
+        if isinstance(query, NestedQuery):
+            leaves = tf.nest.flatten(query.queries)
+            if len(leaves) == 1:
+                query = leaves[0]
+                continue
+        break
+    return query
+
+
+def check_query(query: Any) -> None:
+    """Raises TypeError unless JL clipping (one total norm per example) is valid for ``query``."""
+    inner = _unwrap_query(query)
+    if isinstance(inner, (GaussianSumQuery, NoPrivacySumQuery)):
+        return
+    if isinstance(inner, NestedQuery):
+        n = len(tf.nest.flatten(inner.queries))
+        raise TypeError(
+            f"gradient_mode='jl' estimates one total gradient norm per example, but the query is "
+            f"a NestedQuery with {n} groups (separate clipping per group needs per-group JL "
+            "projections and a per-group JL privacy analysis, which tf_dp does not provide); use a "
+            "single GaussianSumQuery (l2_norm_clip / noise_multiplier) or another gradient_mode"
+        )
+    raise TypeError(
+        f"gradient_mode='jl' supports queries that clip the total norm of each example "
+        f"(GaussianSumQuery, NoPrivacySumQuery); got {type(inner).__name__}. Use another "
+        "gradient_mode for this query"
+    )
+
+
+# -- models ----------------------------------------------------------------------------------------
+
+
+def _walk_layers(model: Any) -> list[Any]:
+    out: list[Any] = []
+    stack = [model]
+    seen: set[int] = set()
+    while stack:
+        layer = stack.pop()
+        if layer is None or id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        out.append(layer)
+        stack.extend(getattr(layer, "layers", None) or [])
+        for attr in ("layer", "forward_layer", "backward_layer"):
+            child = getattr(layer, attr, None)
+            if isinstance(child, keras.layers.Layer):
+                stack.append(child)
+    return out
+
+
+def forward_mode_blocker(model: Any) -> Optional[str]:
+    """Why ``tf.autodiff.ForwardAccumulator`` cannot run through ``model`` (None if no known reason).
+
+    Keras 3's recurrent layers run a ``tf.while_loop`` unless ``unroll=True``, and forward mode
+    fails inside it (a ``variant`` dtype error while tracing).
+    """
+    if model is None:
+        return None
+    for layer in _walk_layers(model):
+        if isinstance(layer, keras.layers.RNN) and not getattr(layer, "unroll", False):
+            return f"layer {layer.name!r} ({type(layer).__name__}) runs a while loop (unroll=False)"
+    return None
+
+
+def _state_variables(model: Any) -> list[tf.Variable]:
+    """Non-trainable model state (seed generators, statistics) to restore between replays."""
+    if model is None:
+        return []
+    return [
+        v
+        for v in base.as_tf_variables(getattr(model, "non_trainable_variables", []))
+        if isinstance(v, tf.Variable)
+    ]
+
+
+# -- projections -----------------------------------------------------------------------------------
+
+
+def _dot(g: Any, v: tf.Tensor) -> tf.Tensor:
+    """``<g, v>`` for a dense or ``IndexedSlices`` gradient ``g``."""
+    if isinstance(g, tf.IndexedSlices):
+        return tf.reduce_sum(g.values * tf.cast(tf.gather(v, g.indices), g.values.dtype))
+    return tf.reduce_sum(g * tf.cast(v, g.dtype))
+
+
+def _dense(g: Any) -> tf.Tensor:
+    return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+
+
+class JLStrategy(base.GradientStrategy):
+    """JL clipping (DP-SGD-JL, Bu et al. 2020, Algorithm 1). See the module docstring.
+
+    Args:
+      jl_projections: the JL dimension ``r`` (integer >= 1). Larger ``r`` estimates norms better
+        (privacy closer to exact clipping) and costs more.
+      method: ``"auto"`` (default), ``"forward"`` (``ForwardAccumulator``) or ``"double_vjp"``.
+      seed: tests and debugging only. ``None`` keys the directions' Philox generator from OS
+        entropy; a known seed makes the directions, hence the clipping, predictable.
+
+    Example::
+
+        strategy = JLStrategy(jl_projections=1)
+        out = strategy.clipped_sum(loss_fn, (x, y, None), variables, query, params)
+        out.jl_projections  # 1: the optimizer records a JL step in its ledger
+    """
+
+    name = "jl"
+    exact = False
+
+    def __init__(self, jl_projections: int = 1, method: str = "auto", seed: Optional[int] = None):
+        if isinstance(jl_projections, bool) or not isinstance(jl_projections, int) or (
+            jl_projections < 1
+        ):
+            raise ValueError(f"jl_projections must be an integer >= 1, got {jl_projections!r}")
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+        self.jl_projections = jl_projections
+        self.method = method
+        self._seed = seed
+        self._generator: Optional[tf.random.Generator] = None
+        #: the route actually used ("forward" / "double_vjp"), set on the first call
+        self.resolved_method: Optional[str] = None
+
+    def __repr__(self) -> str:
+        return f"JLStrategy(jl_projections={self.jl_projections}, method={self.method!r})"
+
+    @property
+    def generator(self) -> tf.random.Generator:
+        if self._generator is None:
+            self._generator = make_generator(self._seed)
+        return self._generator
+
+    # -- directions ------------------------------------------------------------------------------
+
+    def draw_directions(self, tf_vars: Sequence[tf.Variable]) -> list[list[tf.Tensor]]:
+        """``r`` standard Gaussian directions over all variables: ``[j][k]`` has var k's shape."""
+        r = self.jl_projections
+        gen = self.generator
+        stacked = [
+            tf.cast(gen.normal(tf.concat([[r], tf.shape(v)], 0), dtype=tf.float32), v.dtype)
+            for v in tf_vars
+        ]
+        return [[s[j] for s in stacked] for j in range(r)]
+
+    # -- route selection -------------------------------------------------------------------------
+
+    def _resolve(self, loss_fn, data, tf_vars) -> str:
+        if self.resolved_method is not None:
+            return self.resolved_method
+        model = getattr(loss_fn, "model", None)
+        if self.method != "auto":
+            method = self.method
+        elif self.jl_projections > 1:
+            method = "double_vjp"
+        else:
+            reason = forward_mode_blocker(model)
+            if reason is None and not tf.executing_eagerly():
+                reason = self._probe_forward(loss_fn, data, tf_vars)
+            method = "forward" if reason is None else "double_vjp"
+            if reason is not None:
+                _logger.info("tf_dp: jl uses the double-vjp route: %s", reason)
+        self.resolved_method = method
+        return method
+
+    @staticmethod
+    def _probe_forward(loss_fn, data, tf_vars) -> Optional[str]:
+        """Traces (without running) one forward-mode pass; the error message if it fails."""
+        x, y, sw = data
+        args = (x, y) if sw is None else (x, y, sw)
+        specs = tf.nest.map_structure(
+            lambda t: tf.TensorSpec.from_tensor(tf.convert_to_tensor(t)), args
+        )
+
+        def probe(*a):
+            tangents = [tf.zeros_like(v) for v in tf_vars]
+            with tf.autodiff.ForwardAccumulator(tf_vars, tangents) as acc:
+                losses, _ = loss_fn(a[0], a[1], a[2] if len(a) > 2 else None)
+            return acc.jvp(losses, unconnected_gradients=_ZERO)
+
+        try:
+            tf.function(probe, autograph=False).get_concrete_function(*specs)
+        except Exception as e:  # noqa: BLE001 -- any failure means: use the other route
+            return f"forward mode fails on this model ({type(e).__name__}: {str(e)[:200]})"
+        return None
+
+    # -- the two routes --------------------------------------------------------------------------
+
+    def _forward(self, loss_fn, data, tf_vars, directions):
+        """Projections by forward mode. Returns (losses, y_pred, projections [r, B], tape)."""
+        x, y, sw = data
+        state = _state_variables(getattr(loss_fn, "model", None))
+        before = [tf.identity(v.read_value()) for v in state] if len(directions) > 1 else []
+        with tf.GradientTape() as tape:
+            tape.watch(tf_vars)
+            with tf.autodiff.ForwardAccumulator(tf_vars, directions[0]) as acc:
+                losses, y_pred = loss_fn(x, y, sw)
+        projections = [acc.jvp(losses, unconnected_gradients=_ZERO)]
+        if len(directions) > 1:
+            after = [tf.identity(v.read_value()) for v in state]
+            for tangents in directions[1:]:
+                # Replay the step's forward pass from the same state (same dropout masks).
+                for v, b in zip(state, before):
+                    v.assign(b)
+                with tf.autodiff.ForwardAccumulator(tf_vars, tangents) as acc_j:
+                    losses_j, _ = loss_fn(x, y, sw)
+                projections.append(acc_j.jvp(losses_j, unconnected_gradients=_ZERO))
+            for v, a in zip(state, after):
+                v.assign(a)
+        return losses, y_pred, tf.stack(projections), tape
+
+    def _double_vjp(self, loss_fn, data, tf_vars, directions):
+        """Projections by the double-vjp trick (section 2.1). Same return as :meth:`_forward`."""
+        x, y, sw = data
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(tf_vars)
+            losses, y_pred = loss_fn(x, y, sw)
+        cotangent = tf.ones_like(losses)
+        with tf.GradientTape(persistent=len(directions) > 1) as outer:
+            outer.watch(cotangent)
+            g = tape.gradient(losses, tf_vars, output_gradients=cotangent, unconnected_gradients=_ZERO)
+            dots = [tf.add_n([_dot(gk, vk) for gk, vk in zip(g, v)]) for v in directions]
+        projections = [outer.gradient(d, cotangent, unconnected_gradients=_ZERO) for d in dots]
+        del outer
+        return losses, y_pred, tf.stack(projections), tape
+
+    def projections(self, loss_fn, data, variables, directions=None):
+        """Per-example projections ``p [r, B]`` (``p_ij = <grad L_i, v_j>``), for tests/research.
+
+        Returns ``(p, losses, directions)``.
+        """
+        tf_vars = base.as_tf_variables(variables)
+        if directions is None:
+            directions = self.draw_directions(tf_vars)
+        method = self._resolve(loss_fn, data, tf_vars)
+        route = self._forward if method == "forward" else self._double_vjp
+        losses, _, p, tape = route(loss_fn, data, tf_vars, directions)
+        del tape
+        return p, losses, directions
+
+    # -- the strategy ----------------------------------------------------------------------------
+
+    def clipped_sum(self, loss_fn, data, variables, query, params) -> base.ClippedGradients:
+        check_query(query)
+        tf_vars = base.as_tf_variables(variables)
+        method = self._resolve(loss_fn, data, tf_vars)
+        directions = self.draw_directions(tf_vars)
+        route = self._forward if method == "forward" else self._double_vjp
+        losses, y_pred, p, tape = route(loss_fn, data, tf_vars, directions)
+        p = tf.cast(p, tf.float32)
+        squared = tf.reduce_mean(tf.square(p), axis=0)  # M_i^2, [B]
+        # The query's rule on the estimated total norm: all of it in the first leaf (the rule of
+        # the supported queries depends only on the sum over leaves).
+        squared_norms = [squared] + [tf.zeros_like(squared) for _ in tf_vars[1:]]
+        weights = tf.nest.flatten(query.clip_weights(params, squared_norms))[0]
+        weights = tf.stop_gradient(tf.cast(weights, losses.dtype))
+        grads = tape.gradient(losses, tf_vars, output_gradients=weights, unconnected_gradients=_ZERO)
+        del tape
+        return base.ClippedGradients(
+            clipped_sum=[_dense(g) for g in grads],
+            norms=tf.sqrt(squared),
+            num_records=base.batch_size_of(data[0]),
+            sensitivity_multiplier=1.0,
+            y_pred=y_pred,
+            losses=losses,
+            jl_projections=self.jl_projections,
+        )
+
+
+def _factory(jl_projections: int = 1, jl_method: str = "auto", **_: Any) -> JLStrategy:
+    return JLStrategy(jl_projections=jl_projections, method=jl_method)
+
+
+register_gradient_mode("jl", _factory)
