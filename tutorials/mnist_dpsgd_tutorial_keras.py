@@ -91,7 +91,7 @@ def main(argv):
     import numpy as np
 
     import tf_dp
-    from tf_dp.data import load_mnist_or_fashion_mnist
+    from tf_dp.data import DEBIAN_FASHION_MNIST_DIR, load_mnist_or_fashion_mnist
 
     if FLAGS.seed is not None:
         logging.warning("--seed set: sampling and noise are reproducible (tests/debugging only)")
@@ -109,11 +109,12 @@ def main(argv):
     y_train, y_test = y_train.astype(np.int32), y_test.astype(np.int32)
     n = len(x_train)
     q = min(1.0, FLAGS.batch_size / n)
-    print(
-        f"Data: {name} ({'MNIST via keras.datasets' if name == 'mnist' else 'Fashion-MNIST IDX files'}), "
-        f"{n} training / {len(x_test)} test examples",
-        flush=True,
+    source = (
+        "MNIST via keras.datasets"
+        if name == "mnist"
+        else f"Fashion-MNIST IDX files from {FLAGS.data_dir or DEBIAN_FASHION_MNIST_DIR}"
     )
+    print(f"Data: {name} ({source}), {n} training / {len(x_test)} test examples", flush=True)
 
     batches = tf_dp.data.poisson_batches(
         x_train, y_train, sampling_probability=q, seed=FLAGS.seed
