@@ -13,12 +13,14 @@ accountant of :mod:`tf_dp.accounting` for the guarantee.
 
 Example::
 
+    from tf_dp.keras import callbacks as dp_callbacks
+
     callbacks = [
-        tf_dp.keras.callbacks.BackupAndRestore("backup/"),        # weights + ledger
-        tf_dp.keras.callbacks.PrivacyBudget(target_epsilon=3.0, delta=1e-5),
-        tf_dp.keras.callbacks.PrivacyReport(delta=1e-5),
+        dp_callbacks.BackupAndRestore("backup/"),        # weights + ledger
+        dp_callbacks.PrivacyBudget(target_epsilon=3.0, delta=1e-5),
+        dp_callbacks.PrivacyReport(delta=1e-5),
         keras.callbacks.ModelCheckpoint("ckpt/model-{epoch:02d}.keras"),
-        tf_dp.keras.callbacks.LedgerCheckpoint("ckpt/ledger-{epoch:02d}.json"),
+        dp_callbacks.LedgerCheckpoint("ckpt/ledger-{epoch:02d}.json"),
         keras.callbacks.TensorBoard("logs/"),
     ]
     model.fit(tf_dp.data.poisson_batches(x, y, sampling_probability=0.01), epochs=50,
@@ -96,7 +98,7 @@ class PrivacyReport(keras.callbacks.Callback):
 
     Example::
 
-        history = model.fit(batches, epochs=5, callbacks=[tf_dp.keras.callbacks.PrivacyReport(1e-5)])
+        history = model.fit(batches, epochs=5, callbacks=[dp_callbacks.PrivacyReport(1e-5)])
         history.history["epsilon"]     # [0.41, 0.58, ...]
     """
 
@@ -194,7 +196,7 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     Example::
 
-        budget = tf_dp.keras.callbacks.PrivacyBudget(target_epsilon=3.0, delta=1e-5)
+        budget = dp_callbacks.PrivacyBudget(target_epsilon=3.0, delta=1e-5)
         model.fit(batches, epochs=1000, callbacks=[budget])   # stops when the budget is spent
     """
 
@@ -360,8 +362,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     Example::
 
         model.fit(batches, epochs=30, callbacks=[
-            tf_dp.keras.callbacks.BackupAndRestore("/tmp/backup"),
-            tf_dp.keras.callbacks.PrivacyBudget(3.0, 1e-5)])
+            dp_callbacks.BackupAndRestore("/tmp/backup"),
+            dp_callbacks.PrivacyBudget(3.0, 1e-5)])
         # killed at epoch 12; run the same script again: it resumes at epoch 12 with its ledger
     """
 
@@ -407,7 +409,7 @@ class LedgerCheckpoint(keras.callbacks.Callback):
     Example::
 
         callbacks = [keras.callbacks.ModelCheckpoint("ckpt/model-{epoch:02d}.keras"),
-                     tf_dp.keras.callbacks.LedgerCheckpoint("ckpt/ledger-{epoch:02d}.json")]
+                     dp_callbacks.LedgerCheckpoint("ckpt/ledger-{epoch:02d}.json")]
     """
 
     def __init__(self, filepath: str, save_freq: Any = "epoch", metadata: Optional[dict] = None):
