@@ -59,6 +59,7 @@ __all__ = [
 
 DIRECTIONS = ("remove", "add")
 _TAIL = 1e-17  # mass truncated per tail per operation (moved pessimistically)
+_RANGE_SLACK = 1e-22  # bound on the mass a mixture component has outside its loss range
 _LOSS_CAP = 400.0  # losses above are treated as +inf (pessimistic); below -cap clipped up
 
 
@@ -199,21 +200,31 @@ class Mixture:
         if abs(w.sum() + self.inf_mass - 1.0) > 1e-9:
             raise ValueError(f"weights + inf_mass must sum to 1, got {w.sum() + self.inf_mass}")
 
-    def hockey_stick(self, eps: np.ndarray, direction: str) -> np.ndarray:
+    def _accumulate(self, eps: np.ndarray, direction: str, method: str) -> np.ndarray:
+        # Each component is evaluated only inside its loss range (outside it the privacy loss has
+        # mass < 1e-22): below the range delta = 1 - e^eps and the complement is 0; above it
+        # delta is 0 and the complement is e^eps - 1.  _RANGE_SLACK covers the neglected mass.
         eps = np.asarray(eps, dtype=np.float64)
-        out = np.full(eps.shape, float(self.inf_mass))
+        out = np.zeros(eps.shape)
+        below_val = -np.expm1(eps) if method == "hockey_stick" else np.zeros(eps.shape)
+        above_val = np.zeros(eps.shape) if method == "hockey_stick" else np.expm1(eps)
         for w, m in zip(self.weights, self.components):
-            if w > 0:
-                out += w * m.hockey_stick(eps, direction)
+            if w <= 0:
+                continue
+            lo, hi = m.loss_range(direction)
+            inside = (eps >= lo) & (eps <= hi)
+            part = np.where(eps < lo, below_val, above_val)
+            if np.any(inside):
+                part[inside] = getattr(m, method)(eps[inside], direction)
+            out += w * np.maximum(part, 0.0)
+        return out
+
+    def hockey_stick(self, eps: np.ndarray, direction: str) -> np.ndarray:
+        out = self._accumulate(eps, direction, "hockey_stick") + self.inf_mass + _RANGE_SLACK
         return np.clip(out, 0.0, 1.0)
 
     def complement(self, eps: np.ndarray, direction: str) -> np.ndarray:
-        eps = np.asarray(eps, dtype=np.float64)
-        out = np.zeros(eps.shape)
-        for w, m in zip(self.weights, self.components):
-            if w > 0:
-                out += w * m.complement(eps, direction)
-        return out
+        return self._accumulate(eps, direction, "complement")
 
     def loss_range(self, direction: str) -> tuple[float, float]:
         rs = [m.loss_range(direction) for w, m in zip(self.weights, self.components) if w > 0]
@@ -230,6 +241,7 @@ class DiscretePLD:
     offset: int
     pmf: np.ndarray
     inf_mass: float
+    loss_cap: float = _LOSS_CAP  # losses above are moved to +inf after each operation
 
     @property
     def losses(self) -> np.ndarray:
@@ -332,7 +344,10 @@ class DiscretePLD:
             inf_mass += mass_hi
         else:
             conv = np.maximum(conv, 0.0)
-        out = DiscretePLD(self.h, self.offset + other.offset, conv, min(inf_mass, 1.0))
+        out = DiscretePLD(
+            self.h, self.offset + other.offset, conv, min(inf_mass, 1.0),
+            min(self.loss_cap, other.loss_cap),
+        )
         return out._truncate()
 
     def _truncate(self) -> "DiscretePLD":
@@ -347,13 +362,15 @@ class DiscretePLD:
         moved_up = float(c[lo - 1]) if lo > 0 else 0.0
         to_inf = float(upper[hi])
         # Cap the loss range: mass above _LOSS_CAP goes to +inf.
-        cap_index = int(math.floor(_LOSS_CAP / self.h)) - self.offset
+        cap_index = int(math.floor(self.loss_cap / self.h)) - self.offset
         if hi > cap_index >= lo:
             to_inf += float(p[cap_index + 1 : hi + 1].sum())
             hi = cap_index
         new = p[lo : hi + 1].copy()
         new[0] += moved_up
-        return DiscretePLD(self.h, self.offset + lo, new, min(1.0, self.inf_mass + to_inf))
+        return DiscretePLD(
+            self.h, self.offset + lo, new, min(1.0, self.inf_mass + to_inf), self.loss_cap
+        )
 
     def self_compose(self, count: int) -> "DiscretePLD":
         """``count``-fold composition by repeated squaring (``O(log count)`` FFTs)."""
@@ -371,12 +388,21 @@ class DiscretePLD:
         return result
 
 
-def discretize(mechanism, direction: str, h: float) -> DiscretePLD:
-    """Pessimistic connect-the-dots discretisation of ``mechanism`` on the grid ``i * h``."""
+def discretize(
+    mechanism, direction: str, h: float, loss_cap: float = _LOSS_CAP
+) -> DiscretePLD:
+    """Pessimistic connect-the-dots discretisation of ``mechanism`` on the grid ``i * h``.
+
+    Losses above ``loss_cap`` count as ``+inf`` (pessimistic); the grid is clipped to
+    ``[-loss_cap, loss_cap]`` (below the grid the chord construction is pessimistic too).
+    """
     _check_direction(direction)
     if not (h > 0 and math.isfinite(h)):
         raise ValueError(f"discretization interval must be > 0, got {h!r}")
+    if not (loss_cap > 0):
+        raise ValueError(f"loss_cap must be > 0, got {loss_cap!r}")
     lo, hi = mechanism.loss_range(direction)
+    lo, hi = max(lo, -loss_cap), min(hi, loss_cap)
     i0 = int(math.floor(lo / h))
     i1 = max(int(math.ceil(hi / h)), i0 + 1)
     eps = np.arange(i0, i1 + 1) * h
@@ -407,7 +433,7 @@ def discretize(mechanism, direction: str, h: float) -> DiscretePLD:
             p[0] = (d2[1] - d2[0]) / em1 - d2[0]
     p = np.maximum(p, 0.0)
     inf_mass = float(d[-1])
-    pld = DiscretePLD(h, i0, p, inf_mass)
+    pld = DiscretePLD(h, i0, p, inf_mass, loss_cap)
     return pld._truncate()
 
 
@@ -432,7 +458,10 @@ def _auto_h(mechanisms: Sequence[tuple[object, int]], target_points: float = 2.0
 
 
 def compose_mechanisms(
-    mechanisms: Iterable[tuple[object, int]], direction: str, h: Optional[float] = None
+    mechanisms: Iterable[tuple[object, int]],
+    direction: str,
+    h: Optional[float] = None,
+    loss_cap: float = _LOSS_CAP,
 ) -> DiscretePLD:
     """Composes ``[(mechanism, count), ...]`` (``count`` identical steps each) in one direction."""
     mechanisms = list(mechanisms)
@@ -446,29 +475,39 @@ def compose_mechanisms(
             raise ValueError(f"step counts must be integers >= 1, got {count!r}")
         key = (mech, direction)
         if key not in cache:
-            cache[key] = discretize(mech, direction, h)
+            cache[key] = discretize(mech, direction, h, loss_cap)
         step = cache[key].self_compose(int(count))
         out = step if out is None else out.compose(step)
     return out
 
 
 def pld_epsilon(
-    mechanisms: Iterable[tuple[object, int]], delta: float, h: Optional[float] = None
+    mechanisms: Iterable[tuple[object, int]],
+    delta: float,
+    h: Optional[float] = None,
+    loss_cap: float = _LOSS_CAP,
 ) -> float:
     """Certified (pessimistic) epsilon at ``delta``: max over the add and remove directions."""
     if not (isinstance(delta, (int, float)) and 0.0 < delta < 1.0):
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
     mechanisms = list(mechanisms)
     h = _auto_h(mechanisms) if h is None else h
-    return max(compose_mechanisms(mechanisms, d, h).epsilon(delta) for d in DIRECTIONS)
+    return max(
+        compose_mechanisms(mechanisms, d, h, loss_cap).epsilon(delta) for d in DIRECTIONS
+    )
 
 
 def pld_delta(
-    mechanisms: Iterable[tuple[object, int]], epsilon: float, h: Optional[float] = None
+    mechanisms: Iterable[tuple[object, int]],
+    epsilon: float,
+    h: Optional[float] = None,
+    loss_cap: float = _LOSS_CAP,
 ) -> float:
     """Certified (pessimistic) delta at ``epsilon``: max over the add and remove directions."""
     if not (isinstance(epsilon, (int, float)) and epsilon >= 0):
         raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
     mechanisms = list(mechanisms)
     h = _auto_h(mechanisms) if h is None else h
-    return max(compose_mechanisms(mechanisms, d, h).delta(epsilon) for d in DIRECTIONS)
+    return max(
+        compose_mechanisms(mechanisms, d, h, loss_cap).delta(epsilon) for d in DIRECTIONS
+    )
