@@ -184,7 +184,9 @@ class PrivacyBudget(keras.callbacks.Callback):
     Cost: the number of further steps of one kind that the budget allows is computed once (a
     search over step counts, each an accountant call on the run-length-compressed ledger) and then
     counted down, so a batch costs a few variable reads. It is recomputed when the kind of step
-    changes (e.g. a clip schedule) and checked against the full ledger at each epoch end.
+    changes (e.g. a clip schedule) or when the ledger, checked at each epoch end, holds a step of
+    another kind. With ``steps_per_execution = s > 1`` Keras runs ``s`` steps between two checks,
+    so training stops once fewer than ``s`` steps are left (the budget is never exceeded).
 
     If ``fit`` starts with not even one step left, it raises :class:`BudgetExhaustedError` from
     ``on_train_batch_begin`` (no step runs) unless ``raise_if_exhausted=False``, in which case the
@@ -287,7 +289,9 @@ class PrivacyBudget(keras.callbacks.Callback):
         n = optimizer.ledger.num_samples
         if kind != self._plan_kind or n < self._plan_base:
             self._plan(optimizer, kind)
-        return self._plan_headroom - (n - self._plan_base) >= 1
+        # Keras runs steps_per_execution steps per call between two callback hooks.
+        needed = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        return self._plan_headroom - (n - self._plan_base) >= needed
 
     # -- Keras hooks ---------------------------------------------------------------------------
 
@@ -321,13 +325,17 @@ class PrivacyBudget(keras.callbacks.Callback):
             self._stop()
 
     def on_epoch_end(self, epoch, logs=None):
-        # Full check against the ledger as recorded (the counted plan is an optimisation).
+        # Check the counted plan against the ledger as recorded: every step since the plan was
+        # made must be of the planned kind; otherwise plan again from the real entries.
         optimizer = _dp_optimizer(self.model, "PrivacyBudget")
-        kind = predicted_next_entry(optimizer)
-        if kind is not None:
-            self._plan(optimizer, kind)
-            if self._plan_headroom < 1 and not self.stopped:
-                self._stop()
+        if self._plan_kind is None:
+            return
+        entries = optimizer.ledger.samples()
+        recent = entries[self._plan_base :]
+        if len(entries) < self._plan_base or any(e != self._plan_kind for e in recent):
+            self._plan(optimizer, predicted_next_entry(optimizer) or entries[-1])
+        if not self.stopped and not self._next_step_allowed():
+            self._stop()
 
     def on_train_end(self, logs=None):
         original = getattr(self, "_original_train_function", None)
