@@ -67,7 +67,7 @@ class Plan:
     """Which layers the ghost strategy records, and how each variable gets its norms."""
 
     ghost: list  # [(layer, RuleEntry)]
-    local: list  # [(layer, reason)] -- vectorized over the layer's own call
+    local: list  # [(layer, reason, variables)] -- vectorized over the layer's own call
     model_level: list  # variables (keys) for the whole-model vectorized fallback
     model_level_names: list
 
@@ -79,15 +79,65 @@ class Plan:
     def description(self) -> str:
         if self.mode == "ghost":
             return "ghost"
-        parts = [layer.name for layer, _ in self.local]
+        parts = [layer.name for layer, _, _ in self.local]
         if self.model_level_names:
             parts.append("model-level variables: " + ", ".join(self.model_level_names))
         return "ghost+vectorized (layers: " + ", ".join(parts) + ")"
 
 
+def _parents(model) -> tuple[dict, dict]:
+    """``(first parent, all parents)`` of every layer under ``model``, by ``id``."""
+    parents: dict[int, Any] = {}
+    every: dict[int, list] = {}
+    stack, seen = [model], {id(model)}
+    while stack:
+        layer = stack.pop()
+        flatten = getattr(layer, "_flatten_layers", None)
+        children = list(flatten(include_self=False, recursive=False)) if flatten else []
+        for child in children:
+            every.setdefault(id(child), [])
+            if all(p is not layer for p in every[id(child)]):
+                every[id(child)].append(layer)
+            parents.setdefault(id(child), layer)
+            if id(child) not in seen:
+                seen.add(id(child))
+                stack.append(child)
+    return parents, every
+
+
+def _maybe_tied(layer, every) -> bool:
+    """A layer tracked by several parents, one of them an unregistered plain layer: that layer
+    may read its variables directly (weight tying) rather than call it."""
+    import keras
+
+    ps = every.get(id(layer), [])
+    return len(ps) > 1 and any(
+        not isinstance(p, keras.Model) and find_rule(p)[0] is None for p in ps
+    )
+
+
+def _fallback_unit(layer, model, parents):
+    """The outermost unregistered, non-Model ancestor of an unregistered layer (e.g. the LSTM or
+    Bidirectional around an LSTMCell, whose calls happen inside a loop)."""
+    import keras
+
+    unit = layer
+    parent = parents.get(id(layer))
+    while (
+        parent is not None
+        and parent is not model
+        and not isinstance(parent, keras.Model)
+        and find_rule(parent)[0] is None
+    ):
+        unit = parent
+        parent = parents.get(id(parent))
+    return unit
+
+
 def make_plan(model, variables) -> Plan:
     var_keys = {_key(v) for v in variables}
     layers = _all_layers(model)
+    parents, every = _parents(model)
     owners: dict[int, list] = {}
     for layer in layers:
         for v in _own_trainable(layer):
@@ -97,11 +147,12 @@ def make_plan(model, variables) -> Plan:
                 if layer not in owners[k]:
                     owners[k].append(layer)
     ghost, local, model_level, names = [], [], [], []
+    units: dict[int, list] = {}  # fallback unit -> [variables]
     for layer in layers:
         own = [v for v in _own_trainable(layer) if _key(v) in var_keys]
         if not own:
             continue
-        tied = [v for v in own if len(owners[_key(v)]) > 1]
+        tied = [v for v in own if len(owners[_key(v)]) > 1 or _maybe_tied(layer, every)]
         if tied:
             for v in tied:
                 if _key(v) not in model_level:
@@ -111,8 +162,13 @@ def make_plan(model, variables) -> Plan:
         entry, reason = find_rule(layer) if layer is not model else (None, "the model itself")
         if entry is not None:
             ghost.append((layer, entry))
-        else:
-            local.append((layer, reason))
+            continue
+        unit = layer if layer is model else _fallback_unit(layer, model, parents)
+        if id(unit) not in units:
+            units[id(unit)] = []
+            local.append((unit, reason))
+        units[id(unit)].extend(own)
+    local = [(unit, reason, units[id(unit)]) for unit, reason in local]
     for v in variables:
         if _key(v) not in owners and _key(v) not in model_level:
             model_level.append(_key(v))
@@ -142,10 +198,15 @@ class _Capture:
         self._plan = plan
         self._tape = tape
         self.records: list[_Record] = []
+        self.nested: set = set()
         self._saved: list = []
 
     def __enter__(self):
-        items = [(l, e) for l, e in self._plan.ghost] + [(l, None) for l, _ in self._plan.local]
+        try:
+            self._graph = tf.compat.v1.get_default_graph()
+        except Exception:  # pragma: no cover
+            self._graph = None
+        items = [(l, e) for l, e in self._plan.ghost] + [(l, None) for l, _, _ in self._plan.local]
         for layer, entry in items:
             had = "call" in layer.__dict__
             prev = layer.__dict__.get("call")
@@ -181,6 +242,11 @@ class _Capture:
                 if split:
                     object.__setattr__(layer, "activation", act)
             leaves = _float_leaves(z)
+            if tf.compat.v1.get_default_graph() is not self._graph:
+                # called inside control flow (a loop body or cond branch): the outer tape cannot
+                # give gradients for these tensors; the strategy falls back for this layer
+                self.nested.add(id(layer))
+                return act(z) if act is not None else z
             self._tape.watch(leaves)
             self.records.append(_Record(layer, entry, orig, args, kwargs, inputs, leaves))
             return act(z) if act is not None else z
@@ -216,7 +282,36 @@ def _local_per_example(rec: _Record, grads: list, variables: list) -> list:
         return [tf.convert_to_tensor(g) for g in gs]
 
     elems = [flat[i] for i in slots] + list(grads)
-    return tf.vectorized_map(one, elems, fallback_to_while_loop=True)
+    try:
+        return tf.vectorized_map(one, elems, fallback_to_while_loop=True)
+    except (TypeError, ValueError, NotImplementedError) as e:  # e.g. Keras RNN loops under pfor
+        _logger.info("tf_dp: vectorized_map failed on layer %r (%s); using map_fn", rec.layer.name, e)
+        signature = [tf.TensorSpec(v.shape, tf.float32) for v in tf_vars]
+        return tf.map_fn(one, elems, fn_output_signature=signature)
+
+
+def _whole_model_per_example(loss_fn, data, variables) -> list:
+    """Per-example gradients of ``variables`` through the whole model (vectorized strategy; a
+    sequential ``map_fn`` where ``vectorized_map`` cannot convert the model)."""
+    try:
+        return VectorizedStrategy().per_example_gradients(loss_fn, data, variables)[0]
+    except (TypeError, ValueError, NotImplementedError) as e:
+        _logger.info("tf_dp: vectorized_map failed on the model (%s); using map_fn", e)
+    x, y, sw = data
+    tf_vars = base.as_tf_variables(variables)
+
+    def one(example):
+        ex_x, ex_y, ex_sw = example
+        expand = lambda t: tf.nest.map_structure(lambda a: a[None], t)  # noqa: E731
+        with tf.GradientTape() as tape:
+            loss, _ = loss_fn(expand(ex_x), expand(ex_y), None if sw is None else expand(ex_sw))
+            loss = tf.reduce_sum(loss)
+        grads = tape.gradient(loss, tf_vars, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return [tf.convert_to_tensor(g) for g in grads]
+
+    elems = (x, y, sw if sw is not None else tf.zeros([base.batch_size_of(x)]))
+    signature = [tf.TensorSpec(v.shape, tf.float32) for v in tf_vars]
+    return tf.map_fn(one, elems, fn_output_signature=signature)
 
 
 class GhostStrategy(base.GradientStrategy):
@@ -261,7 +356,7 @@ class GhostStrategy(base.GradientStrategy):
             return "the model is not built (or has no trainable variables)"
         plan = self._plan_for(model, list(model.trainable_variables))
         if not plan.ghost:
-            reasons = "; ".join(str(r) for _, r in plan.local[:3])
+            reasons = "; ".join(str(r) for _, r, _ in plan.local[:3])
             return f"no layer of the model has a ghost norm rule ({reasons})"
         return None
 
@@ -279,7 +374,7 @@ class GhostStrategy(base.GradientStrategy):
             with _Capture(plan, tape) as capture:
                 losses, y_pred = loss_fn(x, y, sw)
             total = tf.reduce_sum(losses)
-        records = capture.records
+        records = [r for r in capture.records if id(r.layer) not in capture.nested]
         targets = [t for rec in records for t in rec.outputs]
         out_grads = (
             tape.gradient(total, targets, unconnected_gradients=tf.UnconnectedGradients.ZERO)
@@ -288,13 +383,22 @@ class GhostStrategy(base.GradientStrategy):
         )
 
         index = {_key(v): i for i, v in enumerate(variables)}
+        unit_vars = {id(layer): vs for layer, _, vs in plan.local}
+        model_level = set(plan.model_level)
+        for layer, _ in plan.ghost:
+            if id(layer) in capture.nested:
+                model_level.update(_key(v) for v in _own_trainable(layer) if _key(v) in index)
+        for layer, _, vs in plan.local:
+            if id(layer) in capture.nested:
+                model_level.update(_key(v) for v in vs)
+        records = [r for r in records if id(r.layer) not in capture.nested]
         parts: dict[int, list] = {}
         pos = 0
         for rec in records:
             grads = out_grads[pos : pos + len(rec.outputs)]
             pos += len(rec.outputs)
-            own = [v for v in _own_trainable(rec.layer) if _key(v) in index]
             if rec.entry is not None:
+                own = [v for v in _own_trainable(rec.layer) if _key(v) in index]
                 g = grads[0] if len(grads) == 1 else grads
                 pairs = list(rec.entry.rule(rec.layer, rec.inputs, g))
                 got = {_key(v) for v, _ in pairs}
@@ -308,14 +412,15 @@ class GhostStrategy(base.GradientStrategy):
                 for v, factor in pairs:
                     if _key(v) in index:
                         parts.setdefault(_key(v), []).append(factor)
-            elif own:
+            elif unit_vars.get(id(rec.layer)):
+                own = unit_vars[id(rec.layer)]
                 per_ex = _local_per_example(rec, grads, own)
                 for v, pe in zip(own, per_ex):
                     parts.setdefault(_key(v), []).append(F.PerExample(pe))
 
-        if plan.model_level:
-            fallback_vars = [v for v in variables if _key(v) in set(plan.model_level)]
-            per_ex, _, _ = VectorizedStrategy().per_example_gradients(loss_fn, data, fallback_vars)
+        if model_level:
+            fallback_vars = [v for v in variables if _key(v) in model_level]
+            per_ex = _whole_model_per_example(loss_fn, data, fallback_vars)
             for v, pe in zip(fallback_vars, per_ex):
                 parts.setdefault(_key(v), []).append(F.PerExample(pe))
 
