@@ -1,0 +1,78 @@
+"""Privacy accounting for DP training: ledger or hyperparameters -> privacy guarantee.
+
+Pure numpy/scipy (no TensorFlow).  Which accountant to use (see docs/accounting.md):
+
+* ``rdp`` (default): Renyi DP with the tight conversion; certified, fast.
+* ``moments``: Abadi et al. 2016's moments accountant (same RDP curve, their tail bound); certified,
+  reproduces the paper's numbers.
+* ``pld``: privacy loss distributions composed by FFT with pessimistic discretisation; certified
+  and the tightest; the only accountant for JL steps.
+* ``gdp``: mu-GDP via the privacy CLT (Bu et al. 2019); an approximation, labelled as such.
+
+Example::
+
+    from tf_dp.accounting import compute_epsilon, dp_sgd_epsilon
+    print(dp_sgd_epsilon(60000, 256, 1.1, 1e-5, epochs=60, accountant="pld"))
+    print(compute_epsilon("run.ledger.json", 1e-5))
+"""
+
+from tf_dp.accounting.calibration import calibrate_noise_multiplier
+from tf_dp.accounting.gdp import (
+    delta_from_mu,
+    epsilon_from_mu,
+    mu_poisson,
+    mu_uniform,
+    reduced_noise,
+)
+from tf_dp.accounting.jl import jl_delta, jl_epsilon, jl_mechanism
+from tf_dp.accounting.ledger_analysis import (
+    ACCOUNTANTS,
+    PrivacyResult,
+    compute_delta,
+    compute_epsilon,
+    dp_sgd_entries,
+    dp_sgd_epsilon,
+    effective_noise_multipliers,
+)
+from tf_dp.accounting.pld import Mixture, SubsampledGaussian, pld_delta, pld_epsilon
+from tf_dp.accounting.rdp import (
+    DEFAULT_ORDERS,
+    MOMENTS_ORDERS,
+    delta_from_rdp,
+    epsilon_from_rdp,
+    rdp_poisson_gaussian,
+)
+from tf_dp.accounting.strong_composition import (
+    dp_sgd_strong_composition_epsilon,
+    strong_composition,
+)
+
+__all__ = [
+    "ACCOUNTANTS",
+    "DEFAULT_ORDERS",
+    "MOMENTS_ORDERS",
+    "Mixture",
+    "PrivacyResult",
+    "SubsampledGaussian",
+    "calibrate_noise_multiplier",
+    "compute_delta",
+    "compute_epsilon",
+    "delta_from_mu",
+    "delta_from_rdp",
+    "dp_sgd_entries",
+    "dp_sgd_epsilon",
+    "dp_sgd_strong_composition_epsilon",
+    "effective_noise_multipliers",
+    "epsilon_from_mu",
+    "epsilon_from_rdp",
+    "jl_delta",
+    "jl_epsilon",
+    "jl_mechanism",
+    "mu_poisson",
+    "mu_uniform",
+    "pld_delta",
+    "pld_epsilon",
+    "rdp_poisson_gaussian",
+    "reduced_noise",
+    "strong_composition",
+]

@@ -37,7 +37,7 @@ import math
 from typing import Optional
 
 import numpy as np
-from scipy import stats
+from scipy import special
 
 from tf_dp.accounting import pld as _pld
 
@@ -60,7 +60,7 @@ def _check(q, noise_multiplier, r, num_bins):
 
 def _z_cdf(z: np.ndarray, r: int) -> np.ndarray:
     """``P(Z_r <= z) = P(chi2_r >= r / z^2)``."""
-    return stats.chi2.sf(r / np.square(z), r)
+    return special.chdtrc(r, r / np.square(z))
 
 
 @functools.lru_cache(maxsize=256)
@@ -76,14 +76,13 @@ def jl_mechanism(
     """
     _check(q, noise_multiplier, jl_projections, num_bins)
     r, s = int(jl_projections), float(noise_multiplier)
-    chi2 = stats.chi2(r)
-    z_lo = math.sqrt(r / chi2.isf(1e-14))
+    z_lo = math.sqrt(r / special.chdtri(r, 1e-14))  # chdtri: inverse survival function
     z_max = s * (math.sqrt(2.0 * loss_cap) + 12.0)
-    z_med = math.sqrt(r / chi2.ppf(0.5))
+    z_med = math.sqrt(r / special.chdtri(r, 0.5))
     if z_max <= z_lo:
         z_max = 2.0 * z_lo
     probs = np.linspace(0.0, 1.0, num_bins // 4 + 2)[1:-1]
-    quant = np.sqrt(r / chi2.isf(probs))  # Z quantiles at levels probs
+    quant = np.sqrt(r / special.chdtri(r, probs))  # Z quantiles at levels probs
     geo = np.geomspace(z_lo, z_max, num_bins - num_bins // 4)
     edges = np.unique(np.concatenate([[z_lo, z_med, z_max], quant, geo]))
     edges = edges[(edges >= z_lo) & (edges <= z_max)]
@@ -95,7 +94,7 @@ def jl_mechanism(
         if w > 0:
             weights.append(w)
             comps.append(_pld.SubsampledGaussian(float(q), s / float(edges[k])))
-    tail = float(stats.chi2.cdf(r / edges[-1] ** 2, r))  # P(Z > z_max)
+    tail = float(special.chdtr(r, r / edges[-1] ** 2))  # P(Z > z_max)
     weights.append(tail)
     comps.append(_pld.SubsampledGaussian(float(q), 0.0))  # exact release: infinite loss if sampled
     w = np.asarray(weights)

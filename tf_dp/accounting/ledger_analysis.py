@@ -1,0 +1,379 @@
+"""From a privacy ledger (or plain DP-SGD hyperparameters) to a privacy statement.
+
+Each sample of the ledger is reduced to its *effective noise multiplier* ``z`` (McMahan et al.
+2018, Eq. (1): several Gaussian sum queries on one sample act as one Gaussian query with
+sensitivity ``sqrt(sum_g (S_g/sigma_g)^2)``), its sampling rate ``q`` and policy, and its JL
+dimension if any.  Identical consecutive samples are composed at once (``compress``).
+
+Sampling policies (design invariant 5):
+
+* ``poisson``: each record is included independently with probability ``q``; privacy amplification
+  by subsampling is applied (Abadi et al. 2016 Sec. 3.1; Bu et al. 2019 Sec. 3.1).
+* ``shuffle``: fixed-size batches from a shuffled dataset, each record used once per epoch.  No
+  amplification is assumed: every epoch is counted as one full-batch Gaussian mechanism with the
+  effective noise multiplier, ``ceil(steps * q)`` epochs per run of identical samples (a partial
+  epoch counts as a full one).
+
+Non-private samples (a query without noise) give ``epsilon = inf``.
+
+Example::
+
+    from tf_dp.accounting import compute_epsilon
+    result = compute_epsilon("run.ledger.json", delta=1e-5, accountant="pld")
+    print(result)           # plain-words statement
+    result.epsilon, result.certified
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Sequence
+
+from tf_dp.accounting import gdp as _gdp
+from tf_dp.accounting import jl as _jl
+from tf_dp.accounting import pld as _pld
+from tf_dp.accounting import rdp as _rdp
+from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent, compress
+from tf_dp.ledger.ledger_file import as_entries
+
+__all__ = [
+    "ACCOUNTANTS",
+    "PrivacyResult",
+    "compute_epsilon",
+    "compute_delta",
+    "effective_noise_multipliers",
+    "dp_sgd_entries",
+    "dp_sgd_epsilon",
+]
+
+#: Accountants that analyse a ledger.  ``gdp`` is an approximation (privacy CLT).
+ACCOUNTANTS = ("rdp", "moments", "pld", "gdp")
+
+_KIND_TEXT = {
+    "rdp": "Renyi-DP accountant with the tight RDP-to-(eps, delta) conversion "
+    "(Canonne-Kamath-Steinke 2020): a certified upper bound",
+    "moments": "moments accountant with the tail bound of Abadi et al. 2016: a certified upper "
+    "bound (looser than 'rdp')",
+    "pld": "privacy-loss-distribution accountant (FFT composition, pessimistic discretisation): "
+    "a certified upper bound, close to the exact value",
+    "gdp": "Gaussian-DP via the privacy central limit theorem (Bu et al. 2019): an ASYMPTOTIC "
+    "APPROXIMATION, not a certified bound",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivacyResult:
+    """A privacy statement.
+
+    Attributes:
+      accountant: one of :data:`ACCOUNTANTS`.
+      epsilon, delta: the ``(epsilon, delta)`` pair (``epsilon`` may be ``inf``).
+      certified: True when ``epsilon`` is a proven upper bound (up to floating point).
+      assumptions: plain-words assumptions (adjacency, sampling, what the number is).
+      order: optimal Renyi order (``rdp`` / ``moments``; moments ``lambda = order - 1``).
+      mu: the GDP parameter (``gdp`` only).
+      steps: number of samples (steps) analysed.
+    """
+
+    accountant: str
+    epsilon: float
+    delta: float
+    certified: bool
+    assumptions: str
+    order: Optional[float] = None
+    mu: Optional[float] = None
+    steps: int = 0
+
+    def __str__(self) -> str:
+        eps = "infinite (no privacy guarantee)" if math.isinf(self.epsilon) else f"{self.epsilon:.4g}"
+        lines = [f"[{self.accountant}] epsilon = {eps} at delta = {self.delta:.3g} over "
+                 f"{self.steps} steps."]
+        if self.certified:
+            lines.append("This epsilon is a proven upper bound on the privacy loss.")
+        else:
+            lines.append("This epsilon is an APPROXIMATION (not a proven bound).")
+        if self.order is not None:
+            lines.append(f"Optimal Renyi order: {self.order:g}.")
+        if self.mu is not None:
+            lines.append(f"mu-GDP parameter: mu = {self.mu:.4g}.")
+        lines.append(f"Assumptions: {self.assumptions}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"epsilon": None if math.isinf(self.epsilon) else self.epsilon, "delta": self.delta,
+             "certified": self.certified, "assumptions": self.assumptions}
+        if self.order is not None:
+            d["order"] = self.order
+        if self.mu is not None:
+            d["mu"] = self.mu
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unit:
+    """``count`` identical mechanisms: subsampled (rate q) Gaussian/JL with noise multiplier z."""
+
+    q: float
+    z: float
+    r: Optional[int]
+    count: int
+    policy: str
+
+
+def effective_noise_multipliers(ledger) -> list[float]:
+    """Per-sample effective noise multiplier (McMahan et al. 2018, Eq. (1)); 0.0 = non-private."""
+    return [e.effective_noise_multiplier() for e in as_entries(ledger)]
+
+
+def _units(entries: Sequence[SampleEntry]) -> tuple[list[_Unit], bool, set]:
+    """Reduces entries to composable units; returns (units, any_non_private, policies)."""
+    units: list[_Unit] = []
+    non_private = False
+    policies = set()
+    for entry, count in compress(entries):
+        q = float(entry.sampling.selection_probability)
+        policy = entry.sampling.policy
+        policies.add(policy)
+        z = entry.effective_noise_multiplier()
+        r = entry.jl_projections
+        if q == 0 or math.isinf(z):
+            continue  # no record can be touched / no sensitivity: no privacy spent
+        if z == 0:
+            non_private = True
+            continue
+        if policy == "shuffle":
+            epochs = int(math.ceil(count * q - 1e-9))
+            units.append(_Unit(1.0, z, r, max(epochs, 1), policy))
+        else:
+            units.append(_Unit(q, z, r, count, policy))
+    return units, non_private, policies
+
+
+def _assumptions(accountant: str, policies: set, has_jl: bool, extra: str = "") -> str:
+    parts = ["add/remove-one adjacency (both directions)"]
+    if "poisson" in policies:
+        parts.append("Poisson sampling with the recorded rate q (amplification by subsampling "
+                     "applied)")
+    if "shuffle" in policies:
+        parts.append("shuffled fixed-size batches: NO amplification assumed; each epoch (each "
+                     "record used once) counted as one full-batch Gaussian mechanism with the "
+                     "effective noise multiplier, partial epochs counted as full")
+    if has_jl:
+        parts.append("JL clipping steps accounted as the mixture mechanism of Bu et al. 2020 "
+                     "(Lemma 4.3 / Thm 4.1), heavy tail of the norm estimate included")
+    parts.append(_KIND_TEXT[accountant])
+    if extra:
+        parts.append(extra)
+    return "; ".join(parts) + "."
+
+
+def _check_accountant(accountant: str) -> None:
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+
+
+def _pld_mechanisms(units: list[_Unit]):
+    has_jl = any(u.r is not None for u in units)
+    mechs = []
+    for u in units:
+        if u.r is None:
+            mechs.append((_pld.SubsampledGaussian(u.q, u.z), u.count))
+        else:
+            mechs.append((_jl.jl_mechanism(u.q, u.z, int(u.r)), u.count))
+    if has_jl:
+        total = sum(c for _, c in mechs)
+        return mechs, dict(h=_jl._default_h(total), loss_cap=_jl.JL_LOSS_CAP)
+    return mechs, {}
+
+
+def _refuse_jl(units: list[_Unit], accountant: str) -> None:
+    if any(u.r is not None for u in units):
+        why = ("the privacy CLT does not apply to the JL mechanism (Bu et al. 2020, Prop. B.5)"
+               if accountant == "gdp" else "no RDP bound for the JL mechanism is implemented")
+        raise ValueError(
+            f"the ledger has JL steps (jl_projections set); accountant={accountant!r} cannot "
+            f"analyse them ({why}); use accountant='pld'"
+        )
+
+
+def _gdp_mu(units: list[_Unit]) -> float:
+    total = 0.0
+    for u in units:
+        if u.q >= 1.0:
+            total += u.count / (u.z * u.z)  # exact: composition of Gaussians is Gaussian
+        else:
+            total += u.count * u.q * u.q * math.expm1(min(u.z**-2, 700.0))
+    return math.sqrt(total)
+
+
+def compute_epsilon(
+    ledger, delta: float, accountant: str = "rdp", *, orders: Optional[Sequence[float]] = None,
+    discretization: Optional[float] = None,
+) -> PrivacyResult:
+    """Epsilon at ``delta`` for a ledger (path, ``PrivacyLedger`` or list of ``SampleEntry``).
+
+    Args:
+      ledger: the run's record.
+      delta: target delta in (0, 1).
+      accountant: ``"rdp"`` (default), ``"moments"``, ``"pld"`` or ``"gdp"`` (approximation).
+      orders: RDP orders (``rdp``/``moments``); default :data:`rdp.DEFAULT_ORDERS`.
+      discretization: PLD grid spacing (default: automatic, 1e-4 for typical runs).
+    """
+    _check_accountant(accountant)
+    if not (isinstance(delta, (int, float)) and 0.0 < delta < 1.0):
+        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    entries = as_entries(ledger)
+    units, non_private, policies = _units(entries)
+    has_jl = any(u.r is not None for u in units)
+    certified = accountant != "gdp" or all(u.q >= 1.0 for u in units)
+    assumptions = _assumptions(accountant, policies, has_jl)
+    if accountant == "gdp" and certified and units:
+        assumptions = assumptions.replace(
+            "an ASYMPTOTIC APPROXIMATION, not a certified bound",
+            "exact here, since without subsampling the composition of Gaussian mechanisms is "
+            "exactly mu-GDP",
+        )
+    common = dict(accountant=accountant, delta=float(delta), steps=len(entries),
+                  assumptions=assumptions)
+    if non_private:
+        return PrivacyResult(epsilon=math.inf, certified=True, **common,
+                             **({"mu": math.inf} if accountant == "gdp" else {}))
+    if not units:
+        return PrivacyResult(epsilon=0.0, certified=True, **common,
+                             **({"mu": 0.0} if accountant == "gdp" else {}))
+    if accountant in ("rdp", "moments"):
+        _refuse_jl(units, accountant)
+        o = tuple(orders) if orders is not None else _rdp.DEFAULT_ORDERS
+        curve = sum(u.count * _rdp.rdp_poisson_gaussian(u.q, u.z, o) for u in units)
+        eps, order = _rdp.epsilon_from_rdp(o, curve, delta, conversion=accountant)
+        return PrivacyResult(epsilon=eps, certified=True, order=order, **common)
+    if accountant == "gdp":
+        _refuse_jl(units, accountant)
+        mu = _gdp_mu(units)
+        return PrivacyResult(epsilon=_gdp.epsilon_from_mu(delta, mu), certified=certified, mu=mu,
+                             **common)
+    mechs, kw = _pld_mechanisms(units)
+    if discretization is not None:
+        kw["h"] = discretization
+    eps = _pld.pld_epsilon(mechs, delta, **kw)
+    return PrivacyResult(epsilon=eps, certified=True, **common)
+
+
+def compute_delta(
+    ledger, epsilon: float, accountant: str = "rdp", *, orders: Optional[Sequence[float]] = None,
+    discretization: Optional[float] = None,
+) -> PrivacyResult:
+    """Delta at ``epsilon`` for a ledger (see :func:`compute_epsilon`)."""
+    _check_accountant(accountant)
+    if not (isinstance(epsilon, (int, float)) and epsilon >= 0 and not math.isnan(epsilon)):
+        raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
+    entries = as_entries(ledger)
+    units, non_private, policies = _units(entries)
+    has_jl = any(u.r is not None for u in units)
+    certified = accountant != "gdp" or all(u.q >= 1.0 for u in units)
+
+    def result(delta, **kw):
+        return PrivacyResult(accountant=accountant, epsilon=float(epsilon), delta=float(delta),
+                             certified=certified, steps=len(entries),
+                             assumptions=_assumptions(accountant, policies, has_jl), **kw)
+
+    if non_private:
+        return result(1.0)
+    if not units:
+        return result(0.0)
+    if accountant in ("rdp", "moments"):
+        _refuse_jl(units, accountant)
+        o = tuple(orders) if orders is not None else _rdp.DEFAULT_ORDERS
+        curve = sum(u.count * _rdp.rdp_poisson_gaussian(u.q, u.z, o) for u in units)
+        d, order = _rdp.delta_from_rdp(o, curve, epsilon, conversion=accountant)
+        return result(d, order=order)
+    if accountant == "gdp":
+        _refuse_jl(units, accountant)
+        mu = _gdp_mu(units)
+        return result(_gdp.delta_from_mu(epsilon, mu), mu=mu)
+    mechs, kw = _pld_mechanisms(units)
+    if discretization is not None:
+        kw["h"] = discretization
+    return result(_pld.pld_delta(mechs, epsilon, **kw))
+
+
+def _check_positive_int(name: str, value) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def dp_sgd_entries(
+    n: int,
+    batch_size: int,
+    noise_multiplier: float,
+    *,
+    steps: Optional[int] = None,
+    epochs: Optional[float] = None,
+    sampling: str = "poisson",
+    microbatch_size: Optional[int] = None,
+    jl_projections: Optional[int] = None,
+) -> list[SampleEntry]:
+    """The ledger DP-SGD would record for these hyperparameters (clip C = 1, noise sigma*C).
+
+    ``steps = ceil(epochs * n / batch_size)`` when ``epochs`` is given.  ``microbatch_size > 1``
+    means several examples share one clipped gradient: the sensitivity is ``2C`` under add/remove
+    adjacency, so the effective noise multiplier is halved.
+    """
+    n = _check_positive_int("N (dataset size)", n)
+    batch_size = _check_positive_int("batch_size", batch_size)
+    if batch_size > n:
+        raise ValueError(f"batch_size must be <= N ({n}), got {batch_size}")
+    if not (isinstance(noise_multiplier, (int, float)) and noise_multiplier >= 0
+            and math.isfinite(noise_multiplier)):
+        raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
+    if (steps is None) == (epochs is None):
+        raise ValueError("give exactly one of steps or epochs")
+    if epochs is not None:
+        if not (isinstance(epochs, (int, float)) and epochs > 0 and math.isfinite(epochs)):
+            raise ValueError(f"epochs must be > 0, got {epochs!r}")
+        steps = int(math.ceil(epochs * n / batch_size - 1e-9))
+    steps = _check_positive_int("steps", steps)
+    if sampling not in ("poisson", "shuffle"):
+        raise ValueError(f"sampling must be 'poisson' or 'shuffle', got {sampling!r}")
+    sensitivity = 1.0
+    if microbatch_size is not None:
+        microbatch_size = _check_positive_int("microbatch_size", microbatch_size)
+        if microbatch_size > batch_size:
+            raise ValueError(f"microbatch_size must be <= batch_size ({batch_size}), "
+                             f"got {microbatch_size}")
+        if microbatch_size > 1:
+            sensitivity = 2.0
+    if jl_projections is not None:
+        jl_projections = _check_positive_int("jl_projections", jl_projections)
+        query = SumQueryEvent(sensitivity, float(noise_multiplier), "jl", jl_projections)
+    else:
+        query = SumQueryEvent(sensitivity, float(noise_multiplier))
+    entry = SampleEntry(SamplingEvent(n, batch_size / n, sampling), (query,))
+    return [entry] * steps
+
+
+def dp_sgd_epsilon(
+    n: int,
+    batch_size: int,
+    noise_multiplier: float,
+    delta: float,
+    *,
+    steps: Optional[int] = None,
+    epochs: Optional[float] = None,
+    accountant: str = "rdp",
+    sampling: str = "poisson",
+    microbatch_size: Optional[int] = None,
+    jl_projections: Optional[int] = None,
+) -> PrivacyResult:
+    """Epsilon of DP-SGD from its hyperparameters (see :func:`dp_sgd_entries`).
+
+    Example: ``dp_sgd_epsilon(60000, 256, 1.1, 1e-5, epochs=60, accountant="pld")``.
+    """
+    entries = dp_sgd_entries(n, batch_size, noise_multiplier, steps=steps, epochs=epochs,
+                             sampling=sampling, microbatch_size=microbatch_size,
+                             jl_projections=jl_projections)
+    return compute_epsilon(entries, delta, accountant)
