@@ -1,0 +1,115 @@
+"""compute_dp_sgd_privacy: the privacy guarantee of a DP-SGD run, in plain words or JSON.
+
+From hyperparameters::
+
+    compute_dp_sgd_privacy --N=60000 --batch_size=256 --noise_multiplier=1.1 --epochs=60 \\
+        --delta=1e-5 [--accountant=rdp|moments|pld|gdp|all] [--sampling=poisson|shuffle] \\
+        [--microbatch_size=M] [--jl_projections=R] [--format=text|json]
+
+or from a ledger file written during training (``--ledger=run.ledger.json``; then the ledger's
+recorded events are used and the hyperparameter flags are ignored).
+
+``--microbatch_size`` > 1 means each clipped gradient covers several examples, so the sensitivity
+under add/remove adjacency is 2C and the effective noise multiplier is halved.
+``--jl_projections=R`` accounts for DP-SGD-JL with R projections (PLD accountant only; the other
+accountants are skipped with a note).  JSON output: one object keyed by accountant name, each
+with ``epsilon`` (null when infinite), ``order`` (rdp/moments) or ``mu`` (gdp), plus top-level
+``delta`` and ``assumptions``.  Bad input exits with status 2 and one line on stderr.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+from tf_dp.cli import _common
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("N", None, "Number of examples in the training set.")
+flags.DEFINE_integer("batch_size", None, "Expected batch size (Poisson) or batch size (shuffle).")
+flags.DEFINE_float("noise_multiplier", None, "Noise stddev divided by the clip norm.")
+flags.DEFINE_float("epochs", None, "Number of epochs (steps = ceil(epochs * N / batch_size)).")
+flags.DEFINE_integer("steps", None, "Number of steps (alternative to --epochs).")
+flags.DEFINE_float("delta", None, "Target delta, in (0, 1).")
+flags.DEFINE_enum("accountant", "rdp", ["rdp", "moments", "pld", "gdp", "all"], "Accountant.")
+flags.DEFINE_enum("sampling", "poisson", ["poisson", "shuffle"], "Batch sampling policy.")
+flags.DEFINE_integer("microbatch_size", None, "Examples per microbatch (>1: sensitivity 2C).")
+flags.DEFINE_integer("jl_projections", None, "JL projections r (DP-SGD-JL accounting).")
+flags.DEFINE_string("ledger", None, "Ledger file to analyse instead of hyperparameters.")
+flags.DEFINE_enum("format", "text", ["text", "json"], "Output format.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise _common.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    from tf_dp import accounting as acc
+    from tf_dp.ledger.ledger_file import read_ledger_file
+
+    delta = FLAGS.delta
+    if delta is None or not (0.0 < delta < 1.0):
+        raise _common.UsageError(f"--delta must be in (0, 1), got {delta}")
+    if FLAGS.ledger:
+        entries = read_ledger_file(FLAGS.ledger)  # LedgerFileError is a ValueError -> exit 2
+        source = f"ledger file {FLAGS.ledger} ({len(entries)} steps)"
+    else:
+        _common.check_sizes(FLAGS.N, FLAGS.batch_size, FLAGS.steps, FLAGS.epochs, delta)
+        if FLAGS.noise_multiplier is None or not FLAGS.noise_multiplier >= 0:
+            raise _common.UsageError(
+                f"--noise_multiplier must be >= 0, got {FLAGS.noise_multiplier}")
+        if FLAGS.microbatch_size is not None and FLAGS.microbatch_size <= 0:
+            raise _common.UsageError(
+                f"--microbatch_size must be a positive integer, got {FLAGS.microbatch_size}")
+        if FLAGS.jl_projections is not None and FLAGS.jl_projections <= 0:
+            raise _common.UsageError(
+                f"--jl_projections must be a positive integer, got {FLAGS.jl_projections}")
+        entries = acc.dp_sgd_entries(
+            FLAGS.N, FLAGS.batch_size, FLAGS.noise_multiplier, steps=FLAGS.steps,
+            epochs=FLAGS.epochs, sampling=FLAGS.sampling, microbatch_size=FLAGS.microbatch_size,
+            jl_projections=FLAGS.jl_projections)
+        z = entries[0].effective_noise_multiplier()
+        source = (f"DP-SGD with N={FLAGS.N}, batch size {FLAGS.batch_size}, {len(entries)} steps, "
+                  f"effective noise multiplier {z:g}")
+    has_jl = any(e.jl_projections is not None for e in entries[:1]) or any(
+        q.mechanism == "jl" for e in set(entries) for q in e.queries)
+    names = list(acc.ACCOUNTANTS) if FLAGS.accountant == "all" else [FLAGS.accountant]
+    results, skipped = {}, {}
+    for name in names:
+        if has_jl and name != "pld":
+            skipped[name] = "not applicable to JL steps (use pld)"
+            if FLAGS.accountant != "all":
+                raise _common.UsageError(
+                    f"--accountant={name} cannot analyse JL steps; use --accountant=pld or all")
+            continue
+        results[name] = acc.compute_epsilon(entries, delta, name)
+    assumptions = next(iter(results.values())).assumptions if results else ""
+    if FLAGS.format == "json":
+        out = {}
+        for name, r in results.items():
+            d = {"epsilon": r.epsilon, "certified": r.certified}
+            if r.order is not None:
+                d["order"] = r.order
+            if r.mu is not None:
+                d["mu"] = r.mu
+            out[name] = d
+        for name, why in skipped.items():
+            out[name] = {"epsilon": None, "skipped": why}
+        out["delta"] = delta
+        out["assumptions"] = "; ".join(
+            [f"source: {source}"] + [f"{n}: {r.assumptions}" for n, r in results.items()])
+        print(_common.to_json(out))
+        return 0
+    print(f"Privacy of {source}, at delta = {delta:g}:")
+    for name, r in results.items():
+        print()
+        print(str(r))
+    for name, why in skipped.items():
+        print(f"\n[{name}] skipped: {why}")
+    del assumptions
+    return 0
+
+
+def run():
+    _common.run_main(main)
+
+
+if __name__ == "__main__":
+    run()
