@@ -1,0 +1,110 @@
+"""RDP / moments accountant: dp_accounting oracle, Abadi et al. 2016's 1.26, Table 1 of Bu et al. 2019."""
+
+import math
+
+import numpy as np
+import pytest
+from dp_accounting.rdp import rdp_privacy_accountant as ref_rdp
+import dp_accounting
+
+from tf_dp.accounting import rdp
+
+REF_ORDERS = tuple(float(a) for a in ref_rdp.DEFAULT_RDP_ORDERS)
+
+
+def _ref_epsilon(q, sigma, steps, delta, orders=REF_ORDERS):
+    acc = dp_accounting.rdp.RdpAccountant(orders=list(orders))
+    event = dp_accounting.GaussianDpEvent(sigma)
+    if q < 1:
+        event = dp_accounting.PoissonSampledDpEvent(q, event)
+    acc.compose(event, steps)
+    return acc.get_epsilon_and_optimal_order(delta)
+
+
+@pytest.mark.parametrize("q", [1e-3, 0.004, 0.01, 1.0])
+@pytest.mark.parametrize("sigma", [0.6, 1.1, 4.0])
+def test_rdp_epsilon_matches_dp_accounting(q, sigma):
+    for steps in (10, 1000, 100000):
+        for delta in (1e-5, 1e-8):
+            curve = rdp.rdp_poisson_gaussian(q, sigma, REF_ORDERS) * steps
+            eps, order = rdp.epsilon_from_rdp(REF_ORDERS, curve, delta)
+            ref_eps, ref_order = _ref_epsilon(q, sigma, steps, delta)
+            assert eps == pytest.approx(ref_eps, rel=1e-6), (q, sigma, steps, delta)
+
+
+def test_rdp_curve_matches_reference_integer_orders():
+    orders = tuple(float(a) for a in range(2, 200))
+    for q, s in [(0.01, 1.0), (1e-4, 0.5), (0.2, 2.0)]:
+        mine = rdp.rdp_poisson_gaussian(q, s, orders)
+        ref = ref_rdp._compute_rdp_poisson_subsampled_gaussian(q, s, orders)
+        np.testing.assert_allclose(mine, ref, rtol=1e-9)
+
+
+def test_gaussian_rdp_closed_form():
+    orders = (1.5, 2.0, 10.0, 64.5)
+    np.testing.assert_allclose(rdp.rdp_gaussian(2.0, orders), np.array(orders) / 8.0, rtol=1e-12)
+
+
+def test_stable_extreme_regimes():
+    # tiny q, huge sigma, 1e6 steps: finite, small, positive
+    c = rdp.rdp_poisson_gaussian(1e-6, 50.0) * 1e6
+    eps, _ = rdp.epsilon_from_rdp(rdp.DEFAULT_ORDERS, c, 1e-5)
+    assert 0 <= eps < 0.01
+    c = rdp.rdp_poisson_gaussian(0.001, 0.3)
+    assert np.all(np.isfinite(c) | (c == np.inf)) and np.all(c >= 0)
+
+
+def test_abadi_moments_reproduces_1_26():
+    """Abadi et al. 2016 Sec. 3.1: q=0.01, sigma=4, T=10000, delta=1e-5 -> eps ~= 1.26 (moments)."""
+    for orders in (rdp.MOMENTS_ORDERS, rdp.DEFAULT_ORDERS):
+        c = rdp.rdp_poisson_gaussian(0.01, 4.0, orders) * 10000
+        eps, order = rdp.epsilon_from_rdp(orders, c, 1e-5, conversion="moments")
+        assert abs(eps - 1.26) < 0.005
+        assert float(order).is_integer()  # lambda = order - 1 integer, <= 32
+    # The tighter conversion is strictly better.
+    eps_rdp, _ = rdp.epsilon_from_rdp(rdp.DEFAULT_ORDERS, c, 1e-5)
+    assert eps_rdp < eps - 0.1
+
+
+def test_moments_delta_is_tail_bound():
+    orders = rdp.MOMENTS_ORDERS
+    c = rdp.rdp_poisson_gaussian(0.01, 4.0, orders) * 10000
+    d, order = rdp.delta_from_rdp(orders, c, 1.26, conversion="moments")
+    lam = np.array(orders) - 1
+    direct = np.min(np.exp(lam * c - lam * 1.26))  # min_lambda exp(alpha(lambda) - lambda eps)
+    assert d == pytest.approx(direct, rel=1e-9)
+    assert d == pytest.approx(1e-5, rel=0.1)
+
+
+P = 256 / 60000
+# Table 1 of Bu et al. 2019: sigma, epochs, mu, eps_CLT, eps_MA (delta = 1e-5)
+TABLE1 = [
+    (1.3, 15, 0.23, 0.83, 1.19),
+    (1.1, 60, 0.57, 2.32, 3.01),
+    (0.7, 45, 1.13, 5.07, 7.10),
+    (0.6, 62, 2.00, 9.98, 13.27),
+    (0.55, 68, 2.76, 14.98, 18.72),
+    (0.5, 100, 4.78, 31.12, 32.40),
+]
+
+
+@pytest.mark.parametrize("sigma,epochs,mu,eps_clt,eps_ma", TABLE1[:3])
+def test_table1_moments_column(sigma, epochs, mu, eps_clt, eps_ma):
+    """The eps_MA column is reproduced (to its printed precision) for the first three rows."""
+    steps = epochs / P
+    c = rdp.rdp_poisson_gaussian(P, sigma) * steps
+    eps, _ = rdp.epsilon_from_rdp(rdp.DEFAULT_ORDERS, c, 1e-5, conversion="moments")
+    assert abs(eps - eps_ma) <= 0.006
+
+
+def test_validation():
+    with pytest.raises(ValueError, match="q"):
+        rdp.rdp_poisson_gaussian(1.5, 1.0)
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        rdp.rdp_poisson_gaussian(0.1, -1.0)
+    with pytest.raises(ValueError, match="orders"):
+        rdp.rdp_poisson_gaussian(0.1, 1.0, [1.0])
+    with pytest.raises(ValueError, match="delta"):
+        rdp.epsilon_from_rdp([2.0], [1.0], 0.0)
+    with pytest.raises(ValueError, match="conversion"):
+        rdp.epsilon_from_rdp([2.0], [1.0], 1e-5, conversion="x")
