@@ -32,9 +32,11 @@ import types
 from typing import Any
 
 import keras
+from keras.src.models.functional import Functional
 import numpy as np
 import tensorflow as tf
 
+from tf_dp.gradients.base import as_tf_variables
 from tf_dp.keras.losses import PerExampleLoss
 
 #: Layers that mix examples of a batch: per-example gradients are not defined for them.
@@ -73,9 +75,10 @@ def _regularization_gradients(model: keras.Model, variables: list[Any]) -> list[
     regularized = [v for v in variables if getattr(v, "regularizer", None) is not None]
     if not regularized:
         return None
+    tf_vars = as_tf_variables(variables)
     with tf.GradientTape() as tape:
         penalty = tf.add_n([tf.cast(v.regularizer(v), tf.float32) for v in regularized])
-    return tape.gradient(penalty, variables, unconnected_gradients="zero"), penalty
+    return tape.gradient(penalty, tf_vars, unconnected_gradients="zero"), penalty
 
 
 def dp_train_step(model: keras.Model, data: Any) -> dict[str, Any]:
@@ -87,6 +90,10 @@ def dp_train_step(model: keras.Model, data: Any) -> dict[str, Any]:
             "a private model needs a tf_dp DP optimizer (e.g. tf_dp.keras.DPKerasSGDOptimizer), "
             f"got {type(optimizer).__name__}"
         )
+    if not model.built or not model.trainable_variables:
+        # A subclassed model builds its variables on its first call: create them here, outside
+        # the per-example computation, so that the strategy sees them.
+        model(x, training=False)
     strategy = optimizer.strategy_for(model)
     variables = list(model.trainable_variables)
     query = optimizer.dp_query
@@ -203,8 +210,34 @@ class DPModel(_PrivateTrainingMixin, keras.Model):
 
         inputs = keras.Input((20,))
         outputs = keras.layers.Dense(2)(keras.layers.Dense(16, activation="relu")(inputs))
-        model = tf_dp.keras.DPModel(inputs, outputs)
+        model = tf_dp.keras.DPModel(inputs, outputs)      # a DPFunctional, isinstance DPModel
+
+        class MyModel(tf_dp.keras.DPModel):               # subclassed
+            def __init__(self):
+                super().__init__()
+                self.dense = keras.layers.Dense(2)
+
+            def call(self, x):
+                return self.dense(x)
     """
+
+    def __new__(cls, *args, **kwargs):
+        # DPModel(inputs, outputs) builds a DPFunctional. (Keras's own route would inject
+        # Functional into DPModel's bases for good, breaking later subclasses of DPModel.)
+        if cls is DPModel and _functional_init_arguments(args, kwargs):
+            return DPFunctional.__new__(DPFunctional, *args, **kwargs)
+        return super().__new__(cls, *args, **kwargs)
+
+
+def _functional_init_arguments(args: tuple, kwargs: dict) -> bool:
+    return (len(args) == 2) or (len(args) == 1 and "outputs" in kwargs) or (
+        "inputs" in kwargs and "outputs" in kwargs
+    )
+
+
+@keras.saving.register_keras_serializable(package="tf_dp")
+class DPFunctional(DPModel, Functional):
+    """A functional private model: what ``tf_dp.keras.DPModel(inputs, outputs)`` returns."""
 
 
 def make_private(model: keras.Model) -> keras.Model:

@@ -100,6 +100,11 @@ class DPOptimizerMixin:
             raise ValueError(f"gradient_mode must be one of {modes}, got {gradient_mode!r}")
         if gradient_mode == "microbatch" and num_microbatches is None:
             raise ValueError("gradient_mode='microbatch' needs num_microbatches (an integer >= 1)")
+        if num_microbatches is not None and gradient_mode not in ("microbatch", "auto"):
+            raise ValueError(
+                f"num_microbatches is only used with gradient_mode='microbatch' or 'auto', "
+                f"got gradient_mode={gradient_mode!r}"
+            )
         if gradient_mode == "jl":
             if (
                 isinstance(jl_projections, bool)

@@ -1,0 +1,302 @@
+"""Gradient strategies against independent references (noise 0, fixed seeds).
+
+References are a slow per-example loop: a plain ``tf.GradientTape`` per example (or microbatch),
+clipping in numpy. The strategies are called as the DP train step calls them, through
+``PerExampleLoss`` of a compiled model.
+"""
+
+import numpy as np
+import pytest
+import keras
+import tensorflow as tf
+
+from tf_dp.dp_query import GaussianSumQuery
+from tf_dp.gradients import MicrobatchStrategy, VectorizedStrategy, make_strategy
+from tf_dp.keras import PerExampleLoss
+
+HUGE_CLIP = 1e9
+
+
+# -- models -----------------------------------------------------------------------------------------
+
+
+def sequential_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(5, activation="tanh"),
+            keras.layers.Dense(3),
+        ]
+    )
+
+
+def functional_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((6,))
+    h = keras.layers.Dense(4, activation="relu")(inp)
+    h2 = keras.layers.Dense(4, activation="tanh")(inp)
+    out = keras.layers.Dense(3)(keras.layers.Concatenate()([h, h2]))
+    return keras.Model(inp, out)
+
+
+class Subclassed(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.d1 = keras.layers.Dense(5, activation="tanh")
+        self.d2 = keras.layers.Dense(3)
+
+    def call(self, x, training=False):
+        return self.d2(self.d1(x) * 2.0)
+
+
+def subclassed_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    m = Subclassed()
+    m(np.zeros((1, 6), np.float32))
+    return m
+
+
+def conv_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((9, 9, 2)),
+            keras.layers.Conv2D(3, 3, strides=2, padding="same", activation="relu"),
+            keras.layers.Conv2D(4, 2, strides=1, padding="valid", dilation_rate=1),
+            keras.layers.Flatten(),
+            keras.layers.Dense(3),
+        ]
+    )
+
+
+BUILDERS = {
+    "sequential": sequential_model,
+    "functional": functional_model,
+    "subclassed": subclassed_model,
+}
+
+
+def data(batch=7, seed=1, shape=(6,)):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(batch,) + shape).astype(np.float32)
+    y = rng.integers(0, 3, batch).astype(np.int32)
+    return x, y
+
+
+def compiled(model, loss=None):
+    model.compile(
+        optimizer="sgd",
+        loss=loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def run(strategy, model, x, y, sw=None, clip=1.0, graph=False):
+    """The strategy's output as a dict of numpy values (inside a tf.function if ``graph``)."""
+    query = GaussianSumQuery(clip, 0.0)
+    loss_fn = PerExampleLoss(model)
+
+    def step():
+        params = query.derive_sample_params(query.initial_global_state())
+        out = strategy.clipped_sum(
+            loss_fn,
+            (tf.constant(x), tf.constant(y), None if sw is None else tf.constant(sw)),
+            model.trainable_variables,
+            query,
+            params,
+        )
+        return {k: v for k, v in out.__dict__.items() if k != "jl_projections"}
+
+    out = tf.function(step)() if graph else step()
+    return {k: tf.nest.map_structure(np.asarray, v) for k, v in out.items()}
+
+
+# -- references -------------------------------------------------------------------------------------
+
+
+def per_example_loss_value(model, x, y, sw=None):
+    """The per-example loss of the tests' models: sparse CE on logits, times the sample weight."""
+    logits = model(x, training=True)
+    loss = keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+    if sw is not None:
+        loss = loss * sw
+    return loss
+
+
+def reference_grads(model, x, y, sw=None, groups=None):
+    """Per-record gradients (flattened numpy), one example per record or one group per record."""
+    groups = groups or [[i] for i in range(len(x))]
+    out = []
+    for idx in groups:
+        idx = np.asarray(idx)
+        with tf.GradientTape() as tape:
+            loss = per_example_loss_value(
+                model, x[idx], y[idx], None if sw is None else sw[idx].astype(np.float32)
+            )
+            loss = tf.reduce_sum(loss) / len(idx)
+        grads = tape.gradient(loss, model.trainable_variables)
+        out.append([np.asarray(g) for g in grads])
+    return out
+
+
+def reference_clipped_sum(records, clip):
+    total = [np.zeros_like(g, dtype=np.float64) for g in records[0]]
+    norms = []
+    for rec in records:
+        norm = np.sqrt(sum(float(np.sum(np.square(g.astype(np.float64)))) for g in rec))
+        norms.append(norm)
+        factor = min(1.0, clip / norm) if norm > 0 else 0.0
+        total = [t + factor * g for t, g in zip(total, rec)]
+    return total, np.array(norms)
+
+
+def assert_close_list(actual, expected, rtol=1e-4, atol=1e-5):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        np.testing.assert_allclose(np.asarray(a), e, rtol=rtol, atol=atol)
+
+
+# -- tests ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_vectorized_matches_slow_loop(kind):
+    model = compiled(BUILDERS[kind]())
+    x, y = data()
+    out = run(VectorizedStrategy(), model, x, y, clip=0.5, graph=True)
+    expected, norms = reference_clipped_sum(reference_grads(model, x, y), 0.5)
+    assert np.all(norms > 0.5), "the clip must bind for some examples for this test to mean much"
+    assert_close_list(out["clipped_sum"], expected)
+    np.testing.assert_allclose(out["norms"], norms, rtol=1e-4)
+    assert int(out["num_records"]) == len(x)
+    np.testing.assert_allclose(
+        out["losses"], per_example_loss_value(model, x, y).numpy(), rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+@pytest.mark.parametrize("strategy", ["vectorized", "microbatch"])
+def test_huge_clip_gives_nonprivate_gradient(kind, strategy):
+    model = compiled(BUILDERS[kind]())
+    x, y = data(batch=8)
+    strat = VectorizedStrategy() if strategy == "vectorized" else MicrobatchStrategy(4)
+    out = run(strat, model, x, y, clip=HUGE_CLIP)
+    with tf.GradientTape() as tape:
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(
+            y, model(x, training=True)
+        )
+    mean_grads = tape.gradient(loss, model.trainable_variables)
+    records = 8 if strategy == "vectorized" else 4  # microbatch: sum of 4 means of 2
+    assert_close_list(
+        [g / records for g in out["clipped_sum"]], [g.numpy() for g in mean_grads], rtol=1e-4
+    )
+
+
+def test_vectorized_chunked_equals_unchunked_and_reference():
+    model = compiled(sequential_model())
+    x, y = data(batch=11)
+    sw = np.linspace(0.5, 2.0, 11).astype(np.float32)
+    expected, norms = reference_clipped_sum(reference_grads(model, x, y, sw), 0.3)
+    whole = VectorizedStrategy(chunk_bytes=None)
+    chunked = VectorizedStrategy(chunk_bytes=4 * 60 * 4)  # ~4 examples per chunk, 3 chunks
+    assert chunked.chunk_size(model.trainable_variables) == 4
+    for strat in (whole, chunked):
+        out = run(strat, model, x, y, sw, clip=0.3, graph=True)
+        assert_close_list(out["clipped_sum"], expected)
+        np.testing.assert_allclose(out["norms"], norms, rtol=1e-4)
+        assert out["y_pred"].shape == (11, 3)
+        assert out["losses"].shape == (11,)
+
+
+def test_conv_fast_path_matches_reference_and_default_converter():
+    model = compiled(conv_model())
+    x, y = data(batch=5, shape=(9, 9, 2))
+    expected, _ = reference_clipped_sum(reference_grads(model, x, y), 0.2)
+    for strat in (VectorizedStrategy(), VectorizedStrategy(fast_conv=False)):
+        out = run(strat, model, x, y, clip=0.2, graph=True)
+        assert_close_list(out["clipped_sum"], expected)
+
+
+def test_sample_weights_scale_per_example_losses():
+    model = compiled(sequential_model())
+    x, y = data(batch=6)
+    sw = np.array([0.0, 1.0, 2.0, 0.5, 1.0, 3.0], np.float32)
+    out = run(VectorizedStrategy(), model, x, y, sw, clip=HUGE_CLIP)
+    expected, _ = reference_clipped_sum(reference_grads(model, x, y, sw), HUGE_CLIP)
+    assert_close_list(out["clipped_sum"], expected)
+    np.testing.assert_allclose(
+        out["losses"], per_example_loss_value(model, x, y, sw).numpy(), rtol=1e-5
+    )
+    assert float(out["norms"][0]) == 0.0  # weight 0: no gradient
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum"),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean"),
+    ],
+    ids=["default", "sum", "none", "mean"],
+)
+def test_any_reduction_gives_same_per_example_losses(loss):
+    model = compiled(sequential_model(), loss=loss)
+    x, y = data(batch=5)
+    losses, _ = PerExampleLoss(model)(x, y, None)
+    np.testing.assert_allclose(losses, per_example_loss_value(model, x, y).numpy(), rtol=1e-6)
+
+
+def test_string_and_function_losses():
+    model = compiled(sequential_model(), loss="mse")
+    x = data(batch=4)[0]
+    y = np.arange(12, dtype=np.float32).reshape(4, 3)
+    losses, _ = PerExampleLoss(model)(x, y, None)
+    pred = model(x, training=True).numpy()
+    np.testing.assert_allclose(losses, np.mean((pred - y) ** 2, axis=1), rtol=1e-5)
+    model2 = compiled(sequential_model(), loss=keras.losses.mean_absolute_error)
+    losses2, _ = PerExampleLoss(model2)(x, y, np.array([1, 2, 0, 1], np.float32))
+    np.testing.assert_allclose(
+        losses2, np.mean(np.abs(pred - y), axis=1) * [1, 2, 0, 1], rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("batch,m", [(12, 4), (10, 4), (7, 3), (3, 5), (6, 6)])
+def test_microbatch_matches_reference(batch, m):
+    model = compiled(sequential_model())
+    x, y = data(batch=batch)
+    out = run(MicrobatchStrategy(m), model, x, y, clip=0.3, graph=True)
+    size = -(-batch // m)
+    groups = [list(range(i * size, min((i + 1) * size, batch))) for i in range(m)]
+    groups = [g for g in groups if g]
+    expected, _ = reference_clipped_sum(reference_grads(model, x, y, groups=groups), 0.3)
+    assert_close_list(out["clipped_sum"], expected)
+    assert int(out["num_records"]) == m
+    assert float(out["sensitivity_multiplier"]) == (2.0 if size > 1 else 1.0)
+    assert out["losses"].shape == (batch,)
+    assert out["y_pred"].shape == (batch, 3)
+
+
+def test_microbatch_sample_weights():
+    model = compiled(sequential_model())
+    x, y = data(batch=6)
+    sw = np.array([1.0, 0.0, 2.0, 1.0, 0.5, 1.0], np.float32)
+    out = run(MicrobatchStrategy(3), model, x, y, sw, clip=0.4)
+    groups = [[0, 1], [2, 3], [4, 5]]
+    expected, _ = reference_clipped_sum(reference_grads(model, x, y, sw, groups=groups), 0.4)
+    assert_close_list(out["clipped_sum"], expected)
+
+
+def test_bad_strategy_arguments():
+    with pytest.raises(ValueError, match="num_microbatches"):
+        MicrobatchStrategy(0)
+    with pytest.raises(ValueError, match="num_microbatches"):
+        MicrobatchStrategy(2.5)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        VectorizedStrategy(chunk_bytes=0)
+    with pytest.raises(ValueError, match="gradient_mode"):
+        make_strategy("bogus")
+    with pytest.raises(ValueError, match="num_microbatches"):
+        make_strategy("microbatch")
+    assert isinstance(make_strategy("auto", num_microbatches=2), MicrobatchStrategy)

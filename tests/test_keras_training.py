@@ -1,0 +1,354 @@
+"""Keras 3 DP training end to end: fit/evaluate/predict, exactness of one step, ledger, saving,
+and the errors users meet. Small models, fixed seeds, noise 0 where values are compared."""
+
+import os
+
+import numpy as np
+import pytest
+import keras
+import tensorflow as tf
+
+import tf_dp.keras as dpk
+from tf_dp.dp_query import GaussianSumQuery
+
+HUGE_CLIP = 1e9
+
+
+def mlp(seed=0, regularizer=None):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(5, activation="tanh", kernel_regularizer=regularizer),
+            keras.layers.Dense(3),
+        ]
+    )
+
+
+def data(n=20, seed=1):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 6)).astype(np.float32), rng.integers(0, 3, n).astype(np.int32)
+
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def one_step_nonprivate(model, x, y, lr):
+    model.compile(optimizer=keras.optimizers.SGD(lr), loss=LOSS)
+    model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
+    return [w.numpy() for w in model.trainable_variables]
+
+
+@pytest.mark.parametrize(
+    "mode,kwargs",
+    [
+        ("vectorized", {}),
+        ("microbatch", {"num_microbatches": 4}),
+        ("auto", {}),
+    ],
+)
+def test_huge_clip_no_noise_step_equals_nonprivate(mode, kwargs):
+    x, y = data(8)
+    expected = one_step_nonprivate(mlp(regularizer=keras.regularizers.L2(0.1)), x, y, 0.5)
+    model = dpk.make_private(mlp(regularizer=keras.regularizers.L2(0.1)))
+    opt = dpk.DPKerasSGDOptimizer(
+        l2_norm_clip=HUGE_CLIP, noise_multiplier=0.0, learning_rate=0.5, gradient_mode=mode,
+        **kwargs,
+    )
+    model.compile(optimizer=opt, loss=LOSS)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    for a, e in zip(model.trainable_variables, expected):
+        np.testing.assert_allclose(a.numpy(), e, rtol=1e-4, atol=1e-6)
+
+
+def test_regularizer_gradient_added_after_clipping():
+    # Tiny clip: the data gradient is clipped to norm <= C per example; the L2 penalty's gradient
+    # (2 * 0.1 * W, large) must still be applied in full.
+    x, y = data(8)
+    reg = 0.1
+    model = dpk.make_private(mlp(regularizer=keras.regularizers.L2(reg)))
+    w0 = [v.numpy() for v in model.trainable_variables]
+    clip = 1e-6
+    model.compile(
+        optimizer=dpk.DPKerasSGDOptimizer(
+            l2_norm_clip=clip, noise_multiplier=0.0, learning_rate=1.0, gradient_mode="vectorized"
+        ),
+        loss=LOSS,
+    )
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    delta_kernel = w0[0] - model.trainable_variables[0].numpy()
+    # data part has norm <= clip (average of clipped per-example gradients)
+    np.testing.assert_allclose(delta_kernel, 2 * reg * w0[0], atol=2 * clip)
+    delta_other = [a - b.numpy() for a, b in zip(w0[1:], model.trainable_variables[1:])]
+    assert np.sqrt(sum(np.sum(d**2) for d in delta_other)) <= clip * 1.001
+
+
+def _train(model_builder, mode="vectorized", n=20, batch=5, **opt_kwargs):
+    x, y = data(n)
+    model = model_builder()
+    opt = dpk.DPKerasAdamOptimizer(
+        l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=1e-2, gradient_mode=mode,
+        noise_seed=3, **opt_kwargs,
+    )
+    model.compile(optimizer=opt, loss=LOSS, metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=batch, epochs=2, verbose=0)
+    return model, history, x, y
+
+
+@pytest.mark.parametrize("mode,opts", [("vectorized", {}), ("microbatch", {"num_microbatches": 5})])
+def test_fit_evaluate_predict_and_ledger(mode, opts):
+    model, history, x, y = _train(lambda: dpk.make_private(mlp()), mode=mode, **opts)
+    assert set(history.history) >= {"loss", "accuracy"}
+    assert np.all(np.isfinite(history.history["loss"]))
+    result = model.evaluate(x, y, verbose=0, return_dict=True)
+    assert set(result) >= {"loss", "accuracy"}
+    assert model.predict(x, verbose=0).shape == (20, 3)
+    samples = model.optimizer.ledger.samples()
+    assert len(samples) == 8  # 2 epochs x 4 steps, one sample per step
+    for s in samples:
+        assert s.sampling.population_size == 20
+        assert s.sampling.selection_probability == pytest.approx(5 / 20)
+        assert s.sampling.policy == "shuffle"
+        assert len(s.queries) == 1
+        # vectorized: one example per record -> C; microbatch of 5 with 5 microbatches -> 1 each
+        assert s.queries[0].l2_sensitivity == pytest.approx(1.0)
+        assert s.queries[0].noise_stddev == pytest.approx(1.1)
+
+
+def test_microbatches_of_several_examples_record_sensitivity_2c():
+    model, _, _, _ = _train(lambda: dpk.make_private(mlp()), mode="microbatch", num_microbatches=2)
+    samples = model.optimizer.ledger.samples()
+    assert len(samples) == 8
+    assert all(s.queries[0].l2_sensitivity == pytest.approx(2.0) for s in samples)
+
+
+def test_validation_split_population():
+    x, y = data(20)
+    model = dpk.make_private(mlp())
+    model.compile(
+        optimizer=dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0), loss=LOSS
+    )
+    model.fit(x, y, batch_size=4, epochs=1, validation_split=0.2, verbose=0)
+    s = model.optimizer.ledger.samples()
+    assert len(s) == 4 and s[0].sampling.population_size == 16
+    assert s[0].sampling.selection_probability == pytest.approx(4 / 16)
+
+
+def test_dp_sequential_and_dp_model_functional_and_subclassed():
+    _train(lambda: dpk.DPSequential([keras.Input((6,)), keras.layers.Dense(3)]))
+
+    def functional():
+        inp = keras.Input((6,))
+        return dpk.DPModel(inp, keras.layers.Dense(3)(keras.layers.Dense(4)(inp)))
+
+    _train(functional)
+
+    class Sub(dpk.DPModel):
+        def __init__(self):
+            super().__init__()
+            self.d = keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.d(x)
+
+    model, _, _, _ = _train(Sub)
+    assert model.optimizer.ledger.num_samples == 8
+
+
+def test_multi_output_dict_losses_with_weights():
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((6,), name="x")
+    h = keras.layers.Dense(4, activation="tanh")(inp)
+    out_a = keras.layers.Dense(3, name="a")(h)
+    out_b = keras.layers.Dense(1, name="b")(h)
+    model = dpk.make_private(keras.Model(inp, {"a": out_a, "b": out_b}))
+    model.compile(
+        optimizer=dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=0.0),
+        loss={"a": LOSS, "b": "mse"},
+        loss_weights={"a": 1.0, "b": 0.5},
+    )
+    x, y = data(6)
+    yb = np.arange(6, dtype=np.float32)[:, None]
+    losses, _ = dpk.PerExampleLoss(model)(x, {"a": y, "b": yb}, None)
+    pred = model(x, training=True)
+    expected = keras.losses.sparse_categorical_crossentropy(
+        y, pred["a"], from_logits=True
+    ).numpy() + 0.5 * np.mean((pred["b"].numpy() - yb) ** 2, axis=1)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    model.fit(x, {"a": y, "b": yb}, batch_size=3, epochs=1, verbose=0)
+    assert model.optimizer.ledger.num_samples == 2
+
+
+def test_save_and_reload_keras_file(tmp_path):
+    model, _, x, _ = _train(
+        lambda: dpk.DPSequential([keras.Input((6,)), keras.layers.Dense(3)]),
+        mode="microbatch", num_microbatches=5,
+    )
+    path = os.path.join(tmp_path, "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded, dpk.DPSequential)
+    assert type(loaded.optimizer).__name__ == "DPKerasAdamOptimizer"
+    assert loaded.optimizer.l2_norm_clip == 1.0
+    assert loaded.optimizer.noise_multiplier == 1.1
+    assert loaded.optimizer.num_microbatches == 5
+    assert loaded.optimizer.gradient_mode == "microbatch"
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
+    # training continues with privacy
+    loaded.fit(x, data(20)[1], batch_size=5, epochs=1, verbose=0)
+    assert loaded.optimizer.ledger.num_samples == 4
+
+
+def test_dp_model_functional_save_reload(tmp_path):
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((6,))
+    model = dpk.DPModel(inp, keras.layers.Dense(3)(inp))
+    model.compile(
+        optimizer=dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0), loss=LOSS
+    )
+    x, y = data(10)
+    model.fit(x, y, batch_size=5, verbose=0)
+    path = os.path.join(tmp_path, "f.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded, dpk.DPModel)
+    assert type(loaded.optimizer).__name__ == "DPKerasSGDOptimizer"
+
+
+def test_optimizer_config_round_trip_and_rmsprop():
+    opt = dpk.DPKerasSGDOptimizer(
+        l2_norm_clip=0.7, noise_multiplier=1.3, num_microbatches=4, gradient_mode="microbatch",
+        learning_rate=0.2, momentum=0.5,
+    )
+    config = opt.get_config()
+    clone = dpk.DPKerasSGDOptimizer.from_config(config)
+    assert clone.get_config() == config
+    assert (clone.l2_norm_clip, clone.noise_multiplier, clone.num_microbatches) == (0.7, 1.3, 4)
+    assert clone.ledger is not opt.ledger
+    DPRMSprop = dpk.make_dp_optimizer_class(keras.optimizers.RMSprop)
+    assert dpk.make_dp_optimizer_class(keras.optimizers.RMSprop) is DPRMSprop
+    assert DPRMSprop.__name__ == "DPKerasRMSpropOptimizer"
+    x, y = data(10)
+    model = dpk.make_private(mlp())
+    model.compile(
+        optimizer=DPRMSprop(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=1e-3),
+        loss=LOSS,
+    )
+    model.fit(x, y, batch_size=5, verbose=0)
+    assert model.optimizer.ledger.num_samples == 2
+    rms = DPRMSprop.from_config(model.optimizer.get_config())
+    assert isinstance(rms, keras.optimizers.RMSprop)
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+
+def test_dp_optimizer_on_nonprivate_model_raises():
+    x, y = data(10)
+    model = mlp()
+    model.compile(
+        optimizer=dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0), loss=LOSS
+    )
+    w0 = [v.numpy() for v in model.trainable_variables]
+    with pytest.raises(RuntimeError, match="make_private"):
+        model.fit(x, y, batch_size=5, verbose=0)
+    for a, b in zip(model.trainable_variables, w0):
+        np.testing.assert_array_equal(a.numpy(), b)
+    assert model.optimizer.ledger.num_samples == 0
+
+
+def test_private_model_needs_dp_optimizer():
+    x, y = data(10)
+    model = dpk.make_private(mlp())
+    model.compile(optimizer="sgd", loss=LOSS)
+    with pytest.raises(TypeError, match="DP optimizer"):
+        model.fit(x, y, batch_size=5, verbose=0)
+
+
+@pytest.mark.parametrize("build", ["make_private", "dp_sequential"])
+def test_batch_normalization_refused(build):
+    layers = [keras.Input((6,)), keras.layers.BatchNormalization(name="bn_1"), keras.layers.Dense(3)]
+    with pytest.raises(ValueError, match="bn_1") as err:
+        if build == "make_private":
+            dpk.make_private(keras.Sequential(layers))
+        else:
+            model = dpk.DPSequential(layers)
+            model.compile(
+                optimizer=dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0),
+                loss=LOSS,
+            )
+            model.fit(*data(10), batch_size=5, verbose=0)
+    assert "GroupNormalization" in str(err.value) and "LayerNormalization" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,pattern",
+    [
+        ({"l2_norm_clip": 0.0, "noise_multiplier": 1.0}, ValueError, "l2_norm_clip.*> 0"),
+        ({"l2_norm_clip": -1.0, "noise_multiplier": 1.0}, ValueError, "l2_norm_clip.*> 0"),
+        ({"l2_norm_clip": float("inf"), "noise_multiplier": 1.0}, ValueError, "l2_norm_clip.*finite"),
+        ({"l2_norm_clip": "1", "noise_multiplier": 1.0}, TypeError, "l2_norm_clip"),
+        ({"l2_norm_clip": 1.0, "noise_multiplier": -0.1}, ValueError, "noise_multiplier.*>= 0"),
+        ({"l2_norm_clip": 1.0, "noise_multiplier": float("nan")}, ValueError, "noise_multiplier"),
+        ({"l2_norm_clip": 1.0}, ValueError, "noise_multiplier"),
+        ({"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "num_microbatches": 0}, ValueError,
+         "num_microbatches.*>= 1"),
+        ({"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "num_microbatches": 2.0}, ValueError,
+         "num_microbatches.*integer"),
+        ({"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "gradient_mode": "fast"}, ValueError,
+         "gradient_mode must be one of"),
+        ({"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "gradient_mode": "microbatch"},
+         ValueError, "num_microbatches"),
+        ({"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "gradient_mode": "vectorized",
+          "num_microbatches": 4}, ValueError, "num_microbatches"),
+    ],
+)
+def test_bad_optimizer_arguments(kwargs, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        dpk.DPKerasSGDOptimizer(**kwargs)
+
+
+def test_shuffle_false_refused_before_anything_runs():
+    x, y = data(10)
+    model = dpk.make_private(mlp())
+    model.compile(
+        optimizer=dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0), loss=LOSS
+    )
+    with pytest.raises(ValueError, match="shuffle"):
+        model.fit(x, y, batch_size=5, shuffle=False, verbose=0)
+    assert model.optimizer.ledger.num_samples == 0
+
+
+def test_unknown_sampling_refused():
+    x, y = data(10)
+    model = dpk.make_private(mlp())
+    model.compile(
+        optimizer=dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0), loss=LOSS
+    )
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(5)
+    with pytest.raises(ValueError, match="set_sampling"):
+        model.fit(ds, verbose=0)
+    model.optimizer.set_sampling(10, 0.5, "shuffle")
+    model.fit(ds, verbose=0)
+    assert model.optimizer.ledger.num_samples == 2
+
+
+def test_failed_step_leaves_ledger_and_weights_unchanged():
+    clip = tf.Variable(1.0)
+    x, y = data(10)
+    model = dpk.make_private(mlp())
+    model.compile(
+        optimizer=dpk.DPKerasSGDOptimizer(
+            dp_sum_query=GaussianSumQuery(clip, 1.0), learning_rate=0.1
+        ),
+        loss=LOSS,
+    )
+    model.fit(x, y, batch_size=5, epochs=1, verbose=0)
+    assert model.optimizer.ledger.num_samples == 2
+    w = [v.numpy() for v in model.trainable_variables]
+    clip.assign(float("nan"))
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError)):
+        model.fit(x, y, batch_size=5, epochs=1, verbose=0)
+    assert model.optimizer.ledger.num_samples == 2
+    for a, b in zip(model.trainable_variables, w):
+        np.testing.assert_array_equal(a.numpy(), b)
