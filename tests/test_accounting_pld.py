@@ -1,0 +1,107 @@
+"""PLD accountant: closed-form Gaussian curve, dp_accounting's PLD, pessimism, mixtures."""
+
+import math
+
+import numpy as np
+import pytest
+import dp_accounting
+from scipy import stats
+
+from tf_dp.accounting import pld
+
+# Stated error of the PLD accountant relative to an exact value (documented in docs/accounting.md).
+STATED_REL_ERROR = 0.005
+
+
+def _analytic_gaussian_delta(eps, mu):
+    return stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * stats.norm.cdf(-eps / mu - mu / 2)
+
+
+@pytest.mark.parametrize("sigma,steps", [(1.0, 1), (2.0, 10), (0.8, 3)])
+def test_gaussian_q1_matches_closed_form(sigma, steps):
+    mech = [(pld.SubsampledGaussian(1.0, sigma), steps)]
+    mu = math.sqrt(steps) / sigma  # composition of Gaussians is Gaussian
+    for eps in (0.5, 1.0, 3.0):
+        d = pld.pld_delta(mech, eps)
+        exact = _analytic_gaussian_delta(eps, mu)
+        assert d >= exact * (1 - 1e-9)  # pessimistic
+        assert d == pytest.approx(exact, rel=1e-3)
+
+
+def _ref_eps(q, sigma, steps, delta):
+    acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+    return acc.get_epsilon(delta)
+
+
+@pytest.mark.parametrize(
+    "q,sigma,steps,delta",
+    [(0.01, 1.0, 1000, 1e-5), (0.004, 1.1, 3000, 1e-5), (0.01, 4.0, 10000, 1e-5),
+     (0.1, 0.8, 100, 1e-6), (0.02, 2.0, 500, 1e-3)],
+)
+def test_pld_matches_dp_accounting(q, sigma, steps, delta):
+    eps = pld.pld_epsilon([(pld.SubsampledGaussian(q, sigma), steps)], delta)
+    ref = _ref_eps(q, sigma, steps, delta)
+    assert eps == pytest.approx(ref, rel=0.01)
+    assert eps >= ref * (1 - STATED_REL_ERROR)
+
+
+def test_heterogeneous_equals_split_composition():
+    a, b = pld.SubsampledGaussian(0.01, 1.0), pld.SubsampledGaussian(0.02, 2.0)
+    e1 = pld.pld_epsilon([(a, 300), (b, 200)], 1e-5)
+    e2 = pld.pld_epsilon([(a, 100), (b, 200), (a, 200)], 1e-5)
+    assert e1 == pytest.approx(e2, rel=1e-6)
+    acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    acc.compose(dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.0)), 300)
+    acc.compose(dp_accounting.PoissonSampledDpEvent(0.02, dp_accounting.GaussianDpEvent(2.0)), 200)
+    assert e1 == pytest.approx(acc.get_epsilon(1e-5), rel=0.01)
+
+
+def test_discretisation_is_pessimistic_per_grid():
+    m = pld.SubsampledGaussian(0.05, 1.0)
+    for direction in pld.DIRECTIONS:
+        d = pld.discretize(m, direction, 1e-3)
+        assert d.pmf.sum() + d.inf_mass == pytest.approx(1.0, abs=1e-9)
+        eps = np.linspace(0.0, 3.0, 37)
+        exact = m.hockey_stick(eps, direction)
+        disc = np.array([d.delta(e) for e in eps])
+        assert np.all(disc >= exact - 1e-12)
+        assert np.max(disc - exact) < 1e-3
+
+
+def test_noise_zero_gives_infinite_epsilon():
+    assert pld.pld_epsilon([(pld.SubsampledGaussian(0.01, 0.0), 10)], 1e-5) == math.inf
+
+
+def test_mixture_of_identical_components_equals_component():
+    m = pld.SubsampledGaussian(0.01, 1.0)
+    mix = pld.Mixture((m, m), (0.5, 0.5))
+    assert pld.pld_epsilon([(mix, 100)], 1e-5, h=1e-4) == pytest.approx(
+        pld.pld_epsilon([(m, 100)], 1e-5, h=1e-4), rel=1e-6)
+
+
+def test_mixture_inf_mass_is_kept():
+    m = pld.SubsampledGaussian(0.01, 1.0)
+    mix = pld.Mixture((m,), (1 - 1e-4,), inf_mass=1e-4)
+    assert pld.pld_delta([(mix, 10)], 50.0) >= 1e-3 * 0.99  # never dropped
+    assert pld.pld_epsilon([(mix, 10)], 1e-4) == math.inf
+
+
+def test_stable_to_refinement():
+    m = [(pld.SubsampledGaussian(0.01, 1.0), 2000)]
+    e1, e2 = pld.pld_epsilon(m, 1e-5, h=2e-4), pld.pld_epsilon(m, 1e-5, h=1e-4)
+    assert e2 <= e1 * (1 + 1e-6)
+    assert e1 == pytest.approx(e2, rel=1e-3)
+
+
+def test_validation():
+    with pytest.raises(ValueError, match="q"):
+        pld.SubsampledGaussian(1.2, 1.0)
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        pld.SubsampledGaussian(0.1, -1.0)
+    with pytest.raises(ValueError, match="delta"):
+        pld.pld_epsilon([(pld.SubsampledGaussian(0.1, 1.0), 1)], 1.0)
+    with pytest.raises(ValueError, match="count"):
+        pld.pld_epsilon([(pld.SubsampledGaussian(0.1, 1.0), 0)], 1e-5)
+    with pytest.raises(ValueError, match="weights"):
+        pld.Mixture((pld.SubsampledGaussian(0.1, 1.0),), (0.5,))
