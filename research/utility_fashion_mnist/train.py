@@ -35,19 +35,13 @@ flags.DEFINE_string("data_dir", "/usr/share/datasets/fashion-mnist", "Fashion-MN
 flags.DEFINE_string("out_dir", "research/utility_fashion_mnist/out", "Ledger and summary.")
 
 
-def calibrate_sigma(q: float, steps: int, target_epsilon: float, delta: float) -> float:
-    """Smallest sigma (to 1e-3) whose RDP epsilon after ``steps`` Poisson steps is <= target."""
-    from tf_dp.accounting import rdp
+def calibrate_sigma(n: int, batch_size: int, steps: int, target_epsilon: float,
+                    delta: float) -> float:
+    """Smallest sigma whose RDP epsilon after ``steps`` Poisson steps is <= target."""
+    from tf_dp.accounting import calibrate_noise_multiplier
 
-    def eps(sigma: float) -> float:
-        curve = rdp.rdp_poisson_gaussian(q, sigma, rdp.DEFAULT_ORDERS) * steps
-        return rdp.epsilon_from_rdp(rdp.DEFAULT_ORDERS, curve, delta)[0]
-
-    lo, hi = 0.3, 20.0
-    while hi - lo > 1e-3:
-        mid = 0.5 * (lo + hi)
-        lo, hi = (lo, mid) if eps(mid) <= target_epsilon else (mid, hi)
-    return hi
+    return calibrate_noise_multiplier(target_epsilon, delta, n, batch_size, steps=steps,
+                                      accountant="rdp", sampling="poisson")
 
 
 def build_cnn(activation: str):
@@ -83,7 +77,8 @@ def main(argv):
     q = FLAGS.batch_size / n
     batches = tf_dp.data.poisson_batches(x, y, sampling_probability=q)
     steps = batches.steps_per_epoch * FLAGS.epochs
-    sigma = FLAGS.noise_multiplier or calibrate_sigma(q, steps, FLAGS.target_epsilon, FLAGS.delta)
+    sigma = FLAGS.noise_multiplier or calibrate_sigma(
+        n, FLAGS.batch_size, steps, FLAGS.target_epsilon, FLAGS.delta)
     print(f"Fashion-MNIST n={n}, q={q:.5f}, {steps} steps, sigma={sigma:.4f}, "
           f"padded batch {batches.max_batch_size}", flush=True)
 
