@@ -115,6 +115,8 @@ def main(argv):
         if name == "mnist"
         else f"Fashion-MNIST IDX files from {FLAGS.data_dir or DEBIAN_FASHION_MNIST_DIR}"
     )
+    if name != "mnist" and FLAGS.data_dir is None and FLAGS.try_mnist:
+        source += "; MNIST could not be downloaded"
     print(f"Data: {name} ({source}), {n} training / {len(x_test)} test examples", flush=True)
 
     batches = tf_dp.data.poisson_batches(

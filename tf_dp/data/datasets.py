@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import gzip
+import logging
 import os
 import socket
 from typing import Optional
@@ -27,6 +28,8 @@ _FASHION_FILES = {
     "x_test": "t10k-images-idx3-ubyte",
     "y_test": "t10k-labels-idx1-ubyte",
 }
+
+_logger = logging.getLogger("tf_dp")
 
 Arrays = tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
 
@@ -115,6 +118,7 @@ def load_mnist_or_fashion_mnist(
             return train, test, "mnist"
         except Exception as e:  # no network, blocked host, corrupt cache...
             errors.append(f"MNIST via keras.datasets: {type(e).__name__}: {str(e)[:200]}")
+            _logger.warning("tf_dp: MNIST could not be loaded (%s); trying Fashion-MNIST", errors[-1])
     for directory in [data_dir] if data_dir is not None else [DEBIAN_FASHION_MNIST_DIR]:
         try:
             train, test = load_fashion_mnist_idx(directory)
