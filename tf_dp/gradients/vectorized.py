@@ -216,6 +216,9 @@ class VectorizedStrategy(base.GradientStrategy):
                 y_pred=y_pred,
                 losses=losses,
             )
+        if static_b is not None:  # balance the chunks: no padded examples computed in vain
+            num_chunks = -(-static_b // chunk)
+            chunk = -(-static_b // num_chunks)
         return self._chunked(loss_fn, data, variables, query, params, chunk)
 
     def _chunked(self, loss_fn, data, variables, query, params, chunk: int):
