@@ -156,7 +156,7 @@ def materialize(f, variable_shape) -> tf.Tensor:
     if isinstance(f, PerExample):
         return tf.reshape(f.grads, [tf.shape(f.grads)[0]] + list(variable_shape))
     if isinstance(f, Outer):
-        m = tf.einsum("btc,btd->bcd", f.a, f.g)
+        m = tf.matmul(f.a, f.g, transpose_a=True)
         return _to_variable(m, f, variable_shape, batched=True)
     raise TypeError("Rows factors are not materialised")
 
@@ -193,7 +193,7 @@ def squared_norm_and_sum(f, variable_shape):
             gg = tf.matmul(g, g, transpose_b=True)
             sq = tf.reduce_sum(aa * gg, axis=[1, 2])
             return sq, lambda w: _outer_weighted(f, w, variable_shape)
-        m = tf.einsum("btc,btd->bcd", a, g)
+        m = tf.matmul(a, g, transpose_a=True)  # [B, C, D]; faster than einsum on CPU
         sq = tf.reduce_sum(tf.square(m), axis=[1, 2])
         return sq, lambda w: _to_variable(
             tf.tensordot(tf.cast(w, m.dtype), m, axes=1), f, variable_shape, batched=False
