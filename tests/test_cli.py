@@ -1,0 +1,118 @@
+"""The command-line tools, through subprocess: numbers, both formats, clean failures."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from tf_dp import accounting as acc
+from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
+from tf_dp.ledger.ledger_file import write_ledger_file
+
+BASE = ["--N=60000", "--batch_size=256", "--noise_multiplier=1.1", "--epochs=3", "--delta=1e-5"]
+
+
+def _run(module, *args):
+    return subprocess.run([sys.executable, "-m", f"tf_dp.cli.{module}", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_privacy_json_all_accountants():
+    p = _run("compute_dp_sgd_privacy", *BASE, "--accountant=all", "--format=json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert set(out) == {"rdp", "moments", "pld", "gdp", "delta", "assumptions"}
+    assert out["delta"] == 1e-5 and "Poisson" in out["assumptions"]
+    for name in ("rdp", "moments", "pld", "gdp"):
+        ref = acc.dp_sgd_epsilon(60000, 256, 1.1, 1e-5, epochs=3, accountant=name)
+        assert out[name]["epsilon"] == pytest.approx(ref.epsilon, rel=1e-9)
+    assert out["rdp"]["order"] > 1 and out["moments"]["order"] > 1 and out["gdp"]["mu"] > 0
+    assert out["gdp"]["certified"] is False and out["pld"]["certified"] is True
+
+
+def test_privacy_text_is_honest():
+    p = _run("compute_dp_sgd_privacy", *BASE, "--accountant=gdp")
+    assert p.returncode == 0, p.stderr
+    assert "APPROXIMATION" in p.stdout and "epsilon" in p.stdout
+    ref = acc.dp_sgd_epsilon(60000, 256, 1.1, 1e-5, epochs=3, accountant="gdp").epsilon
+    assert f"{ref:.4g}" in p.stdout
+    p = _run("compute_dp_sgd_privacy", *BASE, "--sampling=shuffle")
+    assert p.returncode == 0 and "NO amplification" in p.stdout
+
+
+def test_microbatch_and_jl_flags():
+    p = _run("compute_dp_sgd_privacy", "--N=60000", "--batch_size=256", "--noise_multiplier=2.2",
+             "--epochs=3", "--delta=1e-5", "--microbatch_size=8", "--format=json")
+    ref = acc.dp_sgd_epsilon(60000, 256, 1.1, 1e-5, epochs=3).epsilon
+    assert json.loads(p.stdout)["rdp"]["epsilon"] == pytest.approx(ref, rel=1e-9)
+    p = _run("compute_dp_sgd_privacy", "--N=10000", "--batch_size=100", "--noise_multiplier=1.0",
+             "--steps=100", "--delta=1e-5", "--jl_projections=64", "--accountant=pld",
+             "--format=json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    exact = acc.dp_sgd_epsilon(10000, 100, 1.0, 1e-5, steps=100, accountant="pld").epsilon
+    assert out["pld"]["epsilon"] >= exact * 0.99 and math.isfinite(out["pld"]["epsilon"])
+
+
+def test_ledger_flag(tmp_path):
+    e = SampleEntry(SamplingEvent(1000, 0.01), (SumQueryEvent(1.0, 1.0),))
+    path = tmp_path / "l.json"
+    write_ledger_file(path, [e] * 300)
+    p = _run("compute_dp_sgd_privacy", f"--ledger={path}", "--delta=1e-5", "--format=json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["rdp"]["epsilon"] == pytest.approx(
+        acc.compute_epsilon([e] * 300, 1e-5).epsilon, rel=1e-12)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    p = _run("compute_dp_sgd_privacy", f"--ledger={bad}", "--delta=1e-5")
+    assert p.returncode == 2 and "Traceback" not in p.stderr and len(p.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--N=0", "--batch_size=1", "--noise_multiplier=1", "--epochs=1", "--delta=1e-5"],
+        ["--N=100", "--batch_size=-5", "--noise_multiplier=1", "--epochs=1", "--delta=1e-5"],
+        ["--N=100", "--batch_size=200", "--noise_multiplier=1", "--epochs=1", "--delta=1e-5"],
+        ["--N=100", "--batch_size=10", "--noise_multiplier=1", "--epochs=1", "--delta=1.5"],
+        ["--N=100", "--batch_size=10", "--noise_multiplier=1", "--epochs=1", "--delta=0"],
+        ["--N=100", "--batch_size=10", "--noise_multiplier=1", "--delta=1e-5"],
+        ["--N=abc"],
+        ["--ledger=/nonexistent/file.json", "--delta=1e-5"],
+    ],
+)
+def test_privacy_bad_input_exits_2(args):
+    p = _run("compute_dp_sgd_privacy", *args)
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and p.stdout == ""
+
+
+def test_noise_from_budget_json_and_text():
+    p = _run("compute_noise_from_budget", "--N=60000", "--batch_size=256", "--epsilon=2",
+             "--epochs=3", "--delta=1e-5", "--accountant=rdp", "--format=json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    s = out["rdp"]["noise_multiplier"]
+    assert acc.dp_sgd_epsilon(60000, 256, s, 1e-5, epochs=3).epsilon <= 2.0
+    assert acc.dp_sgd_epsilon(60000, 256, s * 0.99, 1e-5, epochs=3).epsilon > 2.0
+    assert out["delta"] == 1e-5 and "assumptions" in out
+    p = _run("compute_noise_from_budget", "--N=60000", "--batch_size=256", "--epsilon=2",
+             "--epochs=3", "--delta=1e-5", "--accountant=gdp")
+    assert p.returncode == 0 and "noise_multiplier" in p.stdout and "APPROXIMATE" in p.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--N=100", "--batch_size=10", "--epsilon=-1", "--epochs=1", "--delta=1e-5"],
+        ["--N=100", "--batch_size=1000", "--epsilon=1", "--epochs=1", "--delta=1e-5"],
+        ["--N=100", "--batch_size=100", "--epsilon=1e-6", "--epochs=1000", "--delta=1e-10"],
+    ],
+)
+def test_noise_from_budget_bad_input_exits_2(args):
+    p = _run("compute_noise_from_budget", *args)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
