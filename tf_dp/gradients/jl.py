@@ -183,6 +183,104 @@ def _dot(g: Any, v: tf.Tensor) -> tf.Tensor:
     return tf.reduce_sum(g * tf.cast(v, g.dtype))
 
 
+def _attr(attr_tuple: Sequence[Any], name: str) -> Any:
+    attrs = dict(zip(attr_tuple[::2], attr_tuple[1::2]))
+    value = attrs.get(name)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _first_max_along(x, t, axis: int, k: int, stride: int, out_size):
+    """1-D max-pool of ``x`` along ``axis`` (window ``k``, VALID) and the tangent ``t`` at the
+    first maximum of each window. Returns ``(max, tangent)``."""
+    m = tm = None
+    for d in range(k):
+        window = [slice(None)] * 4
+        window[axis] = slice(d, d + (out_size - 1) * stride + 1, stride)
+        cx, ct = x[tuple(window)], t[tuple(window)]
+        if m is None:
+            m, tm = cx, ct
+        else:
+            tm = tf.where(cx > m, ct, tm)  # strictly greater: the earlier element wins a tie
+            m = tf.maximum(m, cx)
+    return m, tm
+
+
+@tf.function(jit_compile=True, autograph=False)
+def _max_pool_tangent(x, t, kh: int, kw: int, sh: int, sw: int, out_h, out_w):
+    # A 2-D max is a max over columns then rows, and the first maximum of a window in row-major
+    # order is the first row's first maximum unless a later row is strictly larger: the two
+    # 1-D passes give the same element as the row-major scan. XLA fuses the few element-wise ops.
+    x, t = _first_max_along(x, t, 2, kw, sw, out_w)
+    _, t = _first_max_along(x, t, 1, kh, sh, out_h)
+    return t
+
+
+def _max_pool_jvp(attr_tuple, inputs, outputs, tangents):
+    """Forward-mode rule for ``MaxPool``: each output takes the tangent of its window's argmax.
+
+    TF's default forward mode transposes the backward function, which for max-pooling runs
+    ``MaxPoolGradGrad``: on this CPU slower than the whole forward pass of the reference CNN (as
+    is ``MaxPoolWithArgmax``). Here the tangent of the *first* maximum of each window in
+    row-major order is selected -- the element CPU ``MaxPoolGrad`` routes the gradient to -- so
+    the projections are those of the gradient the backward pass computes (checked against the
+    double-vjp route, ties included, in the tests). Other layouts use ``MaxPoolGradGrad``.
+    """
+    from tensorflow.python.ops import gen_nn_ops
+
+    x, y, t = inputs[0], outputs[0], tangents[0]
+    ksize, strides = list(_attr(attr_tuple, "ksize")), list(_attr(attr_tuple, "strides"))
+    padding, data_format = _attr(attr_tuple, "padding"), _attr(attr_tuple, "data_format")
+    if (
+        data_format != "NHWC"
+        or padding not in ("VALID", "SAME")
+        or ksize[0] != 1
+        or ksize[3] != 1
+        or strides[0] != 1
+        or strides[3] != 1
+        or not x.dtype.is_floating
+    ):
+        return [gen_nn_ops.max_pool_grad_grad(x, y, t, ksize, strides, padding, data_format)]
+    (kh, kw), (sh, sw) = ksize[1:3], strides[1:3]
+    out_h, out_w = tf.shape(y)[1], tf.shape(y)[2]
+    if padding == "SAME":
+        in_h, in_w = tf.shape(x)[1], tf.shape(x)[2]
+        pad_h = tf.maximum((out_h - 1) * sh + kh - in_h, 0)
+        pad_w = tf.maximum((out_w - 1) * sw + kw - in_w, 0)
+        pads = [[0, 0], [pad_h // 2, pad_h - pad_h // 2], [pad_w // 2, pad_w - pad_w // 2], [0, 0]]
+        x = tf.pad(x, pads, constant_values=float("-inf"))
+        t = tf.pad(t, pads)
+    out = _max_pool_tangent(x, tf.cast(t, x.dtype), kh, kw, sh, sw, out_h, out_w)
+    return [tf.reshape(out, tf.shape(y))]
+
+
+def _bias_add_jvp(attr_tuple, inputs, outputs, tangents):
+    """Forward-mode rule for ``BiasAdd`` (linear): ``t_value + t_bias`` broadcast on channels.
+
+    TF's default transposition tiles and sums a ones tensor of the output's size.
+    """
+    t_value, t_bias = tangents[0], tangents[1]
+    if _attr(attr_tuple, "data_format") == "NCHW" and t_value.shape.rank not in (None, 1, 2):
+        shape = [1, -1] + [1] * (t_value.shape.rank - 2)
+        return [t_value + tf.reshape(tf.cast(t_bias, t_value.dtype), shape)]
+    return [t_value + tf.cast(t_bias, t_value.dtype)]
+
+
+def _register_forward_rules() -> None:
+    # ``tf.autodiff.ForwardAccumulator`` looks up per-op forward rules in this (TF-private) table
+    # before falling back to transposing the backward function. Guarded: without it, forward
+    # mode is only slower.
+    try:
+        from tensorflow.python.eager import forwardprop
+
+        forwardprop._SPECIAL_CASES.setdefault("MaxPool", _max_pool_jvp)
+        forwardprop._SPECIAL_CASES.setdefault("BiasAdd", _bias_add_jvp)
+    except (ImportError, AttributeError):  # pragma: no cover
+        _logger.info("tf_dp: no forward-mode rule table; MaxPool jvp uses TF's default")
+
+
+_register_forward_rules()
+
+
 def _dense(g: Any) -> tf.Tensor:
     return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
