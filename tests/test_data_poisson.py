@@ -10,7 +10,7 @@ from scipy import stats
 
 import tf_dp
 from tf_dp.data import default_max_batch_size, poisson_batches
-from tf_dp.gradients.vectorized import VectorizedStrategy
+from tf_dp.gradients import make_strategy
 from tf_dp.keras.losses import PerExampleLoss
 
 
@@ -149,7 +149,8 @@ def _model(noise, seed=0):
     return model
 
 
-def test_zero_weight_padding_rows_contribute_nothing_to_the_clipped_sum():
+@pytest.mark.parametrize("mode", ["vectorized", "ghost"])
+def test_zero_weight_padding_rows_contribute_nothing_to_the_clipped_sum(mode):
     model = _model(noise=0.0)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(6, 2)).astype(np.float32) * 3
@@ -159,7 +160,7 @@ def test_zero_weight_padding_rows_contribute_nothing_to_the_clipped_sum():
     wp = np.concatenate([np.ones(6), np.zeros(4)]).astype(np.float32)
     query = model.optimizer.dp_query
     params = query.derive_sample_params(model.optimizer._dp_global_state)
-    strategy = VectorizedStrategy()
+    strategy = make_strategy(mode, model=model)
     loss_fn = PerExampleLoss(model)
     variables = list(model.trainable_variables)
     real = strategy.clipped_sum(loss_fn, (x, y, None), variables, query, params)
