@@ -327,8 +327,14 @@ class DiscretePLD:
             if mass_hi > _TAIL:
                 # The cut would move real mass to +inf: keep (noisy) entries until the true mass
                 # beyond the cut is negligible (binary search on the exact tail mass).
-                lo_k, hi_k = k_hi, n - 1
-                while hi_k - lo_k > 1:
+                # Gallop up from k_hi, then bisect to within 1/8 of the last step (a slightly
+                # later cut only keeps a few more noisy entries).
+                lo_k, step = k_hi, 16
+                hi_k = min(k_hi + step, n - 1)
+                while hi_k < n - 1 and mass_above(hi_k) > _TAIL:
+                    lo_k, step = hi_k, step * 2
+                    hi_k = min(hi_k + step, n - 1)
+                while hi_k - lo_k > max(1, step // 8):
                     mid = (lo_k + hi_k) // 2
                     if mass_above(mid) > _TAIL:
                         lo_k = mid
