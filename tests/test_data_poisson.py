@@ -5,7 +5,6 @@ import math
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from scipy import stats
 
 import tf_dp
