@@ -352,3 +352,29 @@ def test_failed_step_leaves_ledger_and_weights_unchanged():
     assert model.optimizer.ledger.num_samples == 2
     for a, b in zip(model.trainable_variables, w):
         np.testing.assert_array_equal(a.numpy(), b)
+
+
+class _AddsLoss(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(0.1 * tf.reduce_sum(x))  # depends on the batch
+        return x
+
+
+@pytest.mark.parametrize("mode", ["vectorized", "auto"])
+def test_add_loss_terms_refused_not_dropped(mode):
+    x, y = data(10)
+    model = dpk.make_private(
+        keras.Sequential([keras.Input((6,)), _AddsLoss(), keras.layers.Dense(3)])
+    )
+    model.compile(
+        optimizer=dpk.DPKerasSGDOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=1.0, gradient_mode=mode
+        ),
+        loss=LOSS,
+    )
+    w0 = [v.numpy() for v in model.trainable_variables]
+    with pytest.raises(NotImplementedError, match="add_loss"):
+        model.fit(x, y, batch_size=5, verbose=0)
+    for a, b in zip(model.trainable_variables, w0):
+        np.testing.assert_array_equal(a.numpy(), b)
+    assert model.optimizer.ledger.num_samples == 0

@@ -81,6 +81,24 @@ def _regularization_gradients(model: keras.Model, variables: list[Any]) -> list[
     return tape.gradient(penalty, tf_vars, unconnected_gradients="zero"), penalty
 
 
+def _refuse_add_loss_terms(model: keras.Model) -> None:
+    """Raises if the forward pass added loss terms with ``add_loss``.
+
+    ``model.losses`` holds the ``add_loss`` terms of the last call plus one term per regularised
+    weight. ``add_loss`` terms may depend on the batch, so they can be neither clipped per example
+    nor added after the noise without breaking the guarantee; the DP step refuses them instead of
+    silently dropping them. Weight regularisers (``kernel_regularizer`` ...) are supported.
+    """
+    regularized = sum(1 for v in model.trainable_weights if getattr(v, "regularizer", None))
+    extra = len(model.losses) - regularized
+    if extra > 0:
+        raise NotImplementedError(
+            f"the model adds {extra} loss term(s) with add_loss() during its forward pass; DP "
+            "training cannot clip them per example, so they are not supported. Use weight "
+            "regularizers (kernel_regularizer=...), which are added after the noise."
+        )
+
+
 def dp_train_step(model: keras.Model, data: Any) -> dict[str, Any]:
     """The DP ``train_step`` used by every private model (see the module docstring)."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -100,6 +118,7 @@ def dp_train_step(model: keras.Model, data: Any) -> dict[str, Any]:
     params = query.derive_sample_params(optimizer._dp_global_state)
     loss_fn = PerExampleLoss(model)
     clipped = strategy.clipped_sum(loss_fn, (x, y, sample_weight), variables, query, params)
+    _refuse_add_loss_terms(model)
     grads = optimizer.dp_aggregate(clipped)
     reg = _regularization_gradients(model, variables)
     mean_loss = tf.reduce_mean(tf.cast(clipped.losses, tf.float32))
