@@ -86,7 +86,13 @@ class PrivacyResult:
     steps: int = 0
 
     def __str__(self) -> str:
-        eps = "infinite (no privacy guarantee)" if math.isinf(self.epsilon) else f"{self.epsilon:.4g}"
+        if not math.isinf(self.epsilon):
+            eps = f"{self.epsilon:.4g}"
+        elif "JL clipping" in self.assumptions:
+            eps = (f"infinite: above the JL accountant's loss cap ({_jl.JL_LOSS_CAP:g}), i.e. no "
+                   "useful guarantee")
+        else:
+            eps = "infinite (no privacy guarantee)"
         lines = [f"[{self.accountant}] epsilon = {eps} at delta = {self.delta:.3g} over "
                  f"{self.steps} steps."]
         if self.certified:
@@ -161,7 +167,9 @@ def _assumptions(accountant: str, policies: set, has_jl: bool, extra: str = "") 
                      "effective noise multiplier, partial epochs counted as full")
     if has_jl:
         parts.append("JL clipping steps accounted as the mixture mechanism of Bu et al. 2020 "
-                     "(Lemma 4.3 / Thm 4.1), heavy tail of the norm estimate included")
+                     "(Lemma 4.3 / Thm 4.1), heavy tail of the norm estimate included; privacy "
+                     f"losses above {_jl.JL_LOSS_CAP:g} count as infinite, so epsilon = inf means "
+                     f"epsilon > {_jl.JL_LOSS_CAP:g} or no guarantee")
     parts.append(_KIND_TEXT[accountant])
     if extra:
         parts.append(extra)

@@ -16,9 +16,11 @@ the value ``delta(L_max)`` (that mass sits at ``L = +inf``), and below the botto
 ``(x=0, delta=1)``.  Domination is preserved by composition, so every ``epsilon``/``delta`` this
 module reports is an upper bound, up to floating point.  After each convolution the lower tail is
 moved *up* to the new lowest grid point and upper-tail mass beyond the truncation point goes to
-``+inf``: truncation is pessimistic, never optimistic.  A bound on FFT round-off is also added to
-the ``+inf`` mass.  The gap to the exact value is not certified; ``epsilon(..., error=True)``
-style estimates use a run at twice the grid spacing (see :func:`pld_epsilon`).
+``+inf``: truncation is pessimistic, never optimistic.  Where FFT round-off makes the tails
+unreadable (values below ~1e-16 of the peak) the true tail mass beyond the cut is computed exactly
+by direct sums and moved the same pessimistic way.  Stated error: with the default grid (``h = 1e-4``) the reported epsilon is
+above the exact value by well under 0.5% in the validated range (tests compare with the closed
+form for ``q = 1`` and with ``dp_accounting``); halving ``h`` and comparing shows the gap.
 
 **Mechanisms.**  Anything with ``hockey_stick(eps_array, direction) -> delta_array`` and
 ``loss_range(direction) -> (lo, hi)`` can be discretised (the *mechanism hook*).  ``direction`` is

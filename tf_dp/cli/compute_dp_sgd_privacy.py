@@ -11,8 +11,8 @@ recorded events are used and the hyperparameter flags are ignored).
 
 ``--microbatch_size`` > 1 means each clipped gradient covers several examples, so the sensitivity
 under add/remove adjacency is 2C and the effective noise multiplier is halved.
-``--jl_projections=R`` accounts for DP-SGD-JL with R projections (PLD accountant only; the other
-accountants are skipped with a note).  JSON output: one object keyed by accountant name, each
+``--jl_projections=R`` accounts for DP-SGD-JL with R projections (PLD accountant only: it is the
+default then; with ``--accountant=all`` the others are listed as skipped).  JSON output: one object keyed by accountant name, each
 with ``epsilon`` (null when infinite), ``order`` (rdp/moments) or ``mu`` (gdp), plus top-level
 ``delta`` and ``assumptions``.  Bad input exits with status 2 and one line on stderr.
 """
@@ -70,17 +70,19 @@ def main(argv):
                   f"effective noise multiplier {z:g}")
     has_jl = any(e.jl_projections is not None for e in entries[:1]) or any(
         q.mechanism == "jl" for e in set(entries) for q in e.queries)
-    names = list(acc.ACCOUNTANTS) if FLAGS.accountant == "all" else [FLAGS.accountant]
+    accountant = FLAGS.accountant
+    if has_jl and accountant == "rdp" and not FLAGS["accountant"].present:
+        accountant = "pld"  # the default accountant cannot analyse JL steps; pld can
+    names = list(acc.ACCOUNTANTS) if accountant == "all" else [accountant]
     results, skipped = {}, {}
     for name in names:
         if has_jl and name != "pld":
             skipped[name] = "not applicable to JL steps (use pld)"
-            if FLAGS.accountant != "all":
+            if accountant != "all":
                 raise _common.UsageError(
                     f"--accountant={name} cannot analyse JL steps; use --accountant=pld or all")
             continue
         results[name] = acc.compute_epsilon(entries, delta, name)
-    assumptions = next(iter(results.values())).assumptions if results else ""
     if FLAGS.format == "json":
         out = {}
         for name, r in results.items():
@@ -103,7 +105,6 @@ def main(argv):
         print(str(r))
     for name, why in skipped.items():
         print(f"\n[{name}] skipped: {why}")
-    del assumptions
     return 0
 
 
