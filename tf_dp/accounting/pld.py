@@ -203,21 +203,31 @@ class Mixture:
             raise ValueError(f"weights + inf_mass must sum to 1, got {w.sum() + self.inf_mass}")
 
     def _accumulate(self, eps: np.ndarray, direction: str, method: str) -> np.ndarray:
-        # Each component is evaluated only inside its loss range (outside it the privacy loss has
-        # mass < 1e-22): below the range delta = 1 - e^eps and the complement is 0; above it
-        # delta is 0 and the complement is e^eps - 1.  _RANGE_SLACK covers the neglected mass.
+        # Each component is evaluated only inside its loss range [lo, hi] (outside it its finite
+        # privacy loss has mass < 1e-22, covered by _RANGE_SLACK).  Outside, the curves are exact
+        # in closed form given c = Q(P > 0) = E_P[e^-L; L < inf] and m = P(L = inf):
+        #   below lo: delta = 1 - c e^eps,  complement = (1 - c) e^eps
+        #   above hi: delta = m,            complement = e^eps - 1 + m
         eps = np.asarray(eps, dtype=np.float64)
         out = np.zeros(eps.shape)
-        below_val = -np.expm1(eps) if method == "hockey_stick" else np.zeros(eps.shape)
-        above_val = np.zeros(eps.shape) if method == "hockey_stick" else np.expm1(eps)
-        for w, m in zip(self.weights, self.components):
+        ex = np.exp(np.minimum(eps, 700.0))
+        for w, comp in zip(self.weights, self.components):
             if w <= 0:
                 continue
-            lo, hi = m.loss_range(direction)
+            lo, hi = comp.loss_range(direction)
+            e_below = lo - 1.0
+            c = (1.0 - float(comp.hockey_stick(np.array([e_below]), direction)[0])) * math.exp(
+                -e_below)
+            c = min(max(c, 0.0), 1.0)
+            m_inf = float(comp.hockey_stick(np.array([hi + 1.0]), direction)[0])
+            if method == "hockey_stick":
+                below, above = 1.0 - c * ex, np.full(eps.shape, m_inf)
+            else:
+                below, above = (1.0 - c) * ex, ex - 1.0 + m_inf
+            part = np.where(eps < lo, below, above)
             inside = (eps >= lo) & (eps <= hi)
-            part = np.where(eps < lo, below_val, above_val)
             if np.any(inside):
-                part[inside] = getattr(m, method)(eps[inside], direction)
+                part[inside] = getattr(comp, method)(eps[inside], direction)
             out += w * np.maximum(part, 0.0)
         return out
 
@@ -366,7 +376,7 @@ class DiscretePLD:
         upper = total - c  # mass strictly above index i
         hi_candidates = np.nonzero(upper > _TAIL)[0]
         hi = int(hi_candidates[-1]) + 1 if hi_candidates.size else p.size - 1
-        hi = max(hi, lo)
+        hi = min(max(hi, lo), p.size - 1)
         moved_up = float(c[lo - 1]) if lo > 0 else 0.0
         to_inf = float(upper[hi])
         # Cap the loss range: mass above _LOSS_CAP goes to +inf.

@@ -39,6 +39,15 @@ def run_main(main: Callable[[list[str]], Any]) -> None:
     app.run(wrapped, flags_parser=parse_flags)
 
 
+def define(kind: str, name: str, default, help_text: str, *args) -> None:
+    """Defines an absl flag unless a tool imported earlier in this process already did (both tools
+    share --N, --batch_size, ... with identical meaning), so importing both never clashes."""
+    if name in flags.FLAGS:
+        return
+    definer = getattr(flags, f"DEFINE_{kind}")
+    definer(name, default, *args, help_text)
+
+
 def to_json(obj: Any) -> str:
     def clean(v):
         if isinstance(v, float) and not math.isfinite(v):

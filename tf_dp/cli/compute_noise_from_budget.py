@@ -21,16 +21,18 @@ from absl import flags
 from tf_dp.cli import _common
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("N", None, "Number of examples in the training set.")
-flags.DEFINE_integer("batch_size", None, "Expected batch size (Poisson) or batch size (shuffle).")
-flags.DEFINE_float("epsilon", None, "Target epsilon (> 0).")
-flags.DEFINE_float("epochs", None, "Number of epochs (steps = ceil(epochs * N / batch_size)).")
-flags.DEFINE_integer("steps", None, "Number of steps (alternative to --epochs).")
-flags.DEFINE_float("delta", None, "Target delta, in (0, 1).")
-flags.DEFINE_enum("accountant", "rdp", ["rdp", "moments", "pld", "gdp", "all"], "Accountant.")
-flags.DEFINE_enum("sampling", "poisson", ["poisson", "shuffle"], "Batch sampling policy.")
-flags.DEFINE_integer("microbatch_size", None, "Examples per microbatch (>1: sensitivity 2C).")
-flags.DEFINE_enum("format", "text", ["text", "json"], "Output format.")
+_common.define("integer", "N", None, "Number of examples in the training set.")
+_common.define(
+    "integer", "batch_size", None, "Expected batch size (Poisson) or batch size (shuffle)."
+)
+_common.define("float", "epsilon", None, "Target epsilon (> 0).")
+_common.define("float", "epochs", None, "Number of epochs (steps = ceil(epochs * N / batch_size)).")
+_common.define("integer", "steps", None, "Number of steps (alternative to --epochs).")
+_common.define("float", "delta", None, "Target delta, in (0, 1).")
+_common.define("enum", "accountant", "rdp", "Accountant.", ["rdp", "moments", "pld", "gdp", "all"])
+_common.define("enum", "sampling", "poisson", "Batch sampling policy.", ["poisson", "shuffle"])
+_common.define("integer", "microbatch_size", None, "Examples per microbatch (>1: sensitivity 2C).")
+_common.define("enum", "format", "text", "Output format.", ["text", "json"])
 
 
 def main(argv):
