@@ -207,7 +207,7 @@ def test_auto_route_selection():
     assert forward_mode_blocker(_lstm(unroll=True)) is None
     assert forward_mode_blocker(_cnn()) is None
     query = tf_dp.GaussianSumQuery(1.0, 0.0)
-    for model, r, expected in [(_cnn(), 1, "forward"), (_lstm(), 1, "double_vjp"), (_cnn(), 3, "double_vjp")]:
+    for model, r, expected in [(_cnn(), 1, "forward"), (_lstm(), 1, "double_vjp"), (_cnn(), 3, "forward"), (_lstm(), 2, "double_vjp")]:
         strategy = make_strategy("jl", jl_projections=r)
         x, y = _data(model, 4)
         tf.function(
@@ -359,3 +359,24 @@ def test_cnn_fit_in_jl_mode_uses_forward_mode():
     model.fit(x.numpy(), y.numpy(), batch_size=16, epochs=1, verbose=0)
     assert optimizer.gradient_strategy.resolved_method == "forward"
     assert [q.jl_projections for s in optimizer.ledger.samples() for q in s.queries] == [1, 1]
+
+
+class _UnseededNoise(L.Layer):
+    """Randomness outside Keras seed generators: the forward pass cannot be replayed."""
+
+    def call(self, x, training=False):
+        return x + tf.random.normal(tf.shape(x)) if training else x
+
+
+def test_forward_replay_refuses_unreplayable_randomness():
+    model = _compiled([keras.Input((6,)), L.Dense(4), _UnseededNoise(), L.Dense(3)])
+    x, y = _data(model, 4)
+    query = tf_dp.GaussianSumQuery(1.0, 0.0)
+    strategy = JLStrategy(3, method="forward", seed=0)
+    args = (PerExampleLoss(model), (x, y, None), model.trainable_variables, query, _params(query))
+    with pytest.raises(ValueError, match="replayed forward pass"):
+        strategy.clipped_sum(*args)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="replayed forward pass"):
+        tf.function(lambda: strategy.clipped_sum(*args).clipped_sum)()
+    # the single-pass route works on it
+    JLStrategy(3, method="double_vjp", seed=0).clipped_sum(*args)

@@ -33,11 +33,12 @@ Two routes compute the projections (section 2.1 of the paper), with the same res
   projection. It works through ``tf.while_loop`` (Keras 3's recurrent layers), where forward mode
   fails.
 
-``method="auto"`` (what ``gradient_mode="jl"`` uses) picks ``"forward"`` for ``r == 1`` on models it
-can trace in forward mode and ``"double_vjp"`` otherwise: recurrent layers without
-``unroll=True`` go straight to double-vjp, and any other model whose forward-mode trace fails
-falls back to it. For ``r > 1`` the single shared forward pass of double-vjp is both the faster and
-the safer route (no replay of randomness), so ``auto`` uses it.
+``method="auto"`` (what ``gradient_mode="jl"`` uses) picks ``"forward"`` on models it can trace in
+forward mode and ``"double_vjp"`` otherwise: recurrent layers without ``unroll=True`` go straight
+to double-vjp, and any other model whose forward-mode trace fails falls back to it. With ``r > 1``
+the forward route checks that every replayed pass reproduces the per-example losses of the first
+one, and fails the step (before noise and ledger) if not: randomness outside Keras seed
+generators cannot be replayed, and such models need ``method="double_vjp"``.
 
 Supported queries: those whose clipping rule depends only on the total norm of a record
 (``GaussianSumQuery``, ``NoPrivacySumQuery``, and them wrapped in ``QueryWithLedger``,
@@ -281,6 +282,27 @@ def _register_forward_rules() -> None:
 _register_forward_rules()
 
 
+def _same_losses(reference: tf.Tensor, replay: tf.Tensor):
+    """Fails the step (before any noise or ledger record) if a replayed forward pass differs.
+
+    Each projection must be of the per-example gradients that are summed (Lemma 4.3 needs the
+    norm estimate of *that* gradient). A forward pass with randomness that the model's state does
+    not determine (e.g. ``tf.random`` ops outside Keras seed generators) cannot be replayed.
+    """
+    ref = tf.cast(reference, tf.float32)
+    tol = 1e-4 * (1.0 + tf.abs(ref))
+    message = (
+        "gradient_mode='jl' (forward route, r > 1): a replayed forward pass gave different "
+        "per-example losses, so the model's randomness is not replayable; use "
+        "JLStrategy(method='double_vjp'), which needs a single forward pass"
+    )
+    if tf.executing_eagerly():
+        if not bool(tf.reduce_all(tf.abs(tf.cast(replay, tf.float32) - ref) <= tol)):
+            raise ValueError(message)
+        return tf.no_op()
+    return tf.debugging.assert_less_equal(tf.abs(tf.cast(replay, tf.float32) - ref), tol, message)
+
+
 def _dense(g: Any) -> tf.Tensor:
     return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
@@ -350,8 +372,6 @@ class JLStrategy(base.GradientStrategy):
         model = getattr(loss_fn, "model", None)
         if self.method != "auto":
             method = self.method
-        elif self.jl_projections > 1:
-            method = "double_vjp"
         else:
             reason = forward_mode_blocker(model)
             if reason is None and not tf.executing_eagerly():
@@ -397,6 +417,7 @@ class JLStrategy(base.GradientStrategy):
         projections = [acc.jvp(losses, unconnected_gradients=_ZERO)]
         if len(directions) > 1:
             after = [tf.identity(v.read_value()) for v in state]
+            checks = []
             for tangents in directions[1:]:
                 # Replay the step's forward pass from the same state (same dropout masks).
                 for v, b in zip(state, before):
@@ -404,8 +425,11 @@ class JLStrategy(base.GradientStrategy):
                 with tf.autodiff.ForwardAccumulator(tf_vars, tangents) as acc_j:
                     losses_j, _ = loss_fn(x, y, sw)
                 projections.append(acc_j.jvp(losses_j, unconnected_gradients=_ZERO))
+                checks.append(_same_losses(losses, losses_j))
             for v, a in zip(state, after):
                 v.assign(a)
+            with tf.control_dependencies(checks):
+                projections = [tf.identity(p) for p in projections]
         return losses, y_pred, tf.stack(projections), tape
 
     def _double_vjp(self, loss_fn, data, tf_vars, directions):
