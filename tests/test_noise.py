@@ -147,5 +147,85 @@ def test_seed_type_is_checked():
         tf_dp.GaussianSumQuery(1.0, 1.0, seed=True)
 
 
+# -- the batched Box-Muller sampler (noise.gaussian_noise) -------------------------------------------
+#
+# Tolerances from theory at fixed seeds (deterministic): the KS statistic of n exact draws exceeds
+# c / sqrt(n) with probability about 2 exp(-2 c^2) (c = 2.5: 7e-6); a binomial count of expected
+# value m is within 5 sqrt(m) + 1 of m except with probability < 1e-6.
+
+KS_C = 2.5
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+def test_sampler_matches_standard_normal(dtype):
+    from scipy import stats
+
+    n = 400_001  # odd: the last Box-Muller pair is cut
+    z = noise.gaussian_noise(noise.make_generator(seed=123), n, dtype)
+    assert z.shape == (n,) and z.dtype == dtype
+    z = z.numpy().astype(np.float64)
+    assert abs(z.mean()) <= K / np.sqrt(n)
+    assert abs(z.var() - 1.0) <= K * np.sqrt(2.0 / n)
+    assert stats.kstest(z, "norm").statistic <= KS_C / np.sqrt(n)
+    # Both halves of the Box-Muller pairs (cos and sin) are standard normal and uncorrelated.
+    h = n // 2
+    for part in (z[:h], z[h:2 * h]):
+        assert stats.kstest(part, "norm").statistic <= KS_C / np.sqrt(h)
+    assert abs(np.corrcoef(z[:h], z[h:2 * h])[0, 1]) <= K / np.sqrt(h)
+
+
+def test_sampler_tails():
+    from scipy import stats
+
+    gen = noise.make_generator(seed=7)
+    z = np.concatenate([noise.gaussian_noise(gen, 2_000_000).numpy() for _ in range(2)])
+    n = z.size
+    for t in (2.0, 3.0, 4.0, 4.5, 5.0):
+        m = n * 2 * stats.norm.sf(t)
+        count = np.sum(np.abs(z) > t)
+        assert abs(count - m) <= 5 * np.sqrt(m) + 1, (t, count, m)
+    assert np.abs(z).max() <= noise.TAIL_BOUND * (1 + 1e-6)
+
+
+def test_sampler_reaches_the_documented_tail_bound():
+    # The smallest u1 (all-zero words) gives r = sqrt(2 * 65 * ln 2), at angle 0.
+    assert noise.TAIL_BOUND == pytest.approx(9.4926, abs=1e-4)
+    for dtype in (tf.float32, tf.float64):
+        z = noise.box_muller(tf.zeros([3, 1], tf.uint32), dtype).numpy()
+        assert z[0] == pytest.approx(noise.TAIL_BOUND, rel=1e-6)
+        assert abs(z[1]) <= 1e-5
+    # u1 = 2^-33 (hi = 0, lo = 0 .. then hi = 1): about 6.8 sigma, still representable.
+    words = tf.constant([[0, 1], [2**31, 0], [0, 0]], tf.uint32)
+    r = noise.box_muller(words).numpy()[:2]
+    expect = np.sqrt(-2 * np.log((np.array([0, 1]) + (np.array([2**31, 0]) + 0.5) * 2.0**-32)
+                                 * 2.0**-32))
+    np.testing.assert_allclose(r, expect, rtol=1e-6)
+
+
+def test_structure_noise_per_leaf_stddev_and_dtypes():
+    gen = noise.make_generator(seed=21)
+    values = {"a": tf.zeros([300, 301]), "b": tf.zeros([7], tf.float16),
+              "c": tf.zeros([50_000], tf.float64), "d": tf.zeros([0])}
+    sds = {"a": 2.0, "b": 3.0, "c": 0.5, "d": 1.0}
+    out = noise.add_gaussian_noise_structure(gen, values, sds)
+    for k in values:
+        assert out[k].dtype == values[k].dtype and out[k].shape == values[k].shape
+    assert_gaussian(out["a"].numpy(), 2.0)
+    assert_gaussian(out["c"].numpy(), 0.5)
+    # one scalar for every leaf
+    same = noise.add_gaussian_noise_structure(gen, [tf.zeros([N // 2]), tf.zeros([N // 2])], 4.0)
+    assert_gaussian(same[0].numpy(), 4.0)
+    assert_gaussian(same[1].numpy(), 4.0)
+
+
+def test_sampler_in_tf_function_with_unknown_shape():
+    gen = noise.make_generator(seed=2)
+    fn = tf.function(lambda v: noise.add_gaussian_noise(gen, v, 1.5),
+                     input_signature=[tf.TensorSpec([None, 3])])
+    out = fn(tf.zeros([N // 3, 3])).numpy()
+    assert out.shape == (N // 3, 3)
+    assert_gaussian(out, 1.5)
+
+
 if __name__ == "__main__":  # Bazel py_test entry point (see BUILD)
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

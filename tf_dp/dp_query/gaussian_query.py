@@ -11,7 +11,7 @@ from typing import Any, NamedTuple, Optional
 import tensorflow as tf
 
 from tf_dp.dp_query import dp_query
-from tf_dp.dp_query.noise import add_gaussian_noise, make_generator
+from tf_dp.dp_query.noise import add_gaussian_noise_structure, make_generator
 from tf_dp.dp_query.validation import check_scalar
 
 
@@ -84,9 +84,7 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
 
     def get_noised_result(self, sample_state: Any, global_state: GaussianGlobalState):
         stddev = tf.convert_to_tensor(global_state.stddev, tf.float32)
-        noised = tf.nest.map_structure(
-            lambda v: add_gaussian_noise(self._generator, v, stddev), sample_state
-        )
+        noised = add_gaussian_noise_structure(self._generator, sample_state, stddev)
         return noised, global_state
 
     def sum_query_specs(self, global_state: GaussianGlobalState) -> list[dp_query.SumQuerySpec]:

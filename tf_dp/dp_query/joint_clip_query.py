@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from tf_dp.dp_query import dp_query
 from tf_dp.dp_query.gaussian_query import GaussianGlobalState, clip_weight
-from tf_dp.dp_query.noise import add_gaussian_noise, make_generator
+from tf_dp.dp_query.noise import add_gaussian_noise_structure, make_generator
 from tf_dp.dp_query.validation import check_scalar
 
 
@@ -85,11 +85,8 @@ class JointClipGaussianSumQuery(dp_query.SumAggregationDPQuery):
 
     def get_noised_result(self, sample_state: Any, global_state: GaussianGlobalState):
         stddev = tf.convert_to_tensor(global_state.stddev, tf.float32)
-        noised = tf.nest.map_structure(
-            lambda v, a: add_gaussian_noise(self._generator, v, stddev * a),
-            sample_state,
-            self._scales,
-        )
+        stddevs = tf.nest.map_structure(lambda a: stddev * a, self._scales)
+        noised = add_gaussian_noise_structure(self._generator, sample_state, stddevs)
         return noised, global_state
 
     def sum_query_specs(self, global_state: GaussianGlobalState) -> list[dp_query.SumQuerySpec]:
