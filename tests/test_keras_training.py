@@ -378,3 +378,22 @@ def test_add_loss_terms_refused_not_dropped(mode):
     for a, b in zip(model.trainable_variables, w0):
         np.testing.assert_array_equal(a.numpy(), b)
     assert model.optimizer.ledger.num_samples == 0
+
+
+@pytest.mark.parametrize("mode,opts", [("vectorized", {}), ("microbatch", {"num_microbatches": 2})])
+def test_next_sample_entry_predicts_the_recorded_entry(mode, opts):
+    x, y = data(12)
+    model = dpk.make_private(mlp())
+    model.compile(
+        optimizer=dpk.DPKerasSGDOptimizer(
+            l2_norm_clip=0.7, noise_multiplier=1.3, gradient_mode=mode, **opts
+        ),
+        loss=LOSS,
+    )
+    model.optimizer.set_sampling(12, 0.5, "shuffle")
+    predicted = model.optimizer.next_sample_entry()
+    model.fit(x, y, batch_size=6, epochs=1, verbose=0)
+    recorded = model.optimizer.ledger.samples()
+    assert len(recorded) == 2
+    assert recorded[0] == predicted
+    assert recorded[1] == model.optimizer.next_sample_entry()

@@ -44,6 +44,10 @@ _EXPORTS = {
     "make_private": "tf_dp.keras",
     "DPSequential": "tf_dp.keras",
     "DPModel": "tf_dp.keras",
+    "PrivacyReport": "tf_dp.keras",
+    "PrivacyBudget": "tf_dp.keras",
+    "poisson_batches": "tf_dp.data",
+    "compute_epsilon": "tf_dp.accounting",
 }
 
 _SUBMODULES = ("dp_query", "ledger", "accounting", "gradients", "keras", "cli", "data")

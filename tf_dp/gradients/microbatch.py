@@ -63,7 +63,10 @@ class MicrobatchStrategy(base.GradientStrategy):
         xs = tf.nest.map_structure(split, x)
         ys = tf.nest.map_structure(split, y)
         ws = tf.reshape(weight, [m, size])
-        counts = tf.reduce_sum(tf.reshape(real, [m, size]), axis=1)
+        # A microbatch's mean is over its rows of non-zero weight: padding rows (ours, or the
+        # zero-weight rows of Poisson batches) do not dilute it. Clipping bounds the record either
+        # way, so the count does not affect the sensitivity.
+        counts = tf.reduce_sum(tf.cast(tf.not_equal(ws, 0.0), tf.float32), axis=1)
         tf_vars = base.as_tf_variables(variables)
 
         def one(mb):

@@ -1,5 +1,13 @@
 """Keras 3 integration: DP optimizers, private models, callbacks."""
 
+from tf_dp.keras import callbacks
+from tf_dp.keras.callbacks import (
+    BackupAndRestore,
+    BudgetExhaustedError,
+    LedgerCheckpoint,
+    PrivacyBudget,
+    PrivacyReport,
+)
 from tf_dp.keras.losses import PerExampleLoss
 from tf_dp.keras.models import DPModel, DPSequential, is_private, make_private
 from tf_dp.keras.optimizers import (
@@ -11,6 +19,12 @@ from tf_dp.keras.optimizers import (
 )
 
 __all__ = [
+    "BackupAndRestore",
+    "BudgetExhaustedError",
+    "LedgerCheckpoint",
+    "PrivacyBudget",
+    "PrivacyReport",
+    "callbacks",
     "DPKerasAdagradOptimizer",
     "DPKerasAdamOptimizer",
     "DPKerasSGDOptimizer",

@@ -134,34 +134,8 @@ def predicted_next_entry(optimizer) -> Optional[SampleEntry]:
     microbatches of several examples, known after the first step; assumed 2 before it when
     ``num_microbatches`` is set). Returns None if the state cannot be read.
     """
-    from tf_dp.ledger.events import MECHANISMS, SAMPLING_POLICIES
-
     try:
-        query = optimizer.dp_query
-        n = int(query._population_size.numpy())
-        q = float(query._selection_probability.numpy())
-        policy = SAMPLING_POLICIES[int(query._policy.numpy())]
-        multiplier = float(query.sensitivity_multiplier.numpy())
-        if optimizer.ledger.num_samples == 0 and optimizer.num_microbatches is not None:
-            multiplier = max(multiplier, 2.0)
-        jl = int(query._jl_projections.numpy())
-        events = []
-        for spec in query.sum_query_specs(optimizer._dp_global_state):
-            sens = float(spec.l2_sensitivity)
-            std = float(spec.noise_stddev)
-            if spec.private:
-                mech = "jl" if jl > 0 else "gaussian"
-                events.append(
-                    SumQueryEvent(
-                        l2_sensitivity=sens * multiplier,
-                        noise_stddev=std,
-                        mechanism=mech,
-                        jl_projections=jl if mech == "jl" else None,
-                    )
-                )
-            else:
-                events.append(SumQueryEvent(sens, std, MECHANISMS[2]))
-        return SampleEntry(SamplingEvent(n, q, policy), tuple(events))
+        return optimizer.next_sample_entry()
     except Exception as e:  # noqa: BLE001 -- an unusual query: fall back to the ledger
         _logger.debug("tf_dp: cannot predict the next ledger entry: %s", e)
         return None

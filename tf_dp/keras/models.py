@@ -121,7 +121,12 @@ def dp_train_step(model: keras.Model, data: Any) -> dict[str, Any]:
     _refuse_add_loss_terms(model)
     grads = optimizer.dp_aggregate(clipped)
     reg = _regularization_gradients(model, variables)
-    mean_loss = tf.reduce_mean(tf.cast(clipped.losses, tf.float32))
+    losses = tf.cast(clipped.losses, tf.float32)
+    if sample_weight is None:
+        mean_loss = tf.reduce_mean(losses)
+    else:  # zero-weight rows (e.g. Poisson padding) are not examples: leave them out of the mean
+        rows = tf.reduce_sum(tf.cast(tf.not_equal(tf.reshape(sample_weight, [-1]), 0), tf.float32))
+        mean_loss = tf.math.divide_no_nan(tf.reduce_sum(losses), rows)
     if reg is not None:
         reg_grads, penalty = reg
         grads = [g + tf.cast(r, g.dtype) for g, r in zip(grads, reg_grads)]
@@ -162,6 +167,7 @@ def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, d
         if kwargs.get("batch_size") is not None:
             raise ValueError("batch_size must be None when x is tf_dp.data.poisson_batches(...)")
         dataset = x.dataset
+        kwargs.setdefault("shuffle", False)  # the Poisson sampler draws its own batches
         if args:
             args[0] = dataset
         else:

@@ -174,6 +174,19 @@ class DPOptimizerMixin:
         self._dp_query.set_sampling(population_size, selection_probability, sampling_policy)
         self._sampling_configured = True
 
+    def next_sample_entry(self):
+        """The :class:`~tf_dp.ledger.events.SampleEntry` the next DP step will record.
+
+        Computed from the declared sampling, the query's clip and noise and the current
+        sensitivity multiplier. Before the first step of a microbatched run the multiplier is not
+        known yet (it depends on the microbatch size); it is then taken as 2, the worst case.
+        Used by :class:`tf_dp.keras.PrivacyBudget` to stop before a step that would overspend.
+        """
+        multiplier = None
+        if self._num_microbatches is not None and self._ledger.num_samples == 0:
+            multiplier = 2.0
+        return self._dp_query.next_sample_entry(self._dp_global_state, multiplier)
+
     @property
     def sampling_configured(self) -> bool:
         return self._sampling_configured

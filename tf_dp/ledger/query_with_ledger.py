@@ -8,6 +8,13 @@ import tensorflow as tf
 
 from tf_dp.dp_query.dp_query import DPQuery, SumQuerySpec
 from tf_dp.dp_query.validation import check_scalar
+from tf_dp.ledger.events import (
+    MECHANISMS,
+    SAMPLING_POLICIES,
+    SampleEntry,
+    SamplingEvent,
+    SumQueryEvent,
+)
 from tf_dp.ledger.privacy_ledger import PrivacyLedger, mechanism_code, policy_code
 
 
@@ -133,6 +140,48 @@ class QueryWithLedger(DPQuery):
     def clip_weights(self, params: Any, squared_norms: Any) -> Any:
         return self._query.clip_weights(params, squared_norms)
 
+    def _event_values(self, specs: list[SumQuerySpec]) -> list[tuple[Any, Any, Any, Any]]:
+        """(l2_sensitivity, noise_stddev, mechanism code, jl_projections) of each sum query, as the
+        ledger records them: the clip times the sensitivity multiplier for private queries."""
+        jl = self._jl_projections.read_value()
+        values = []
+        for spec in specs:
+            if spec.private:
+                mech = tf.where(jl > 0, mechanism_code("jl"), mechanism_code("gaussian"))
+                sens = tf.cast(spec.l2_sensitivity, tf.float32) * self._sensitivity_multiplier
+            else:
+                mech = tf.constant(mechanism_code("none"))
+                sens = tf.cast(spec.l2_sensitivity, tf.float32)
+            values.append((sens, spec.noise_stddev, mech, jl))
+        return values
+
+    def next_sample_entry(
+        self, global_state: Any, sensitivity_multiplier: Optional[float] = None
+    ) -> SampleEntry:
+        """The entry the next ``get_noised_result`` would record, computed eagerly from the current
+        sampling parameters, mechanism settings and ``global_state`` (e.g. to check a privacy
+        budget before a step). ``sensitivity_multiplier`` overrides the current multiplier."""
+        entries = []
+        for sens, std, mech, jl in self._event_values(self._query.sum_query_specs(global_state)):
+            name = MECHANISMS[int(mech)]
+            sens = float(sens)
+            if sensitivity_multiplier is not None and name != "none":
+                sens = sens / float(self._sensitivity_multiplier.numpy()) * sensitivity_multiplier
+            entries.append(
+                SumQueryEvent(
+                    l2_sensitivity=sens,
+                    noise_stddev=float(std),
+                    mechanism=name,
+                    jl_projections=int(jl) if name == "jl" else None,
+                )
+            )
+        sampling = SamplingEvent(
+            population_size=int(self._population_size.numpy()),
+            selection_probability=float(self._selection_probability.numpy()),
+            policy=SAMPLING_POLICIES[int(self._policy.numpy())],
+        )
+        return SampleEntry(sampling, tuple(entries))
+
     def get_noised_result(self, sample_state: Any, global_state: Any):
         specs = self._query.sum_query_specs(global_state)
         checks = _check_specs(specs)
@@ -143,15 +192,8 @@ class QueryWithLedger(DPQuery):
             self._ledger.record_sampling(
                 self._population_size, self._selection_probability, self._policy
             )
-        jl = self._jl_projections.read_value()
-        for spec in specs:
-            if spec.private:
-                mech = tf.where(jl > 0, mechanism_code("jl"), mechanism_code("gaussian"))
-                sens = tf.cast(spec.l2_sensitivity, tf.float32) * self._sensitivity_multiplier
-            else:
-                mech = tf.constant(mechanism_code("none"))
-                sens = tf.cast(spec.l2_sensitivity, tf.float32)
-            self._ledger.record_sum_query(sens, spec.noise_stddev, mech, jl)
+        for sens, std, mech, jl in self._event_values(specs):
+            self._ledger.record_sum_query(sens, std, mech, jl)
         return result, new_state
 
 
