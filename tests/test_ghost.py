@@ -160,13 +160,18 @@ def test_dense_mlp_with_sample_weights():
     check(model, x, y, sw)
 
 
-@pytest.mark.parametrize("seq_len", [3, 40])  # ghost (Gram) branch and materialised branch
-def test_dense_sequence_inputs(seq_len):
+# ghost (Gram) branch for the first Dense when T^2 (C + D) < C D (2, 40), materialised otherwise
+@pytest.mark.parametrize("seq_len,width", [(3, 6), (40, 6), (2, 40)])
+def test_dense_sequence_inputs(seq_len, width):
+    from tf_dp.gradients.ghost import factors
+
     r = rng(1)
+    branch = factors._use_ghost(factors.Outer(tf.zeros([1, seq_len, width]), tf.zeros([1, seq_len, width])))
+    assert branch == (seq_len == 2)
     model = keras.Sequential(
         [
             keras.Input((seq_len, 6)),
-            L.Dense(5, activation="relu"),
+            L.Dense(width, activation="relu"),
             L.Dense(4),
             L.GlobalAveragePooling1D(),
             L.Dense(3),

@@ -14,8 +14,8 @@ its layer's variables with one of three *factors*, all with the batch on axis 0:
 
 The engine never needs more than this: squared norms come from the factors without materialising
 large per-example gradients (Goodfellow 2015 for ``T = 1``; the Gram-matrix "ghost norm"
-``sum_{t,s} (a_t . a_s)(g_t . g_s)`` of Li et al. 2021 when ``T^2 (C + D) < T C D``, materialised
-``[B, C, D]`` otherwise), and the clipped sum ``sum_b w_b grad_b`` is computed from the same
+``sum_{t,s} (a_t . a_s)(g_t . g_s)`` of Li et al. 2021 when ``T^2 (C + D) < C D`` or when
+``[B, C, D]`` would be large, materialised ``[B, C, D]`` otherwise; see ``_use_ghost``), and the clipped sum ``sum_b w_b grad_b`` is computed from the same
 factors (book-keeping, Bu et al. 2022), so the clipped record is exactly the vector whose norm was
 measured. A layer called several times (shared weights) contributes one factor per call; factors of
 one variable are concatenated along ``T`` (or summed, for :class:`PerExample`), which gives the
@@ -165,10 +165,17 @@ def materialize(f, variable_shape) -> tf.Tensor:
 
 
 def _use_ghost(f: Outer) -> bool:
+    """Gram ("ghost") norms or materialised ``[B, C, D]`` per-example gradients?
+
+    Per example, the Gram route costs ``T^2 (C + D)`` multiply-adds for the norm plus ``T C D``
+    for its share of the book-kept sum; materialising costs ``T C D`` once (the weighted sum is
+    then ``C D``). So materialise unless ``T^2 (C + D) < C D``, or unless ``[B, C, D]`` would be
+    more than 4x the memory of the factors ``a``, ``g`` themselves.
+    """
     t, c, d = f.a.shape[1], f.a.shape[2], f.g.shape[2]
     if t is None or c is None or d is None:
         return True
-    return t * t * (c + d) < t * c * d
+    return t * t * (c + d) < c * d or c * d > 4 * t * (c + d)
 
 
 def squared_norm_and_sum(f, variable_shape):
