@@ -1,0 +1,60 @@
+"""Steady-state peak memory of a training step (tracing excluded), one fresh process per mode.
+
+``bench.step_time`` reports the peak RSS increase of the first steps *including* tracing and
+compilation, which for small models is mostly graph construction (and, for JL, the XLA
+compilation of the fused MaxPool forward rule). This probe warms a mode up first, then resets the
+kernel's peak-RSS counter and reports the peak increase over 5 more steps: the memory the step
+itself needs (activations, per-example work, directions).
+
+    python -m research.jl_2020.steady_memory --model cnn --modes nonprivate,jl:1
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+
+from bench import step_time
+
+
+def probe(model_name: str, batch: int, mode: str) -> float:
+    ds = step_time.dataset(model_name, batch)
+    model = step_time.build(model_name, mode, batch)
+    step_time.warm_up(model, ds, 3)
+    fn, it = model.train_function, iter(ds)
+    step_time._sync(fn(it))
+    gc.collect()
+    base = step_time._rss_mb()
+    step_time._reset_hwm()
+    with step_time._PeakSampler() as sampler:
+        for _ in range(5):
+            step_time._sync(fn(it))
+    return max(max(sampler.peak, step_time._hwm_mb()) - base, 0.0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="cnn")
+    p.add_argument("--batch_size", type=int, default=None)
+    p.add_argument("--modes", default="nonprivate,jl:1")
+    p.add_argument("--_one", default=None)
+    a = p.parse_args()
+    batch = a.batch_size or {"cnn": 256, "mlp": 256, "lstm": 64}[a.model]
+    if a._one:
+        print("STEADY_MB", probe(a.model, batch, a._one))
+        return
+    out = {}
+    for mode in a.modes.split(","):
+        res = subprocess.run(
+            [sys.executable, "-m", "research.jl_2020.steady_memory", "--model", a.model,
+             "--batch_size", str(batch), "--_one", mode], capture_output=True, text=True)
+        vals = [float(l.split()[1]) for l in res.stdout.splitlines() if l.startswith("STEADY_MB")]
+        out[mode] = round(vals[0], 1) if vals else None
+    print(json.dumps({"model": a.model, "batch_size": batch, "steady_peak_mb": out}))
+
+
+if __name__ == "__main__":
+    main()
