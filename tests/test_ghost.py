@@ -264,6 +264,48 @@ def test_conv2d_dilation_same_padding_and_group_norm():
     check(model, x, r.integers(0, 3, 6))
 
 
+@pytest.mark.parametrize("cin", [1, 3, 8, 16])
+@pytest.mark.parametrize(
+    "ks,st,dr,padding",
+    [
+        ((8, 8), (2, 2), (1, 1), "SAME"),
+        ((4, 4), (2, 2), (1, 1), "VALID"),
+        ((3, 2), (1, 1), (2, 2), "SAME"),
+        ((3, 3), (2, 1), (1, 1), "SAME"),
+        ((2, 3), (3, 2), (1, 2), "VALID"),
+        ((1, 3), (1, 2), (1, 1), "SAME"),
+    ],
+)
+def test_unfold_equals_extract_patches(cin, ks, st, dr, padding):
+    from tf_dp.gradients.ghost.rules import _unfold
+
+    x = tf.constant(rng(30).normal(size=(3, 11, 9, cin)).astype("float32"))
+    want = tf.image.extract_patches(
+        x, sizes=[1, *ks, 1], strides=[1, *st, 1], rates=[1, *dr, 1], padding=padding
+    )
+    got = _unfold(x, list(ks), list(st), list(dr), padding)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_conv_many_input_channels_strided_dilated():
+    r = rng(31)
+    model = keras.Sequential(
+        [
+            keras.Input((10, 9, 8)),
+            L.Conv2D(9, (3, 2), dilation_rate=2, padding="same", activation="relu"),
+            L.Conv2D(8, 3, strides=(2, 1), padding="same"),
+            L.Reshape((5 * 9, 8)),
+            L.Conv1D(8, 3, padding="causal", dilation_rate=2, activation="relu"),
+            L.Conv1D(4, 2, strides=2, padding="valid"),
+            L.Flatten(),
+            L.Dense(3),
+        ]
+    )
+    x = r.normal(size=(6, 10, 9, 8)).astype("float32")
+    check(model, x, r.integers(0, 3, 6))
+
+
 def test_conv1d_causal_dilated_and_strided():
     r = rng(8)
     model = keras.Sequential(

@@ -1,7 +1,15 @@
-"""Per-example conv kernel gradients of the reference CNN's convolutions: unfolding + batched
-matmul vs a depthwise convolution with the batch as channels (kernel gradient as a forward conv).
+"""CPU time of unfolding the reference CNN's convolution inputs into patches (the ghost conv rule's
+main cost), by method, and of the layer's forward convolution for scale.
 
     python -m research.ghost.conv_bench
+
+Measured here (2-core shared machine, CPU ms, medians): conv1 (8x8 s2 same, C=1) one-hot conv
+5.5-6, gather 5.8, space-to-depth + one-hot depthwise 4.5, forward conv 2; conv2 (4x4 s2 valid,
+C=16) one-hot conv 10, gather of pixel rows [H*W, B*C] then transpose 3 (the transpose of the
+patches to batch-major is the expensive part), gather along the pixel axis of [B, H*W, C] 1.5,
+forward conv 1.5. ``tf.image.extract_patches`` was 36-47 ms (previous measurement). A gather
+along the pixel axis is slow for C = 1 (15 ms: single-float slices). The rule uses the pixel-axis
+gather for C >= 8, the one-hot convolution below.
 """
 import os
 import statistics
@@ -11,7 +19,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tf_dp.gradients.ghost.rules import _unfold, _unfold_s2d_depthwise, _unfold_s2d_slices  # noqa: E402,E501
+from tf_dp.gradients.ghost.rules import _same_pads, _unfold, _unfold_gather  # noqa: E402
 
 B = 256
 CASES = {
@@ -21,65 +29,29 @@ CASES = {
 }
 
 
-def pad_same(x, k, s):
+def onehot(x, k, s, padding):
+    kk = k * k * x.shape[-1]
+    eye = tf.reshape(tf.eye(kk), [k, k, x.shape[-1], kk])
+    return tf.nn.conv2d(x, eye, s, padding)
+
+
+def s2d_depthwise(x, k, s, padding):
+    """Patches in (s, s, C, k/s, k/s) order; s must divide k."""
     h = x.shape[1]
-    out = -(-h // s)
-    total = max((out - 1) * s + k - h, 0)
-    lo = total // 2
-    return tf.pad(x, [[0, 0], [lo, total - lo], [lo, total - lo], [0, 0]])
-
-
-def unfold_grads(x, g, k, s, padding):
-    p = _unfold(x, [k, k], [s, s], [1, 1], padding)
-    a = tf.reshape(p, [B, -1, p.shape[-1]])
-    gg = tf.reshape(g, [B, -1, g.shape[-1]])
-    return tf.matmul(a, gg, transpose_a=True)  # [B, k*k*C, D]
-
-
-def unfold_slices(x, k, s, padding):
     if padding == "SAME":
-        x = pad_same(x, k, s)
-    oh = (x.shape[1] - k) // s + 1
-    ow = (x.shape[2] - k) // s + 1
-    cols = [x[:, i : i + s * (oh - 1) + 1 : s, j : j + s * (ow - 1) + 1 : s, :]
-            for i in range(k) for j in range(k)]
-    return tf.concat(cols, axis=-1)
+        lo, hi = _same_pads(h, k, s, 1)
+        x = tf.pad(x, [[0, 0], [lo, hi], [lo, hi], [0, 0]])
+    hp, c = x.shape[1], x.shape[-1]
+    oh, kb = (hp - k) // s + 1, k // s
+    hb = oh - 1 + kb
+    x = x[:, : hb * s, : hb * s]
+    x = tf.reshape(tf.transpose(tf.reshape(x, [B, hb, s, hb, s, c]), [0, 1, 3, 2, 4, 5]),
+                   [B, hb, hb, s * s * c])
+    eye = tf.tile(tf.reshape(tf.eye(kb * kb), [kb, kb, 1, kb * kb]), [1, 1, s * s * c, 1])
+    return tf.nn.depthwise_conv2d(x, eye, [1, 1, 1, 1], "VALID")
 
 
-def slices_grads(x, g, k, s, padding):
-    p = unfold_slices(x, k, s, padding)
-    a = tf.reshape(p, [B, -1, p.shape[-1]])
-    gg = tf.reshape(g, [B, -1, g.shape[-1]])
-    return tf.matmul(a, gg, transpose_a=True)
-
-
-def unfold_gather(x, k, s, padding):
-    import numpy as np
-    if padding == "SAME":
-        x = pad_same(x, k, s)
-    bb, h, w, c = x.shape
-    oh, ow = (h - k) // s + 1, (w - k) // s + 1
-    p, q, i, j = np.meshgrid(np.arange(oh), np.arange(ow), np.arange(k), np.arange(k), indexing="ij")
-    idx = ((s * p + i) * w + (s * q + j)).reshape(-1)  # (oh, ow, kh, kw)
-    xt = tf.reshape(tf.transpose(x, [1, 2, 0, 3]), [h * w, bb * c])
-    a = tf.gather(xt, idx)  # [T*kk, B*C]
-    a = tf.reshape(a, [oh * ow, k * k, bb, c])
-    return tf.reshape(tf.transpose(a, [2, 0, 1, 3]), [bb, oh, ow, k * k * c])
-
-
-def depthwise_grads(x, g, k, s, padding):
-    if padding == "SAME":
-        x = pad_same(x, k, s)
-    cin, d = x.shape[-1], g.shape[-1]
-    inp = tf.transpose(x, [3, 1, 2, 0])  # [Cin, H, W, B]
-    filt = tf.transpose(g, [1, 2, 0, 3])  # [oh, ow, B, D]
-    out = tf.nn.depthwise_conv2d(inp, filt, [1, 1, 1, 1], "VALID", dilations=[s, s])
-    out = out[:, :k, :k]  # [Cin, k, k, B*D]
-    out = tf.reshape(out, [cin, k, k, B, d])
-    return tf.reshape(tf.transpose(out, [3, 1, 2, 0, 4]), [B, k * k * cin, d])
-
-
-def bench(fn, n=30):
+def cpu_ms(fn, n=30):
     for _ in range(3):
         fn()
     ts = []
@@ -95,25 +67,16 @@ if __name__ == "__main__":
     for name, (shape, k, s, padding, d) in CASES.items():
         x = tf.constant(rng.standard_normal(shape), tf.float32)
         w = tf.constant(rng.standard_normal((k, k, shape[-1], d)), tf.float32)
-        y = tf.nn.conv2d(x, w, s, padding)
-        g = tf.constant(rng.standard_normal(y.shape), tf.float32)
-        ref = unfold_grads(x, g, k, s, padding)
-        alt = depthwise_grads(x, g, k, s, padding)
-        err = float(tf.reduce_max(tf.abs(ref - alt)) / tf.reduce_max(tf.abs(ref)))
-        f1 = tf.function(lambda: unfold_grads(x, g, k, s, padding))
-        f2 = tf.function(lambda: depthwise_grads(x, g, k, s, padding))
-        f3 = tf.function(lambda: tf.nn.conv2d(x, w, s, padding))
-        f4 = tf.function(lambda: slices_grads(x, g, k, s, padding))
-        f5 = tf.function(lambda: _unfold(x, [k, k], [s, s], [1, 1], padding))
-        f6 = tf.function(lambda: _unfold_s2d_slices(x, [k, k], [s, s], padding))
-        f7 = tf.function(lambda: _unfold_s2d_depthwise(x, [k, k], [s, s], padding))
-        f8 = tf.function(lambda: unfold_gather(x, k, s, padding))
-        assert float(tf.reduce_max(tf.abs(f8() - f5()))) == 0.0
-        n1 = tf.reduce_sum(f5() ** 2, -1)
-        assert float(tf.reduce_max(tf.abs(n1 - tf.reduce_sum(f6() ** 2, -1)))) < 1e-3
-        assert float(tf.reduce_max(tf.abs(n1 - tf.reduce_sum(f7() ** 2, -1)))) < 1e-3
-        err2 = float(tf.reduce_max(tf.abs(ref - f4())))
+        fns = {
+            "forward conv": tf.function(lambda: tf.nn.conv2d(x, w, s, padding)),
+            "one-hot conv": tf.function(lambda: onehot(x, k, s, padding)),
+            "rule": tf.function(lambda: _unfold(x, [k, k], [s, s], [1, 1], padding)),
+            "gather": tf.function(lambda: _unfold_gather(x, [k, k], [s, s], [1, 1], padding)),
+            "s2d depthwise": tf.function(lambda: s2d_depthwise(x, k, s, padding)),
+        }
+        ref = fns["one-hot conv"]()
+        assert float(tf.reduce_max(tf.abs(fns["gather"]() - ref))) == 0.0
+        sq = tf.reduce_sum(ref**2, -1)
+        assert float(tf.reduce_max(tf.abs(tf.reduce_sum(fns["s2d depthwise"]() ** 2, -1) - sq))) < 1e-3
         for _ in range(2):
-            print(f"{name}: rel err {err:.1e}  unfold+matmul {bench(f1):6.2f} ms cpu  "
-                  f"forward conv {bench(f3):6.2f} "
-                  f"unfold onehot {bench(f5):6.2f} s2d slices {bench(f6):6.2f} s2d dw {bench(f7):6.2f} gather {bench(f8):6.2f}")
+            print(name, "  ".join(f"{m} {cpu_ms(f):6.2f}" for m, f in fns.items()), "(CPU ms)")

@@ -243,26 +243,26 @@ def _conv_supports(layer) -> Optional[str]:
     return None
 
 
-def _same_pads(size, k, s, d):
-    out = -(-size // s)
-    total = max((out - 1) * s + (k - 1) * d + 1 - size, 0)
-    return total // 2, total - total // 2
-
-
 def _unfold(x, ks, st, dr, padding):
     """Patches ``[B, oh, ow, kh*kw*C]`` in (kh, kw, C) order, like ``tf.image.extract_patches``.
 
-    With static spatial and channel sizes, the patches are gathered: the input is laid out as
-    ``[H*W, B*C]`` (one row per pixel, every example's channels in it) and the rows of every
-    patch are gathered with precomputed indices, then transposed to ``[B, T, kh*kw*C]``. That is
-    two memory passes over the patches and no arithmetic; a convolution with a one-hot kernel
-    (the previous method) costs ``B T K^2`` multiply-adds, which dominated the reference CNN's
-    step (about 3x slower on its second convolution). Any stride, dilation and padding.
+    - Static sizes and ``C >= 8``: a gather along the pixel axis of ``[B, H*W, C]`` with
+      precomputed indices (rows of ``C`` floats; a pure memory pass, no arithmetic). On the
+      reference CNN's second convolution this is 7x cheaper than a one-hot convolution, whose
+      cost is ``B T K^2`` multiply-adds.
+    - Small ``C`` (a gather of single floats is slow) and ``K = kh kw C <= 256``: a convolution
+      with a one-hot kernel.
+    - Otherwise ``tf.image.extract_patches``.
+    See ``research/ghost/conv_bench.py`` for the measurements.
     """
     h, w, cin = x.shape[1], x.shape[2], x.shape[3]
-    if h is not None and w is not None and cin is not None:
+    k = ks[0] * ks[1] * cin if cin is not None else None
+    if h is not None and w is not None and cin is not None and cin >= 8:
         return _unfold_gather(x, ks, st, dr, padding)
-    return tf.image.extract_patches(  # pragma: no cover (dynamic spatial shapes)
+    if cin is not None and k <= 256 and (all(s == 1 for s in st) or all(d == 1 for d in dr)):
+        eye = tf.reshape(tf.eye(k, dtype=x.dtype), [ks[0], ks[1], cin, k])
+        return tf.nn.conv2d(x, eye, [1, *st, 1], padding, dilations=[1, *dr, 1])
+    return tf.image.extract_patches(
         x, sizes=[1, *ks, 1], strides=[1, *st, 1], rates=[1, *dr, 1], padding=padding
     )
 
@@ -288,10 +288,8 @@ def _unfold_gather(x, ks, st, dr, padding):
         np.arange(oh), np.arange(ow), np.arange(kh), np.arange(kw), indexing="ij"
     )
     idx = ((sh * p + dh * i) * w + (sw * q + dw * j)).reshape(-1).astype(np.int32)
-    batch = tf.shape(x)[0]
-    rows = tf.reshape(tf.transpose(x, [1, 2, 0, 3]), [h * w, -1])  # [H*W, B*C]
-    a = tf.reshape(tf.gather(rows, idx), [oh * ow, kh * kw, batch, cin])
-    return tf.reshape(tf.transpose(a, [2, 0, 1, 3]), [batch, oh, ow, kh * kw * cin])
+    pixels = tf.reshape(x, [-1, h * w, cin])
+    return tf.reshape(tf.gather(pixels, idx, axis=1), [-1, oh, ow, kh * kw * cin])
 
 
 def conv_rule(layer, inputs, grad_output):
