@@ -2,9 +2,10 @@
 
 ``bench.step_time`` reports the peak RSS increase of the first steps *including* tracing and
 compilation, which for small models is mostly graph construction (and, for JL, the XLA
-compilation of the fused MaxPool forward rule). This probe warms a mode up first, then resets the
-kernel's peak-RSS counter and reports the peak increase over 5 more steps: the memory the step
-itself needs (activations, per-example work, directions).
+compilation of the fused MaxPool forward rule). This probe warms a mode up first, then reports,
+over 5 more steps, the peak RSS increase and the peak of TensorFlow's CPU allocator above its
+resting level (``tf.config.experimental.get_memory_info``): the tensors the step itself needs
+(activations, per-example work, directions, tangents).
 
     python -m research.jl_2020.steady_memory --model cnn --modes nonprivate,jl:1
 """
@@ -20,7 +21,10 @@ import sys
 from bench import step_time
 
 
-def probe(model_name: str, batch: int, mode: str) -> float:
+def probe(model_name: str, batch: int, mode: str) -> tuple[float, float]:
+    """(peak RSS increase MB, peak TF-allocator bytes above the resting level, MB) over 5 steps."""
+    import tensorflow as tf
+
     ds = step_time.dataset(model_name, batch)
     model = step_time.build(model_name, mode, batch)
     step_time.warm_up(model, ds, 3)
@@ -29,10 +33,13 @@ def probe(model_name: str, batch: int, mode: str) -> float:
     gc.collect()
     base = step_time._rss_mb()
     step_time._reset_hwm()
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    resting = tf.config.experimental.get_memory_info("CPU:0")["current"]
     with step_time._PeakSampler() as sampler:
         for _ in range(5):
             step_time._sync(fn(it))
-    return max(max(sampler.peak, step_time._hwm_mb()) - base, 0.0)
+    tensors = (tf.config.experimental.get_memory_info("CPU:0")["peak"] - resting) / 2**20
+    return max(max(sampler.peak, step_time._hwm_mb()) - base, 0.0), tensors
 
 
 def main() -> None:
@@ -44,16 +51,19 @@ def main() -> None:
     a = p.parse_args()
     batch = a.batch_size or {"cnn": 256, "mlp": 256, "lstm": 64}[a.model]
     if a._one:
-        print("STEADY_MB", probe(a.model, batch, a._one))
+        print("STEADY_MB", *probe(a.model, batch, a._one))
         return
     out = {}
     for mode in a.modes.split(","):
         res = subprocess.run(
             [sys.executable, "-m", "research.jl_2020.steady_memory", "--model", a.model,
              "--batch_size", str(batch), "--_one", mode], capture_output=True, text=True)
-        vals = [float(l.split()[1]) for l in res.stdout.splitlines() if l.startswith("STEADY_MB")]
-        out[mode] = round(vals[0], 1) if vals else None
-    print(json.dumps({"model": a.model, "batch_size": batch, "steady_peak_mb": out}))
+        vals = [l.split()[1:] for l in res.stdout.splitlines() if l.startswith("STEADY_MB")]
+        out[mode] = (
+            {"rss_increase_mb": round(float(vals[0][0]), 1), "tensor_peak_mb": round(float(vals[0][1]), 1)}
+            if vals else None
+        )
+    print(json.dumps({"model": a.model, "batch_size": batch, "steady": out}))
 
 
 if __name__ == "__main__":
