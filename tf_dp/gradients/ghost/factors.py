@@ -156,12 +156,18 @@ def materialize(f, variable_shape) -> tf.Tensor:
     if isinstance(f, PerExample):
         return tf.reshape(f.grads, [tf.shape(f.grads)[0]] + list(variable_shape))
     if isinstance(f, Outer):
-        m = tf.matmul(f.a, f.g, transpose_a=True)
+        m = tf.transpose(_per_example_dc(f), [0, 2, 1])
         return _to_variable(m, f, variable_shape, batched=True)
     raise TypeError("Rows factors are not materialised")
 
 
 # -- norms and weighted sums -----------------------------------------------------------------------
+
+
+def _per_example_dc(f: Outer) -> tf.Tensor:
+    """Per-example gradients transposed, ``[B, D, C] = g^T a``: on CPU (oneDNN) 1.5x faster
+    than ``a^T g`` for the reference CNN's convolutions (``research/ghost/kernel_bench.py``)."""
+    return tf.matmul(f.g, f.a, transpose_a=True)
 
 
 def _use_ghost(f: Outer) -> bool:
@@ -200,10 +206,11 @@ def squared_norm_and_sum(f, variable_shape):
             gg = tf.matmul(g, g, transpose_b=True)
             sq = tf.reduce_sum(aa * gg, axis=[1, 2])
             return sq, lambda w: _outer_weighted(f, w, variable_shape)
-        m = tf.matmul(a, g, transpose_a=True)  # [B, C, D]; faster than einsum on CPU
+        m = _per_example_dc(f)  # [B, D, C]
         sq = tf.reduce_sum(tf.square(m), axis=[1, 2])
         return sq, lambda w: _to_variable(
-            tf.tensordot(tf.cast(w, m.dtype), m, axes=1), f, variable_shape, batched=False
+            tf.transpose(tf.tensordot(tf.cast(w, m.dtype), m, axes=1)), f, variable_shape,
+            batched=False,
         )
     if isinstance(f, Rows):
         return _rows_sq(f), lambda w: _rows_weighted(f, w, variable_shape)

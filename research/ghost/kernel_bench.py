@@ -1,0 +1,95 @@
+"""CPU time of the pieces of the ghost conv rule on the reference CNN (per-example kernel
+gradients, their squared norms), by formulation.
+
+    python -m research.ghost.kernel_bench
+"""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from research.ghost.conv_bench import cpu_ms  # noqa: E402
+from tf_dp.gradients.ghost.rules import _unfold  # noqa: E402
+
+B = 256
+rng = np.random.default_rng(0)
+
+
+def grouped_conv1(x, g):
+    """Per-example kernel grads as one grouped backprop-filter (batch as channel groups)."""
+    xi = tf.transpose(x, [3, 1, 2, 0])  # Cin = 1: [1, H, W, B]
+    gi = tf.reshape(tf.transpose(g, [1, 2, 0, 3]), [1, 14, 14, B * 16])
+    f = tf.raw_ops.Conv2DBackpropFilter(
+        input=xi, filter_sizes=[8, 8, 1, B * 16], out_backprop=gi, strides=[1, 2, 2, 1],
+        padding="SAME")
+    return tf.transpose(tf.reshape(f, [64, B, 16]), [1, 0, 2])
+
+
+def main():
+    for name, t, c, d in (("conv1", 196, 64, 16), ("conv2", 25, 256, 32)):
+        a = tf.constant(rng.random((B, t, c)), tf.float32)
+        g = tf.constant(rng.random((B, t, d)), tf.float32)
+        m = tf.matmul(a, g, transpose_a=True)
+        mf = tf.reshape(m, [B, -1])
+        fs = {
+            "matmul_ta": lambda: tf.matmul(a, g, transpose_a=True),
+            "matmul_gT": lambda: tf.matmul(g, a, transpose_a=True),
+            "einsum": lambda: tf.einsum("btc,btd->bcd", a, g),
+            "sq_reduce": lambda: tf.reduce_sum(tf.square(mf), 1),
+            "sq_einsum": lambda: tf.einsum("bk,bk->b", mf, mf),
+            "sq_norm": lambda: tf.square(tf.norm(mf, axis=1)),
+            "sq_bmm": lambda: tf.reshape(tf.matmul(mf[:, None, :], mf[:, :, None]), [B]),
+            "wsum_tensordot": lambda: tf.tensordot(tf.ones([B]), mf, axes=1),
+        }
+        fs = {k: tf.function(f) for k, f in fs.items()}
+        print(name, "  ".join(f"{k} {cpu_ms(f):.2f}" for k, f in fs.items()))
+    x = tf.constant(rng.random((B, 28, 28, 1)), tf.float32)
+    g = tf.constant(rng.random((B, 14, 14, 16)), tf.float32)
+
+    def unfold_matmul():
+        p = tf.reshape(_unfold(x, [8, 8], [2, 2], [1, 1], "SAME"), [B, 196, 64])
+        return tf.matmul(p, tf.reshape(g, [B, 196, 16]), transpose_a=True)
+
+    ref = unfold_matmul()
+    got = grouped_conv1(x, g)
+    print("grouped vs unfold max rel err", float(tf.reduce_max(tf.abs(ref - got)) / tf.reduce_max(ref)))
+    f1, f2 = tf.function(unfold_matmul), tf.function(lambda: grouped_conv1(x, g))
+    for _ in range(2):
+        print(f"conv1 per-example grads: unfold+matmul {cpu_ms(f1):.2f}  grouped {cpu_ms(f2):.2f}")
+
+
+if __name__ == "__main__":
+    main()
+
+
+def gram_vs_materialised():
+    for name, t, c, d in (("conv2", 25, 256, 32), ("conv1", 196, 64, 16)):
+        a = tf.constant(rng.random((B, t, c)), tf.float32)
+        g = tf.constant(rng.random((B, t, d)), tf.float32)
+        w = tf.constant(rng.random(B), tf.float32)
+
+        def gram():
+            aa = tf.matmul(a, a, transpose_b=True)
+            gg = tf.matmul(g, g, transpose_b=True)
+            sq = tf.reduce_sum(aa * gg, axis=[1, 2])
+            s = tf.matmul(tf.reshape(a, [-1, c]), tf.reshape(g * w[:, None, None], [-1, d]),
+                          transpose_a=True)
+            return sq, s
+
+        def mat():
+            m = tf.matmul(g, a, transpose_a=True)  # [B, D, C]
+            sq = tf.reduce_sum(tf.square(tf.reshape(m, [B, -1])), 1)
+            s = tf.transpose(tf.reshape(tf.tensordot(w, tf.reshape(m, [B, -1]), 1), [d, c]))
+            return sq, s
+
+        r1, r2 = gram(), mat()
+        np.testing.assert_allclose(r1[0].numpy(), r2[0].numpy(), rtol=1e-4)
+        np.testing.assert_allclose(r1[1].numpy(), r2[1].numpy(), rtol=1e-4)
+        f1, f2 = tf.function(gram), tf.function(mat)
+        for _ in range(2):
+            print(f"{name} norms+weighted sum: gram {cpu_ms(f1):.2f}  materialised {cpu_ms(f2):.2f}")
+
+
+if __name__ == "__main__":
+    gram_vs_materialised()
