@@ -43,7 +43,7 @@ def _cnn(seed=0):
             L.Conv2D(4, 3, strides=1, padding="same", activation="relu"),
             L.MaxPooling2D(2, 1),
             L.Conv2D(4, 3, strides=2, padding="valid", activation="relu"),
-            L.MaxPooling2D(2, 2, padding="same"),
+            L.MaxPooling2D(3, 2, padding="same"),  # padded windows
             L.Flatten(),
             L.Dense(6, activation="relu"),
             L.Dense(3),
@@ -380,3 +380,32 @@ def test_forward_replay_refuses_unreplayable_randomness():
         tf.function(lambda: strategy.clipped_sum(*args).clipped_sum)()
     # the single-pass route works on it
     JLStrategy(3, method="double_vjp", seed=0).clipped_sum(*args)
+
+
+@pytest.mark.parametrize(
+    "ksize,strides,padding",
+    [(2, 1, "VALID"), (3, 2, "SAME"), ((2, 3), (1, 2), "SAME"), (3, 3, "VALID")],
+)
+def test_max_pool_forward_rule_matches_tf_including_ties(ksize, strides, padding):
+    # Many exact ties with different tangents: the rule must pick the element TF's MaxPoolGrad
+    # routes the gradient to (TF's own forward rule is MaxPoolGradGrad).
+    from tensorflow.python.ops import gen_nn_ops
+
+    from tf_dp.gradients.jl import _max_pool_jvp
+
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.integers(0, 3, (2, 7, 8, 3)).astype("float32"))
+    t = tf.constant(rng.normal(size=(2, 7, 8, 3)).astype("float32"))
+    k = [1, *(ksize if isinstance(ksize, tuple) else (ksize, ksize)), 1]
+    s = [1, *(strides if isinstance(strides, tuple) else (strides, strides)), 1]
+    y = tf.nn.max_pool2d(x, k[1:3], s[1:3], padding)
+    attrs = ("ksize", k, "strides", s, "padding", padding.encode(), "data_format", b"NHWC")
+    ours = _max_pool_jvp(attrs, [x], [y], [t])[0]
+    reference = gen_nn_ops.max_pool_grad_grad(x, y, t, k, s, padding)
+    np.testing.assert_array_equal(ours.numpy(), reference.numpy())
+    # adjoint of the backward pass the tape uses: <g, J t> == <J^T g, t> for J^T g = MaxPoolGrad
+    g = tf.constant(rng.normal(size=y.shape).astype("float32"))
+    back = gen_nn_ops.max_pool_grad(x, y, g, k, s, padding)
+    np.testing.assert_allclose(
+        float(tf.reduce_sum(g * ours)), float(tf.reduce_sum(back * t)), rtol=1e-5, atol=1e-5
+    )
