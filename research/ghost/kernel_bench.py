@@ -93,3 +93,35 @@ def gram_vs_materialised():
 
 if __name__ == "__main__":
     gram_vs_materialised()
+
+
+def grouped(x, g, k, s, padding):
+    """Per-example kernel gradients [B, k, k, C, D] by one backprop-filter with B groups."""
+    b, h, w, c = x.shape
+    oh, ow, d = g.shape[1], g.shape[2], g.shape[3]
+    xi = tf.reshape(tf.transpose(x, [1, 2, 0, 3]), [1, h, w, b * c])
+    gi = tf.reshape(tf.transpose(g, [1, 2, 0, 3]), [1, oh, ow, b * d])
+    f = tf.raw_ops.Conv2DBackpropFilter(
+        input=xi, filter_sizes=[k, k, c, b * d], out_backprop=gi, strides=[1, s, s, 1],
+        padding=padding)
+    return tf.transpose(tf.reshape(f, [k, k, c, b, d]), [3, 0, 1, 2, 4])
+
+
+def compare_grouped():
+    for name, xs, k, s, padding, d in (("conv1", (B, 28, 28, 1), 8, 2, "SAME", 16),
+                                       ("conv2", (B, 13, 13, 16), 4, 2, "VALID", 32)):
+        x = tf.constant(rng.random(xs), tf.float32)
+        oh = (xs[1] - k) // s + 1 if padding == "VALID" else -(-xs[1] // s)
+        g = tf.constant(rng.random((B, oh, oh, d)), tf.float32)
+
+        def unfold_mm():
+            p = _unfold(x, [k, k], [s, s], [1, 1], padding)
+            return tf.matmul(tf.reshape(g, [B, -1, d]), tf.reshape(p, [B, -1, k * k * xs[3]]),
+                             transpose_a=True)
+
+        ref = tf.transpose(unfold_mm(), [0, 2, 1])
+        got = tf.reshape(grouped(x, g, k, s, padding), [B, -1, d])
+        print(name, "max rel err", float(tf.reduce_max(tf.abs(ref - got)) / tf.reduce_max(ref)))
+        f1, f2 = tf.function(unfold_mm), tf.function(lambda: grouped(x, g, k, s, padding))
+        for _ in range(2):
+            print(f"{name} per-example grads: unfold+matmul {cpu_ms(f1):.2f}  grouped {cpu_ms(f2):.2f}")

@@ -64,8 +64,11 @@ def make_generator(seed: Optional[int] = None) -> tf.random.Generator:
 TAIL_BOUND = math.sqrt(2.0 * 65.0 * math.log(2.0))
 
 
-def gaussian_noise(generator: tf.random.Generator, n: Any, dtype: tf.DType = tf.float32) -> tf.Tensor:
-    """``n`` i.i.d. standard normals (a flat ``[n]`` tensor) from ``generator`` by Box-Muller.
+def gaussian_noise(
+    generator: tf.random.Generator, n: Any, dtype: tf.DType = tf.float32, stddev: Any = None
+) -> tf.Tensor:
+    """``n`` i.i.d. ``N(0, stddev^2)`` draws (a flat ``[n]`` tensor) from ``generator`` by
+    Box-Muller (``stddev=None``: standard normals).
 
     ``dtype`` is float32 or float64. Draws ``3 * ceil(n / 2)`` Philox words (see the module
     docstring for the bits used and the tail bound :data:`TAIL_BOUND`).
@@ -81,10 +84,10 @@ def gaussian_noise(generator: tf.random.Generator, n: Any, dtype: tf.DType = tf.
     n = tf.cast(n, tf.int64)
     half = (n + 1) // 2
     bits = generator.uniform_full_int(tf.stack([tf.constant(3, tf.int64), half]), dtype=tf.uint32)
-    return box_muller(bits, dtype)[:n]
+    return box_muller(bits, dtype, stddev)[:n]
 
 
-def box_muller(bits: tf.Tensor, dtype: tf.DType = tf.float32) -> tf.Tensor:
+def box_muller(bits: tf.Tensor, dtype: tf.DType = tf.float32, stddev: Any = None) -> tf.Tensor:
     """The transform of :func:`gaussian_noise`: ``uint32 [3, h]`` words -> ``2 h`` normals.
 
     Rows: ``hi`` and ``lo`` (the 64 bits of ``u1``) and the angle word. Exposed for tests: the
@@ -96,6 +99,8 @@ def box_muller(bits: tf.Tensor, dtype: tf.DType = tf.float32) -> tf.Tensor:
     # the low word only matters when hi is small, i.e. exactly in the tail where it is needed.
     u1 = (hi + (lo + 0.5) * two32) * two32
     r = tf.sqrt(-2.0 * tf.math.log(u1))
+    if stddev is not None:  # scale the radius: half the multiplications of scaling z
+        r = r * tf.cast(stddev, dtype)
     if dtype == tf.float32:
         u2 = tf.cast(tf.bitwise.right_shift(bits[2], 8), dtype) * 2.0**-24
     else:
@@ -131,11 +136,14 @@ def add_gaussian_noise_structure(
     for nd, idx in groups.items():
         sizes = [_size(leaves[i]) for i in idx]
         total = sizes[0] if len(sizes) == 1 else tf.add_n([tf.cast(s, tf.int64) for s in sizes])
-        z = gaussian_noise(generator, total, nd)
+        shared = all(sds[i] is sds[idx[0]] for i in idx)  # one stddev: scale inside the sampler
+        z = gaussian_noise(generator, total, nd, sds[idx[0]] if shared else None)
         parts = [z] if len(idx) == 1 else tf.split(z, tf.stack([tf.cast(s, tf.int64) for s in sizes]))
         for i, part in zip(idx, parts):
             v = leaves[i]
-            noise = tf.reshape(part, tf.shape(v)) * tf.cast(sds[i], nd)
+            noise = tf.reshape(part, tf.shape(v))
+            if not shared:
+                noise = noise * tf.cast(sds[i], nd)
             out[i] = v + tf.cast(noise, v.dtype)
     return tf.nest.pack_sequence_as(values, out)
 
