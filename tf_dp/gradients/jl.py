@@ -67,13 +67,14 @@ import logging
 from typing import Any, Optional, Sequence
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_dp.dp_query.dp_query import DPQuery
 from tf_dp.dp_query.gaussian_query import GaussianSumQuery
 from tf_dp.dp_query.nested_query import NestedQuery
 from tf_dp.dp_query.no_privacy_query import NoPrivacySumQuery
-from tf_dp.dp_query.noise import make_generator
+from tf_dp.dp_query.noise import gaussian_noise, make_generator
 from tf_dp.dp_query.normalized_query import NormalizedQuery
 from tf_dp.gradients import base
 from tf_dp.gradients.registry import register_gradient_mode
@@ -355,12 +356,20 @@ class JLStrategy(base.GradientStrategy):
     # -- directions ------------------------------------------------------------------------------
 
     def draw_directions(self, tf_vars: Sequence[tf.Variable]) -> list[list[tf.Tensor]]:
-        """``r`` standard Gaussian directions over all variables: ``[j][k]`` has var k's shape."""
+        """``r`` standard Gaussian directions over all variables: ``[j][k]`` has var k's shape.
+
+        One draw of ``r * d`` normals from the project's sampler
+        (:func:`tf_dp.dp_query.noise.gaussian_noise`: Box-Muller on the Philox words, tails to
+        9.49 standard deviations), split per variable.
+        """
         r = self.jl_projections
-        gen = self.generator
+        shapes = [v.shape.as_list() for v in tf_vars]
+        sizes = [int(np.prod(shape)) for shape in shapes]
+        flat = tf.reshape(gaussian_noise(self.generator, r * sum(sizes)), [r, sum(sizes)])
+        parts = tf.split(flat, sizes, axis=1)
         stacked = [
-            tf.cast(gen.normal(tf.concat([[r], tf.shape(v)], 0), dtype=tf.float32), v.dtype)
-            for v in tf_vars
+            tf.cast(tf.reshape(part, [r] + shape), v.dtype)
+            for part, shape, v in zip(parts, shapes, tf_vars)
         ]
         return [[s[j] for s in stacked] for j in range(r)]
 
