@@ -227,5 +227,14 @@ def test_sampler_in_tf_function_with_unknown_shape():
     assert_gaussian(out, 1.5)
 
 
+
+def test_sampler_under_xla():
+    gen = noise.make_generator(seed=4)
+    fn = tf.function(lambda v: noise.add_gaussian_noise_structure(gen, v, 2.0), jit_compile=True)
+    a, b = fn([tf.zeros([N // 2 + 1]), tf.zeros([7, 3])])
+    assert b.shape == (7, 3)
+    assert_gaussian(a.numpy(), 2.0)
+
+
 if __name__ == "__main__":  # Bazel py_test entry point (see BUILD)
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
