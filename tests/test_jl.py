@@ -409,3 +409,27 @@ def test_max_pool_forward_rule_matches_tf_including_ties(ksize, strides, padding
     np.testing.assert_allclose(
         float(tf.reduce_sum(g * ours)), float(tf.reduce_sum(back * t)), rtol=1e-5, atol=1e-5
     )
+
+
+def test_optimizer_passes_jl_method_and_round_trips_config():
+    import tf_dp.keras as dpk
+
+    opt = dpk.DPKerasSGDOptimizer(
+        l2_norm_clip=1.0, noise_multiplier=1.0, gradient_mode="jl", jl_projections=2,
+        jl_method="double_vjp",
+    )
+    model = dpk.make_private(
+        keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    )
+    model.compile(optimizer=opt, loss="mse")
+    strategy = opt.strategy_for(model)
+    assert strategy.method == "double_vjp"
+    again = dpk.DPKerasSGDOptimizer.from_config(opt.get_config())
+    assert again.get_config()["jl_method"] == "double_vjp"
+    with pytest.raises(ValueError, match="jl_method"):
+        dpk.DPKerasSGDOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=1.0, gradient_mode="jl", jl_projections=1,
+            jl_method="backwards",
+        )
+    with pytest.raises(ValueError, match="jl_method"):
+        dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, jl_method="forward")

@@ -397,3 +397,22 @@ def test_next_sample_entry_predicts_the_recorded_entry(mode, opts):
     assert len(recorded) == 2
     assert recorded[0] == predicted
     assert recorded[1] == model.optimizer.next_sample_entry()
+
+
+@pytest.mark.parametrize("mode,opts", [("vectorized", {}), ("microbatch", {"num_microbatches": 2})])
+def test_vectorized_map_strategies_refuse_rank3_einsum_instead_of_crashing(mode, opts):
+    # TF 2.21's vectorized_map segfaults on these layers; the strategy must refuse them up front.
+    inputs = keras.Input((4, 6))
+    h = keras.layers.MultiHeadAttention(num_heads=2, key_dim=3)(inputs, inputs)
+    model = dpk.make_private(keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(h))))
+    model.compile(
+        optimizer=dpk.DPKerasSGDOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=1.0, gradient_mode=mode, **opts
+        ),
+        loss=LOSS,
+    )
+    x = np.random.default_rng(0).normal(size=(8, 4, 6)).astype(np.float32)
+    y = np.zeros(8, np.int32)
+    with pytest.raises(ValueError, match="EinsumDense.*ghost"):
+        model.fit(x, y, batch_size=4, verbose=0)
+    assert model.optimizer.ledger.num_samples == 0

@@ -110,6 +110,32 @@ class GradientStrategy(abc.ABC):
         return f"{type(self).__name__}()"
 
 
+def vectorized_map_blocker(model: Optional[Any]) -> Optional[str]:
+    """Why ``tf.vectorized_map`` cannot take per-example gradients of ``model`` (or None).
+
+    On TF 2.21, vectorising the gradient of an ``EinsumDense`` whose kernel has rank >= 3 (every
+    ``MultiHeadAttention`` has some) kills the process with a segmentation fault inside
+    TensorFlow, so the strategies built on it refuse such models up front.
+    """
+    if model is None:
+        return None
+    import keras  # local: the gradients layer does not otherwise need Keras
+
+    flatten = getattr(model, "_flatten_layers", None)
+    layers = list(flatten(include_self=False)) if flatten is not None else []
+    for layer in layers:
+        kernel = getattr(layer, "kernel", None)
+        if isinstance(layer, keras.layers.EinsumDense) and kernel is not None and len(
+            kernel.shape
+        ) >= 3:
+            return (
+                f"layer {layer.name!r} (EinsumDense with a rank-{len(kernel.shape)} kernel, e.g. "
+                "inside MultiHeadAttention) crashes TensorFlow's vectorized_map (segmentation "
+                "fault in TF 2.21); use gradient_mode='ghost' or 'auto', which cover it"
+            )
+    return None
+
+
 def batch_size_of(x: Any) -> tf.Tensor:
     first = tf.nest.flatten(x)[0]
     return tf.shape(first)[0]

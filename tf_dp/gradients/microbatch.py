@@ -35,6 +35,9 @@ class MicrobatchStrategy(base.GradientStrategy):
 
     name = "microbatch"
 
+    def supports(self, model):
+        return base.vectorized_map_blocker(model)
+
     def __init__(self, num_microbatches: int):
         if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or (
             num_microbatches < 1

@@ -137,6 +137,9 @@ class VectorizedStrategy(base.GradientStrategy):
 
     name = "vectorized"
 
+    def supports(self, model):
+        return base.vectorized_map_blocker(model)
+
     def __init__(
         self,
         fallback_to_while_loop: bool = True,

@@ -37,13 +37,7 @@ from tf_dp.ledger.query_with_ledger import QueryWithLedger
 
 _logger = logging.getLogger("tf_dp")
 
-_DP_KEYS = (
-    "l2_norm_clip",
-    "noise_multiplier",
-    "num_microbatches",
-    "gradient_mode",
-    "jl_projections",
-)
+_JL_METHODS = ("auto", "forward", "double_vjp")
 
 
 class DPOptimizerMixin:
@@ -60,6 +54,7 @@ class DPOptimizerMixin:
         jl_projections: Optional[int],
         dp_sum_query: Optional[DPQuery],
         noise_seed: Optional[int],
+        jl_method: str = "auto",
     ) -> None:
         if dp_sum_query is None:
             if l2_norm_clip is None or noise_multiplier is None:
@@ -115,13 +110,18 @@ class DPOptimizerMixin:
                     "gradient_mode='jl' needs jl_projections, an integer >= 1 "
                     f"(got {jl_projections!r})"
                 )
+            if jl_method not in _JL_METHODS:
+                raise ValueError(f"jl_method must be one of {_JL_METHODS}, got {jl_method!r}")
         elif jl_projections is not None:
             raise ValueError("jl_projections is only used with gradient_mode='jl'")
+        elif jl_method != "auto":
+            raise ValueError("jl_method is only used with gradient_mode='jl'")
         self._l2_norm_clip = None if l2_norm_clip is None else float(l2_norm_clip)
         self._noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
         self._num_microbatches = num_microbatches
         self._gradient_mode = gradient_mode
         self._jl_projections = jl_projections
+        self._jl_method = jl_method
         self._custom_query = dp_sum_query is not None
         self._normalized = isinstance(query, NormalizedQuery)
         self._ledger = PrivacyLedger(name=f"{self.name}_ledger")
@@ -197,6 +197,7 @@ class DPOptimizerMixin:
             options = {}
             if self._jl_projections is not None:
                 options["jl_projections"] = self._jl_projections
+                options["jl_method"] = self._jl_method
             strategy = make_strategy(
                 self._gradient_mode, model=model, num_microbatches=self._num_microbatches, **options
             )
@@ -284,6 +285,7 @@ class DPOptimizerMixin:
                 "num_microbatches": self._num_microbatches,
                 "gradient_mode": self._gradient_mode,
                 "jl_projections": self._jl_projections,
+                "jl_method": self._jl_method,
             }
         )
         return config
@@ -331,6 +333,7 @@ def make_dp_optimizer_class(optimizer_class: type) -> type:
         jl_projections: Optional[int] = None,
         dp_sum_query: Optional[DPQuery] = None,
         noise_seed: Optional[int] = None,
+        jl_method: str = "auto",
         **kwargs: Any,
     ) -> None:
         optimizer_class.__init__(self, *args, **kwargs)
@@ -342,6 +345,7 @@ def make_dp_optimizer_class(optimizer_class: type) -> type:
             jl_projections,
             dp_sum_query,
             noise_seed,
+            jl_method,
         )
 
     name = f"DPKeras{optimizer_class.__name__}"
@@ -358,6 +362,7 @@ def make_dp_optimizer_class(optimizer_class: type) -> type:
         "  num_microbatches: None for per-example clipping, else the number of microbatches.\n"
         "  gradient_mode: one of 'auto', 'vectorized', 'microbatch', 'ghost', 'jl'.\n"
         "  jl_projections: JL dimension r for gradient_mode='jl'.\n"
+        "  jl_method: 'auto', 'forward' (ForwardAccumulator) or 'double_vjp' (JL route).\n"
         "  dp_sum_query: an explicit tf_dp DPQuery instead of l2_norm_clip/noise_multiplier.\n"
         "  noise_seed: tests and debugging only (a known seed voids the guarantee).\n"
     )
