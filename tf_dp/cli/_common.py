@@ -48,6 +48,19 @@ def define(kind: str, name: str, default, help_text: str, *args) -> None:
     definer(name, default, *args, help_text)
 
 
+def define_training_flags() -> None:
+    """The flags both tools share: the training run's size, sampling and accountant."""
+    define("integer", "N", None, "Number of examples in the training set.")
+    define("integer", "batch_size", None, "Expected batch size (Poisson) or batch size (shuffle).")
+    define("float", "epochs", None, "Number of epochs (steps = ceil(epochs * N / batch_size)).")
+    define("integer", "steps", None, "Number of steps (alternative to --epochs).")
+    define("float", "delta", None, "Target delta, in (0, 1).")
+    define("enum", "accountant", "rdp", "Accountant.", ["rdp", "moments", "pld", "gdp", "all"])
+    define("enum", "sampling", "poisson", "Batch sampling policy.", ["poisson", "shuffle"])
+    define("integer", "microbatch_size", None, "Examples per microbatch (>1: sensitivity 2C).")
+    define("enum", "format", "text", "Output format.", ["text", "json"])
+
+
 def to_json(obj: Any) -> str:
     def clean(v):
         if isinstance(v, float) and not math.isfinite(v):

@@ -21,18 +21,8 @@ from absl import flags
 from tf_dp.cli import _common
 
 FLAGS = flags.FLAGS
-_common.define("integer", "N", None, "Number of examples in the training set.")
-_common.define(
-    "integer", "batch_size", None, "Expected batch size (Poisson) or batch size (shuffle)."
-)
+_common.define_training_flags()
 _common.define("float", "epsilon", None, "Target epsilon (> 0).")
-_common.define("float", "epochs", None, "Number of epochs (steps = ceil(epochs * N / batch_size)).")
-_common.define("integer", "steps", None, "Number of steps (alternative to --epochs).")
-_common.define("float", "delta", None, "Target delta, in (0, 1).")
-_common.define("enum", "accountant", "rdp", "Accountant.", ["rdp", "moments", "pld", "gdp", "all"])
-_common.define("enum", "sampling", "poisson", "Batch sampling policy.", ["poisson", "shuffle"])
-_common.define("integer", "microbatch_size", None, "Examples per microbatch (>1: sensitivity 2C).")
-_common.define("enum", "format", "text", "Output format.", ["text", "json"])
 
 
 def main(argv):
