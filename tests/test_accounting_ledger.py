@@ -50,16 +50,17 @@ def test_non_private_gives_infinite_epsilon():
 
 
 def test_shuffle_counts_epochs_without_amplification():
-    # 250 steps of q = 0.01 -> ceil(2.5) = 3 epochs of the full-batch Gaussian mechanism.
+    # 250 steps of q = 0.01 -> ceil(2.5) = 3 epochs of the full-batch Gaussian mechanism, under
+    # replace-one adjacency (fixed dataset size): sensitivity 2C, i.e. noise multiplier 1/2.
     entries = [_entry(policy="shuffle")] * 250
     r = acc.compute_epsilon(entries, 1e-5, "rdp")
-    expected = rdp.epsilon_from_rdp(rdp.DEFAULT_ORDERS, rdp.rdp_gaussian(1.0) * 3, 1e-5)[0]
+    expected = rdp.epsilon_from_rdp(rdp.DEFAULT_ORDERS, rdp.rdp_gaussian(0.5) * 3, 1e-5)[0]
     assert r.epsilon == pytest.approx(expected, rel=1e-12)
-    assert "NO amplification" in r.assumptions
+    assert "NO amplification" in r.assumptions and "replace-one" in r.assumptions
     g = acc.compute_epsilon(entries, 1e-5, "gdp")
-    assert g.mu == pytest.approx(math.sqrt(3.0)) and g.certified
+    assert g.mu == pytest.approx(2.0 * math.sqrt(3.0)) and g.certified
     p = acc.compute_epsilon(entries, 1e-5, "pld")
-    assert p.epsilon == pytest.approx(gdp.epsilon_from_mu(1e-5, math.sqrt(3.0)), rel=2e-3)
+    assert p.epsilon == pytest.approx(gdp.epsilon_from_mu(1e-5, 2.0 * math.sqrt(3.0)), rel=2e-3)
     assert p.epsilon >= gdp.epsilon_from_mu(1e-5, math.sqrt(3.0)) * (1 - 1e-9)
 
 

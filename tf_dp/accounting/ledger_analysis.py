@@ -149,22 +149,30 @@ def _units(entries: Sequence[SampleEntry]) -> tuple[list[_Unit], bool, set]:
             non_private = True
             continue
         if policy == "shuffle":
+            # Fixed-size shuffled batches keep the dataset size fixed, so the neighbouring
+            # datasets differ by replacing one record (adding one would shift every later batch).
+            # Replacing a record changes its clipped contribution by up to 2C: sensitivity 2C,
+            # i.e. half the effective noise multiplier, once per epoch, no amplification.
             epochs = int(math.ceil(count * q - 1e-9))
-            units.append(_Unit(1.0, z, r, max(epochs, 1), policy))
+            units.append(_Unit(1.0, z / 2.0, r, max(epochs, 1), policy))
         else:
             units.append(_Unit(q, z, r, count, policy))
     return units, non_private, policies
 
 
 def _assumptions(accountant: str, policies: set, has_jl: bool, extra: str = "") -> str:
-    parts = ["add/remove-one adjacency (both directions)"]
+    parts = []
+    if policies != {"shuffle"}:
+        parts.append("add/remove-one adjacency (both directions)")
     if "poisson" in policies:
         parts.append("Poisson sampling with the recorded rate q (amplification by subsampling "
                      "applied)")
     if "shuffle" in policies:
-        parts.append("shuffled fixed-size batches: NO amplification assumed; each epoch (each "
-                     "record used once) counted as one full-batch Gaussian mechanism with the "
-                     "effective noise multiplier, partial epochs counted as full")
+        parts.append("shuffled fixed-size batches: replace-one adjacency (the dataset size is "
+                     "fixed; a replaced record's clipped gradient moves by up to 2C) and NO "
+                     "amplification assumed; each epoch (each record used once) counted as one "
+                     "full-batch Gaussian mechanism with half the effective noise multiplier, "
+                     "partial epochs counted as full")
     if has_jl:
         parts.append("JL clipping steps accounted as the mixture mechanism of Bu et al. 2020 "
                      "(Lemma 4.3 / Thm 4.1), heavy tail of the norm estimate included; privacy "
