@@ -134,7 +134,9 @@ def reference_grads(model, x, y, sw=None, groups=None):
             loss = per_example_loss_value(
                 model, x[idx], y[idx], None if sw is None else sw[idx].astype(np.float32)
             )
-            loss = tf.reduce_sum(loss) / len(idx)
+            # a microbatch's mean is over its rows of non-zero weight
+            rows = len(idx) if sw is None else max(int(np.count_nonzero(sw[idx])), 1)
+            loss = tf.reduce_sum(loss) / rows
         grads = tape.gradient(loss, model.trainable_variables)
         out.append([np.asarray(g) for g in grads])
     return out
@@ -180,14 +182,15 @@ def test_vectorized_matches_slow_loop(kind):
 def test_huge_clip_gives_nonprivate_gradient(kind, strategy):
     model = compiled(BUILDERS[kind]())
     x, y = data(batch=8)
-    strat = VectorizedStrategy() if strategy == "vectorized" else MicrobatchStrategy(4)
+    # microbatch: one microbatch holding the whole batch, whose clipped mean is the mean gradient
+    strat = VectorizedStrategy() if strategy == "vectorized" else MicrobatchStrategy(1)
     out = run(strat, model, x, y, clip=HUGE_CLIP)
     with tf.GradientTape() as tape:
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(
             y, model(x, training=True)
         )
     mean_grads = tape.gradient(loss, model.trainable_variables)
-    records = 8 if strategy == "vectorized" else 4  # microbatch: sum of 4 means of 2
+    records = 8 if strategy == "vectorized" else 1
     assert_close_list(
         [g / records for g in out["clipped_sum"]], [g.numpy() for g in mean_grads], rtol=1e-4
     )
@@ -262,28 +265,54 @@ def test_string_and_function_losses():
     )
 
 
-@pytest.mark.parametrize("batch,m", [(12, 4), (10, 4), (7, 3), (3, 5), (6, 6)])
+def twin_groups(m, batch, seed):
+    """The microbatches a MicrobatchStrategy(m, seed=seed) draws first, from an identical twin."""
+    ids = MicrobatchStrategy(m, seed=seed).assignment(batch).numpy()
+    assert np.all((ids >= 0) & (ids < m))
+    return [list(np.flatnonzero(ids == j)) for j in range(m) if np.any(ids == j)]
+
+
+@pytest.mark.parametrize("batch,m", [(12, 4), (10, 4), (7, 3), (3, 5), (6, 6), (0, 3)])
 def test_microbatch_matches_reference(batch, m):
     model = compiled(sequential_model())
     x, y = data(batch=batch)
-    out = run(MicrobatchStrategy(m), model, x, y, clip=0.3, graph=True)
-    size = -(-batch // m)
-    groups = [list(range(i * size, min((i + 1) * size, batch))) for i in range(m)]
-    groups = [g for g in groups if g]
-    expected, _ = reference_clipped_sum(reference_grads(model, x, y, groups=groups), 0.3)
+    out = run(MicrobatchStrategy(m, seed=batch), model, x, y, clip=0.3, graph=True)
+    groups = twin_groups(m, batch, seed=batch)
+    if groups:
+        expected, _ = reference_clipped_sum(reference_grads(model, x, y, groups=groups), 0.3)
+    else:  # an empty batch: every microbatch is empty, the clipped sum is zero
+        expected = [np.zeros(v.shape, np.float32) for v in model.trainable_variables]
     assert_close_list(out["clipped_sum"], expected)
     assert int(out["num_records"]) == m
-    assert float(out["sensitivity_multiplier"]) == (2.0 if size > 1 else 1.0)
+    # Random microbatches of a neighbouring batch may hold several examples: always 2C.
+    assert float(out["sensitivity_multiplier"]) == 2.0
     assert out["losses"].shape == (batch,)
     assert out["y_pred"].shape == (batch, 3)
+    # losses and predictions come back in the batch's order
+    np.testing.assert_allclose(out["y_pred"], model(x, training=True).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_microbatch_assignment_is_uniform_and_independent_of_the_data():
+    # 20000 draws over 4 microbatches: each count ~ Binomial(20000, 1/4), sd ~61; 5 sd bounds.
+    ids = MicrobatchStrategy(4, seed=7).assignment(20000).numpy()
+    counts = np.bincount(ids, minlength=4)
+    assert np.all(np.abs(counts - 5000) < 5 * np.sqrt(20000 * 0.25 * 0.75))
+    # the layout puts every example in exactly one slot of its microbatch
+    strat = MicrobatchStrategy(3, seed=1)
+    ids = strat.assignment(10)
+    index, position = strat.layout(ids)
+    index, ids, position = index.numpy(), ids.numpy(), position.numpy()
+    assert sorted(index[index < 10].tolist()) == list(range(10))
+    for i in range(10):
+        assert index[ids[i], position[i]] == i
 
 
 def test_microbatch_sample_weights():
     model = compiled(sequential_model())
     x, y = data(batch=6)
     sw = np.array([1.0, 0.0, 2.0, 1.0, 0.5, 1.0], np.float32)
-    out = run(MicrobatchStrategy(3), model, x, y, sw, clip=0.4)
-    groups = [[0, 1], [2, 3], [4, 5]]
+    out = run(MicrobatchStrategy(3, seed=5), model, x, y, sw, clip=0.4)
+    groups = twin_groups(3, 6, seed=5)
     expected, _ = reference_clipped_sum(reference_grads(model, x, y, sw, groups=groups), 0.4)
     assert_close_list(out["clipped_sum"], expected)
 

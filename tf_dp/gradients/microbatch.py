@@ -1,23 +1,29 @@
 """Microbatched gradients: clip the mean gradient of each microbatch instead of each example.
 
-The batch of ``B`` examples is split into ``num_microbatches`` (``M``) groups of
-``ceil(B / M)`` consecutive examples (the last groups may be shorter or empty when ``M`` does not
-divide ``B``; missing places are padded with zero-weight examples). Each microbatch's gradient is
-the mean gradient of its real examples; it is clipped by the query's rule and the clipped
-microbatch gradients are summed.
+Every example of the batch is assigned to one of ``num_microbatches`` (``M``) microbatches
+*independently and uniformly at random* (from an OS-entropy-keyed Philox generator). Each
+microbatch's gradient is the mean gradient of its examples of non-zero weight (an empty microbatch
+contributes zero); it is clipped by the query's rule and the clipped microbatch gradients are
+summed.
 
-Sensitivity (recorded in the ledger): with one example per microbatch, adding or removing an
-example changes one clipped record, sensitivity ``C``. With several examples per microbatch,
-adding/removing one example can change one microbatch's clipped mean into any other vector of norm
-``<= C``: sensitivity ``2C``. The multiplier is decided per step from the actual microbatch size.
+Why random, not consecutive slices: with consecutive slices, adding one example to the batch
+shifts every later example into the next microbatch, so *every* later microbatch changes and the
+L2 sensitivity is not ``2C`` but up to ``2C`` per microbatch. With independent assignment, the
+other examples' microbatches do not depend on the added or removed example (couple the two runs
+on the same assignment), so exactly one microbatch's clipped mean changes, by at most ``2C``.
+
+Sensitivity recorded in the ledger: ``2C`` (a microbatch of the neighbouring batch may hold
+several examples, whatever the sizes in this batch). For ``C``, clip every example on its own
+(``num_microbatches=None``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import tensorflow as tf
 
+from tf_dp.dp_query.noise import make_generator
 from tf_dp.gradients import base
 from tf_dp.gradients.vectorized import fast_pfor_converters
 
@@ -27,6 +33,7 @@ class MicrobatchStrategy(base.GradientStrategy):
 
     Args:
       num_microbatches: ``M`` >= 1.
+      seed: fixes the random assignment of examples to microbatches: tests and debugging only.
 
     Example::
 
@@ -38,37 +45,63 @@ class MicrobatchStrategy(base.GradientStrategy):
     def supports(self, model):
         return base.vectorized_map_blocker(model)
 
-    def __init__(self, num_microbatches: int):
+    def __init__(self, num_microbatches: int, seed: Optional[int] = None):
         if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or (
             num_microbatches < 1
         ):
             raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
         self.num_microbatches = num_microbatches
+        self._seed = seed
+        self._generator: Optional[tf.random.Generator] = None
+
+    def assignment(self, batch_size: Any) -> tf.Tensor:
+        """Draws the microbatch of each of ``batch_size`` examples: int32 ``[batch_size]`` in
+        ``[0, M)``, independent and uniform."""
+        if self._generator is None:
+            self._generator = make_generator(self._seed)
+        return self._generator.uniform(
+            [batch_size], minval=0, maxval=self.num_microbatches, dtype=tf.int32
+        )
+
+    def layout(self, ids: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """``(index [M, cap], position [B])``: ``index[j, k]`` is the example in slot ``k`` of
+        microbatch ``j`` (``B`` for an empty slot); ``position[i]`` is example ``i``'s slot."""
+        m = self.num_microbatches
+        b = tf.shape(ids)[0]
+        counts = tf.math.bincount(ids, minlength=m, maxlength=m, dtype=tf.int32)
+        cap = tf.maximum(tf.reduce_max(counts), 1)
+        order = tf.argsort(ids, stable=True)
+        starts = tf.cumsum(counts, exclusive=True)
+        slot_sorted = tf.range(b) - tf.gather(starts, tf.gather(ids, order))
+        position = tf.scatter_nd(order[:, None], slot_sorted, [b])
+        index = tf.tensor_scatter_nd_update(
+            tf.fill([m, cap], b), tf.stack([ids, position], axis=1), tf.range(b)
+        )
+        return index, position
 
     def clipped_sum(self, loss_fn, data, variables, query, params) -> base.ClippedGradients:
         x, y, sw = data
         m = self.num_microbatches
         b = base.batch_size_of(x)
-        size = (b + m - 1) // m  # examples per microbatch
-        pad = size * m - b
-        real = tf.concat([tf.ones([b], tf.float32), tf.zeros([pad], tf.float32)], 0)
+        ids = self.assignment(b)
+        index, position = self.layout(ids)
         if sw is not None:
-            weight = tf.concat([tf.cast(tf.reshape(sw, [b]), tf.float32), tf.zeros([pad])], 0)
+            weight = tf.cast(tf.reshape(sw, [b]), tf.float32)
         else:
-            weight = real
+            weight = tf.ones([b], tf.float32)
 
-        def split(t):
+        def group(t):
             if t is None:
                 return None
-            padded = tf.concat([t, tf.zeros(tf.concat([[pad], tf.shape(t)[1:]], 0), t.dtype)], 0)
-            return tf.reshape(padded, tf.concat([[m, size], tf.shape(t)[1:]], 0))
+            padded = tf.concat([t, tf.zeros(tf.concat([[1], tf.shape(t)[1:]], 0), t.dtype)], 0)
+            return tf.gather(padded, index)  # [M, cap, ...]; empty slots read the zero row
 
-        xs = tf.nest.map_structure(split, x)
-        ys = tf.nest.map_structure(split, y)
-        ws = tf.reshape(weight, [m, size])
-        # A microbatch's mean is over its rows of non-zero weight: padding rows (ours, or the
-        # zero-weight rows of Poisson batches) do not dilute it. Clipping bounds the record either
-        # way, so the count does not affect the sensitivity.
+        xs = tf.nest.map_structure(group, x)
+        ys = tf.nest.map_structure(group, y)
+        ws = group(weight)  # empty slots get weight 0
+        # A microbatch's mean is over its rows of non-zero weight: empty slots and zero-weight
+        # rows (e.g. Poisson padding) do not dilute it. Clipping bounds the record either way, so
+        # the count does not affect the sensitivity.
         counts = tf.reduce_sum(tf.cast(tf.not_equal(ws, 0.0), tf.float32), axis=1)
         tf_vars = base.as_tf_variables(variables)
 
@@ -87,11 +120,10 @@ class MicrobatchStrategy(base.GradientStrategy):
         sq = base.squared_norms_of(per_mb)
         weights = query.clip_weights(params, sq)
         clipped = [base.weighted_sum(w, g) for w, g in zip(weights, per_mb)]
-        y_pred = tf.nest.map_structure(
-            lambda t: tf.reshape(t, tf.concat([[m * size], tf.shape(t)[2:]], 0))[:b], y_pred
-        )
-        losses = tf.reshape(losses, [m * size])[:b]
-        multiplier = tf.where(size > 1, 2.0, 1.0)
+        slots = tf.stack([ids, position], axis=1)  # back to the batch's order
+        y_pred = tf.nest.map_structure(lambda t: tf.gather_nd(t, slots), y_pred)
+        losses = tf.gather_nd(losses, slots)
+        multiplier = 2.0
         return base.ClippedGradients(
             clipped_sum=clipped,
             norms=base.global_norms(sq),
