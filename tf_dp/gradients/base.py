@@ -13,7 +13,7 @@ A strategy receives
 and returns a :class:`ClippedGradients`: the clipped sum (one tensor per variable, the query's
 sample state), the per-record norms (for metrics), the number of records (examples, or
 microbatches), the L2 sensitivity multiplier of one record (1 for single examples, 2 for
-microbatches of several examples under add/remove adjacency), and ``y_pred`` and the per-example
+randomly assigned microbatches under add/remove adjacency), and ``y_pred`` and the per-example
 losses for metrics.
 
 Strategies never add noise: the DP optimizer's query does (``get_noised_result``).
@@ -68,11 +68,6 @@ def weighted_sum(weights: tf.Tensor, per_example_grads: tf.Tensor) -> tf.Tensor:
 
 def global_norms(squared_norms: Sequence[tf.Tensor]) -> tf.Tensor:
     return tf.sqrt(tf.add_n([tf.cast(s, tf.float32) for s in squared_norms]))
-
-
-def zero_none_grads(grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
-    """Replaces ``None`` gradients (variables the loss does not touch) by zeros."""
-    return [tf.zeros_like(v) if g is None else g for g, v in zip(grads, variables)]
 
 
 def check_weights_structure(query, variables) -> None:

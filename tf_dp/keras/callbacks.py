@@ -127,13 +127,8 @@ class PrivacyReport(keras.callbacks.Callback):
 
 
 def predicted_next_entry(optimizer) -> Optional[SampleEntry]:
-    """The ledger entry the optimizer's next DP step will record, from its current state.
-
-    Sampling ``(n, q, policy)`` as declared by ``set_sampling`` (or ``fit``), the sum queries'
-    clip and noise from the query's global state, times the current sensitivity multiplier (2 for
-    microbatches of several examples, known after the first step; assumed 2 before it when
-    ``num_microbatches`` is set). Returns None if the state cannot be read.
-    """
+    """``optimizer.next_sample_entry()``, or None when an unusual query cannot predict it (the
+    callers then fall back to the last recorded entry)."""
     try:
         return optimizer.next_sample_entry()
     except Exception as e:  # noqa: BLE001 -- an unusual query: fall back to the ledger
