@@ -202,6 +202,49 @@ def test_sampler_reaches_the_documented_tail_bound():
     np.testing.assert_allclose(r, expect, rtol=1e-6)
 
 
+def test_lazy_low_words_give_the_dense_values_bit_for_bit():
+    # The float32 sampler draws the low word of u1 only for pairs with hi < 2^24; on the same
+    # words it must return exactly what the dense three-word formula returns.
+    rng = np.random.default_rng(5)
+    h = 200_000
+    hi = rng.integers(0, 2**32, h, dtype=np.uint64)
+    hi[:5000] = rng.integers(0, 2**24, 5000)  # many tail pairs, including the extremes
+    hi[:4] = [0, 1, 2**24 - 1, 2**24]
+    words = tf.constant(np.stack([hi, rng.integers(0, 2**32, (2, h), dtype=np.uint64)[0],
+                                  rng.integers(0, 2**32, h, dtype=np.uint64)]).astype(np.uint32))
+    asked = []
+
+    def draw_low(idx):
+        asked.append(idx.numpy()[:, 0])
+        return tf.gather_nd(words[1], idx)
+
+    for sd in (None, 1.7):
+        dense = noise.box_muller(words, tf.float32, sd).numpy()
+        lazy = noise.box_muller_lazy(words[0], words[2], draw_low, sd).numpy()
+        np.testing.assert_array_equal(lazy, dense)
+    # exactly the pairs with hi < 2^24 asked for a low word
+    np.testing.assert_array_equal(asked[0], np.flatnonzero(hi < 2**24))
+    assert noise.box_muller_lazy(tf.zeros([1], tf.uint32), tf.zeros([1], tf.uint32),
+                                 lambda idx: tf.zeros(tf.shape(idx)[:1], tf.uint32)).numpy()[0] \
+        == pytest.approx(noise.TAIL_BOUND, rel=1e-6)
+
+
+def test_float32_sampler_draws_two_words_per_pair_plus_the_tail():
+    gen = noise.make_generator(seed=9)
+
+    def counter_step(fn):
+        before = int(gen.state.numpy()[0])
+        fn()
+        return int(gen.state.numpy()[0]) - before
+
+    per_word = counter_step(lambda: gen.uniform_full_int([4096], tf.uint32)) / 4096
+    pairs = 65536
+    words = counter_step(lambda: noise.gaussian_noise(gen, 2 * pairs)) / per_word
+    # 2 words per pair, then one per pair with hi < 2^24: Binomial(pairs, 1/256), mean 256,
+    # standard deviation 16 (5 of them as the tolerance)
+    assert abs(words - 2 * pairs - pairs / 256) <= 5 * 16 + 4, words
+
+
 def test_structure_noise_per_leaf_stddev_and_dtypes():
     gen = noise.make_generator(seed=21)
     values = {"a": tf.zeros([300, 301]), "b": tf.zeros([7], tf.float16),
