@@ -77,8 +77,8 @@ def gaussian_noise(
     Box-Muller (``stddev=None``: standard normals).
 
     ``dtype`` is float32 or float64. Draws ``2 * ceil(n / 2)`` Philox words plus one per pair whose
-    high word is below ``2^24`` in float32 (``3 * ceil(n / 2)`` in float64 and under XLA); see the
-    module docstring for the bits used and the tail bound :data:`TAIL_BOUND`.
+    high word is below ``2^24`` in float32 (``3 * ceil(n / 2)`` in float64, under XLA, and for
+    ``n <`` :data:`LAZY_MIN_SIZE`); see the module docstring for the bits used and the tail bound :data:`TAIL_BOUND`.
 
     Example::
 
@@ -92,7 +92,8 @@ def gaussian_noise(
     n_static = int(n_static) if n_static is not None else None
     n = tf.cast(n, tf.int64)
     half = (n + 1) // 2
-    if dtype == tf.float32 and not _in_xla_context():
+    small = n_static is not None and n_static < LAZY_MIN_SIZE
+    if dtype == tf.float32 and not small and not _in_xla_context():
         # two separate draws: slicing rows out of one [2, h] draw would copy them
         hi = generator.uniform_full_int(half[None], tf.uint32)
         angle = generator.uniform_full_int(half[None], tf.uint32)
@@ -119,6 +120,10 @@ def _in_xla_context() -> bool:
 
 
 _TWO32 = 2.0**-32
+
+#: Draws of fewer normals than this use the dense three-word transform: the lazy one saves
+#: Philox words but has more ops, and per-op overhead dominates small draws.
+LAZY_MIN_SIZE = 1 << 15
 
 
 def box_muller(bits: tf.Tensor, dtype: tf.DType = tf.float32, stddev: Any = None) -> tf.Tensor:
@@ -176,8 +181,9 @@ def add_gaussian_noise_structure(
       stddevs: one scalar stddev for every leaf, or a structure of scalars matching ``values``.
 
     Float16/bfloat16 values get float32 noise (cast after scaling); float64 values float64
-    noise. Each leaf gets its own draw, scaled inside the sampler (drawing one flat vector for all
-    leaves and splitting it costs a copy of the whole noise, and holds it all at once).
+    noise. Large leaves (at least :data:`OWN_DRAW_SIZE` elements) get a draw each: drawing one
+    flat vector and splitting it would copy all the noise. Small leaves of one dtype and stddev
+    share a draw: a draw is a dozen ops, and per-op overhead dominates for small tensors.
     """
     leaves = [tf.convert_to_tensor(v) for v in tf.nest.flatten(values)]
     if tf.nest.is_nested(stddevs):
@@ -185,12 +191,29 @@ def add_gaussian_noise_structure(
         sds = tf.nest.flatten(stddevs)
     else:
         sds = [stddevs] * len(leaves)
-    out = []
-    for v, sd in zip(leaves, sds):
+    out: list[Any] = [None] * len(leaves)
+    shared: dict[tuple, list[int]] = {}  # (dtype, stddev) -> small leaves
+    for i, (v, sd) in enumerate(zip(leaves, sds)):
         nd = tf.float64 if v.dtype == tf.float64 else tf.float32
+        n = v.shape.num_elements()
+        if n is not None and n < OWN_DRAW_SIZE:
+            shared.setdefault((nd, id(sd)), []).append(i)
+            continue
         noise = tf.reshape(gaussian_noise(generator, _size(v), nd, sd), tf.shape(v))
-        out.append(v + tf.cast(noise, v.dtype))
+        out[i] = v + tf.cast(noise, v.dtype)
+    for (nd, _), idx in shared.items():
+        sizes = [leaves[i].shape.num_elements() for i in idx]
+        z = gaussian_noise(generator, sum(sizes), nd, sds[idx[0]])
+        parts = [z] if len(idx) == 1 else tf.split(z, sizes)
+        for i, part in zip(idx, parts):
+            v = leaves[i]
+            out[i] = v + tf.cast(tf.reshape(part, v.shape), v.dtype)
     return tf.nest.pack_sequence_as(values, out)
+
+
+#: Leaves with at least this many elements get their own noise draw (see
+#: :func:`add_gaussian_noise_structure`).
+OWN_DRAW_SIZE = 1 << 16
 
 
 def _size(t: tf.Tensor) -> Any:
