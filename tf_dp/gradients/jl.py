@@ -304,6 +304,17 @@ def _same_losses(reference: tf.Tensor, replay: tf.Tensor):
     return tf.debugging.assert_less_equal(tf.abs(tf.cast(replay, tf.float32) - ref), tol, message)
 
 
+def _after(data: Any, directions: Sequence[Sequence[tf.Tensor]]) -> Any:
+    """``data`` with a control dependency on the directions: the forward pass starts once they are
+    drawn, so the sampler's temporaries do not coexist with the step's activations."""
+    if tf.executing_eagerly():
+        return data
+    with tf.control_dependencies(tf.nest.flatten(directions)):
+        return tf.nest.map_structure(
+            lambda t: tf.identity(t) if tf.is_tensor(t) else t, data
+        )
+
+
 def _dense(g: Any) -> tf.Tensor:
     return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
@@ -478,7 +489,7 @@ class JLStrategy(base.GradientStrategy):
         method = self._resolve(loss_fn, data, tf_vars)
         directions = self.draw_directions(tf_vars)
         route = self._forward if method == "forward" else self._double_vjp
-        losses, y_pred, p, tape = route(loss_fn, data, tf_vars, directions)
+        losses, y_pred, p, tape = route(loss_fn, _after(data, directions), tf_vars, directions)
         p = tf.cast(p, tf.float32)
         squared = tf.reduce_mean(tf.square(p), axis=0)  # M_i^2, [B]
         # The query's rule on the estimated total norm: all of it in the first leaf (the rule of
