@@ -30,12 +30,14 @@ one draw for a whole structure of tensors (:func:`add_gaussian_noise_structure`)
   Philox words, against 1 for ``Generator.normal`` (the Philox kernel is about a third of the
   cost; the vectorised transcendentals save more than the extra bits cost).
 
-Memory. The noise does not depend on the clipped sum, but :func:`add_gaussian_noise_structure`
-draws it only once the values exist (a control dependency): drawn early, it and the sampler's
-temporaries would be held through the forward and backward pass of the step. Draws of more than
-:data:`CHUNK` normals (a count known while tracing) are made in consecutive chunks, so the
-temporaries of the transform (about 3x its output) exist for one chunk at a time: for the 0.6 M
-parameters of the reference BiLSTM the peak of one draw goes from about 9 MB to about 5 MB.
+The noise does not depend on the clipped sum, so the TF executor may run it at any time in the
+step (it has no data dependency until the final addition): on a free core, alongside the forward
+and backward pass, at the price of holding the noise through them. A gradient strategy for which
+memory matters more asks the DP optimizer to draw it after the clipped sum
+(``ClippedGradients.noise_after_sum``). Draws of more than :data:`CHUNK` normals (a count known
+while tracing) are made in consecutive chunks, so the transform's temporaries (about 3x its
+output) exist for one chunk at a time: for the 0.6 M parameters of the reference BiLSTM the peak
+of one draw goes from about 9 MB to about 5 MB.
 """
 
 from __future__ import annotations
@@ -166,14 +168,6 @@ def add_gaussian_noise_structure(
     noise. Leaves of different dtypes use different draws.
     """
     leaves = [tf.convert_to_tensor(v) for v in tf.nest.flatten(values)]
-    # Drawn after the values exist: the draw has no data dependency on them, and an early draw
-    # (at the start of a training step) would hold the noise, and the sampler's temporaries,
-    # through the whole forward and backward pass.
-    with tf.control_dependencies(leaves):
-        return _add_noise(generator, values, leaves, stddevs)
-
-
-def _add_noise(generator: tf.random.Generator, values: Any, leaves: list, stddevs: Any) -> Any:
     if tf.nest.is_nested(stddevs):
         tf.nest.assert_same_structure(values, stddevs)
         sds = tf.nest.flatten(stddevs)
