@@ -40,6 +40,9 @@ the forward route checks that every replayed pass reproduces the per-example los
 one, and fails the step (before noise and ledger) if not: randomness outside Keras seed
 generators cannot be replayed, and such models need ``method="double_vjp"``.
 
+Memory: on the double-vjp route the DP optimizer draws the noise after the clipped sum
+(``noise_after_sum``), so that it is not held through the projection passes; see ``docs/jl.md``.
+
 Supported queries: those whose clipping rule depends only on the total norm of a record
 (``GaussianSumQuery``, ``NoPrivacySumQuery``, and them wrapped in ``QueryWithLedger``,
 ``NormalizedQuery`` or a single-leaf ``NestedQuery``). Per-group clipping (a ``NestedQuery`` with
@@ -304,17 +307,6 @@ def _same_losses(reference: tf.Tensor, replay: tf.Tensor):
     return tf.debugging.assert_less_equal(tf.abs(tf.cast(replay, tf.float32) - ref), tol, message)
 
 
-def _after(data: Any, directions: Sequence[Sequence[tf.Tensor]]) -> Any:
-    """``data`` with a control dependency on the directions: the forward pass starts once they are
-    drawn, so the sampler's temporaries do not coexist with the step's activations."""
-    if tf.executing_eagerly():
-        return data
-    with tf.control_dependencies(tf.nest.flatten(directions)):
-        return tf.nest.map_structure(
-            lambda t: tf.identity(t) if tf.is_tensor(t) else t, data
-        )
-
-
 def _dense(g: Any) -> tf.Tensor:
     return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
@@ -329,11 +321,12 @@ class JLStrategy(base.GradientStrategy):
       seed: tests and debugging only. ``None`` keys the directions' Philox generator from OS
         entropy; a known seed makes the directions, hence the clipping, predictable.
       noise_after_sum: draw the DP noise only after the clipped sum exists
-        (``ClippedGradients.noise_after_sum``). ``None`` (default): on the double-vjp route, whose
-        peak (two backward passes, with the directions held) is where an early draw of the noise
-        would also be held -- on the reference BiLSTM that took the step's peak from 1.0-1.3x to
-        1.2-2.2x non-private. The forward route leaves the executor free to draw it early, on a
-        free core, which is faster when the noise is a large part of the step (MLP: 2.8x vs 3.3x).
+        (``ClippedGradients.noise_after_sum``). ``None`` (default): on the double-vjp route only.
+        Its peak (two backward passes, the directions held) is where an early draw of the noise
+        would also be held: on the reference BiLSTM the step's peak was 1.1-2.2x non-private
+        with the noise drawn early, 0.8-1.3x with it drawn late. On the forward route the
+        executor may draw it early on a free core, faster when the noise is a large part of the
+        step (MLP JL(1): 2.8x early, 3.3x late).
 
     Example::
 
@@ -506,7 +499,7 @@ class JLStrategy(base.GradientStrategy):
         method = self._resolve(loss_fn, data, tf_vars)
         directions = self.draw_directions(tf_vars)
         route = self._forward if method == "forward" else self._double_vjp
-        losses, y_pred, p, tape = route(loss_fn, _after(data, directions), tf_vars, directions)
+        losses, y_pred, p, tape = route(loss_fn, data, tf_vars, directions)
         p = tf.cast(p, tf.float32)
         squared = tf.reduce_mean(tf.square(p), axis=0)  # M_i^2, [B]
         # The query's rule on the estimated total norm: all of it in the first leaf (the rule of
