@@ -218,6 +218,58 @@ def test_auto_route_selection():
         assert strategy.resolved_method == expected
 
 
+@pytest.mark.parametrize(
+    "method, option, expected",
+    [("double_vjp", None, True), ("forward", None, False), ("forward", True, True),
+     ("double_vjp", False, False)],
+)
+def test_noise_after_sum_defaults_to_the_double_vjp_route(method, option, expected):
+    model = _cnn()
+    x, y = _data(model, 4)
+    query = tf_dp.GaussianSumQuery(1.0, 0.0)
+    out = JLStrategy(1, method=method, seed=0, noise_after_sum=option).clipped_sum(
+        PerExampleLoss(model), (x, y, None), model.trainable_variables, query, _params(query)
+    )
+    assert out.noise_after_sum is expected
+
+
+def _depends_on(op: tf.Operation, target: tf.Operation) -> bool:
+    """Whether ``op`` depends on ``target`` through data or control inputs (one graph)."""
+    stack, seen = [op], set()
+    while stack:
+        o = stack.pop()
+        if o is target:
+            return True
+        if o.name in seen:
+            continue
+        seen.add(o.name)
+        stack.extend(t.op for t in o.inputs)
+        stack.extend(o.control_inputs)
+    return False
+
+
+@pytest.mark.parametrize("after", [True, False])
+def test_optimizer_draws_the_noise_after_the_clipped_sum_when_asked(after):
+    from tf_dp.gradients.base import ClippedGradients
+
+    opt = tf_dp.keras.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0)
+    opt.set_sampling(1000, 0.01, "shuffle")
+    variables = [tf.Variable(tf.zeros([300, 500])), tf.Variable(tf.zeros([7]))]
+    opt.build(variables)
+
+    def step(a, b):
+        total = [tf.identity(a, name="clipped_marker"), b]
+        clipped = ClippedGradients(total, tf.ones([10]), tf.constant(10), noise_after_sum=after)
+        return opt.dp_aggregate(clipped)
+
+    specs = [tf.TensorSpec([300, 500]), tf.TensorSpec([7])]
+    graph = tf.function(step).get_concrete_function(*specs).graph
+    marker = graph.get_operation_by_name("clipped_marker")
+    draws = [o for o in graph.get_operations() if "Uniform" in o.type or "Rng" in o.type]
+    assert draws  # the noise: the generator's Philox words (chunked: several draws)
+    assert all(_depends_on(o, marker) for o in draws) is after
+
+
 # -- clipping ----------------------------------------------------------------------------------
 
 
@@ -299,6 +351,8 @@ def test_bad_arguments():
         JLStrategy(0)
     with pytest.raises(ValueError, match="method"):
         JLStrategy(1, method="reverse")
+    with pytest.raises(TypeError, match="noise_after_sum"):
+        JLStrategy(1, noise_after_sum="yes")
 
 
 def test_directions_default_to_os_entropy():

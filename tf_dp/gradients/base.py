@@ -37,6 +37,10 @@ class ClippedGradients:
     y_pred: Any = None
     losses: Any = None
     jl_projections: int = 0
+    #: ask the DP optimizer to draw the noise only once the clipped sum exists (a control
+    #: dependency). By default the executor may draw it early, next to the forward and backward
+    #: pass (faster on a free core, but the noise is then held through the step's peak).
+    noise_after_sum: bool = False
 
 
 LossFn = Callable[[Any, Any, Any], tuple[tf.Tensor, Any]]

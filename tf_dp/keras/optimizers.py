@@ -231,7 +231,11 @@ class DPOptimizerMixin:
         q = self._dp_query
         q.sensitivity_multiplier.assign(tf.cast(clipped.sensitivity_multiplier, tf.float32))
         q._jl_projections.assign(int(clipped.jl_projections))
-        noised, _ = q.get_noised_result(clipped.clipped_sum, self._dp_global_state)
+        after = clipped.noise_after_sum and not tf.executing_eagerly()
+        with tf.control_dependencies(
+            tf.nest.flatten(clipped.clipped_sum, expand_composites=True) if after else []
+        ):
+            noised, _ = q.get_noised_result(clipped.clipped_sum, self._dp_global_state)
         if self._normalized:
             return list(noised)
         records = tf.cast(clipped.num_records, tf.float32)
