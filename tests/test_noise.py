@@ -271,6 +271,20 @@ def test_sampler_in_tf_function_with_unknown_shape():
 
 
 
+def test_large_draw_is_consecutive_chunk_draws():
+    # A static count above CHUNK is drawn chunk by chunk (to bound the sampler's temporaries):
+    # the result is exactly the concatenation of ordinary draws of CHUNK normals, then the rest.
+    n = 2 * noise.CHUNK + 7
+    whole = noise.gaussian_noise(noise.make_generator(seed=5), n).numpy()
+    gen = noise.make_generator(seed=5)
+    parts = [noise.gaussian_noise(gen, m).numpy() for m in (noise.CHUNK, noise.CHUNK, 7)]
+    np.testing.assert_array_equal(whole, np.concatenate(parts))
+    noise_gen = noise.make_generator(seed=5)
+    traced = tf.function(lambda: noise.gaussian_noise(noise_gen, tf.constant(n)))
+    np.testing.assert_array_equal(traced().numpy(), whole)
+    assert noise.gaussian_noise(gen, noise.CHUNK + 1, tf.float64).shape == (noise.CHUNK + 1,)
+
+
 def test_sampler_under_xla():
     gen = noise.make_generator(seed=4)
     fn = tf.function(lambda v: noise.add_gaussian_noise_structure(gen, v, 2.0), jit_compile=True)
