@@ -261,6 +261,24 @@ def test_structure_noise_per_leaf_stddev_and_dtypes():
     assert_gaussian(same[1].numpy(), 4.0)
 
 
+def test_small_leaves_share_one_draw_with_their_own_shapes_and_stddevs():
+    # Leaves below OWN_DRAW_SIZE with the same stddev object share one draw (split per leaf);
+    # a different stddev gets its own draw. Each leaf must still get its own law and shape.
+    gen = noise.make_generator(seed=31)
+    small = noise.OWN_DRAW_SIZE // 4
+    values = [tf.zeros([small]), tf.zeros([small // 64, 64]), tf.zeros([small]), tf.zeros([3])]
+    sds = [2.0, None, 0.5, None]
+    sds[1] = sds[3] = sds[0]  # the same object as leaf 0: shared draw
+    out = noise.add_gaussian_noise_structure(gen, values, sds)
+    for v, o in zip(values, out):
+        assert o.shape == v.shape
+    assert_gaussian(out[0].numpy(), 2.0)
+    assert_gaussian(out[1].numpy(), 2.0)
+    assert_gaussian(out[2].numpy(), 0.5)
+    # the shared draw is one vector cut in order: leaves 0 and 1 are not copies of each other
+    assert abs(np.corrcoef(out[0].numpy(), out[1].numpy().ravel())[0, 1]) <= K / np.sqrt(small)
+
+
 def test_sampler_in_tf_function_with_unknown_shape():
     gen = noise.make_generator(seed=2)
     fn = tf.function(lambda v: noise.add_gaussian_noise(gen, v, 1.5),

@@ -12,7 +12,7 @@ treat them as exact, as every DP-SGD implementation does.
 
 Sampler. :func:`gaussian_noise` turns the generator's Philox words into normals by the Box-Muller
 transform in vectorised TF ops (``r = sqrt(-2 ln u1)``, ``z = (r cos 2 pi u2, r sin 2 pi u2)``),
-one draw per tensor (:func:`add_gaussian_noise_structure`). It costs less CPU time than
+one draw per large tensor (:func:`add_gaussian_noise_structure`). It costs less CPU time than
 ``tf.random.Generator.normal`` (whose kernel calls scalar ``log``/``sin``/``cos``) and has better
 tails:
 
@@ -85,7 +85,8 @@ def gaussian_noise(
     ``dtype`` is float32 or float64. Counts above :data:`CHUNK` (known while tracing) are drawn as
     consecutive draws of ``CHUNK``. Draws ``2 * ceil(n / 2)`` Philox words plus one per pair whose
     high word is below ``2^24`` in float32 (``3 * ceil(n / 2)`` in float64, under XLA, and for
-    ``n <`` :data:`LAZY_MIN_SIZE`); see the module docstring for the bits used and the tail bound :data:`TAIL_BOUND`.
+    ``n <`` :data:`LAZY_MIN_SIZE`); see the module docstring for the bits used and the tail bound
+    :data:`TAIL_BOUND`.
 
     Example::
 
