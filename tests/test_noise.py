@@ -229,7 +229,7 @@ def test_lazy_low_words_give_the_dense_values_bit_for_bit():
         == pytest.approx(noise.TAIL_BOUND, rel=1e-6)
 
 
-def test_float32_sampler_draws_two_words_per_pair_plus_the_tail():
+def test_float32_sampler_reserves_two_words_per_pair_with_one_skip():
     gen = noise.make_generator(seed=9)
 
     def counter_step(fn):
@@ -238,11 +238,47 @@ def test_float32_sampler_draws_two_words_per_pair_plus_the_tail():
         return int(gen.state.numpy()[0]) - before
 
     per_word = counter_step(lambda: gen.uniform_full_int([4096], tf.uint32)) / 4096
-    pairs = 65536
-    words = counter_step(lambda: noise.gaussian_noise(gen, 2 * pairs)) / per_word
-    # 2 words per pair, then one per pair with hi < 2^24: Binomial(pairs, 1/256), mean 256,
-    # standard deviation 16 (5 of them as the tolerance)
-    assert abs(words - 2 * pairs - pairs / 256) <= 5 * 16 + 4, words
+    for n in (2 * 65536, 3 * noise.CHUNK + 11):
+        # one skip for the whole call (every chunk, the tail words included): 2 words per pair
+        assert counter_step(lambda: noise.gaussian_noise(gen, n)) / per_word == 2 * ((n + 1) // 2)
+
+
+def _stateless_words(key, counter, plane, count):
+    from tensorflow.python.ops import gen_stateless_random_ops_v2 as sv
+
+    c = tf.constant([counter[0], (counter[1] + plane) % 2**64], tf.uint64)
+    return sv.stateless_random_uniform_full_int_v2(
+        shape=[count], key=tf.constant([key], tf.uint64), counter=c, dtype=tf.uint32, alg=1)
+
+
+def test_float32_sampler_uses_the_documented_counter_planes():
+    # Recompute one multi-chunk call from Philox words read at the documented counters (chunk j:
+    # high words on plane j, angles on plane J + j, low words on plane 2J + j, from the counter
+    # the generator had before the call) with the dense transform: the values must match bit
+    # for bit, and the generator's next draw must start past every block the call used.
+    gen = noise.make_generator(seed=17)
+    state = gen.state.numpy().view(np.uint64)
+    counter, key = [int(state[0]), int(state[1])], int(state[2])
+    n = 2 * noise.CHUNK + 2 * 4099
+    z = noise.gaussian_noise(gen, n, stddev=1.3).numpy()
+    sizes = [noise.CHUNK, noise.CHUNK, 2 * 4099]
+    chunks = len(sizes)
+    expect = []
+    for j, m in enumerate(sizes):
+        h = m // 2
+        hi = _stateless_words(key, counter, j, h).numpy()
+        angle = _stateless_words(key, counter, chunks + j, h)
+        tail = np.flatnonzero(hi < 2**24)
+        low = np.zeros(h, np.uint32)
+        low[tail] = _stateless_words(key, counter, 2 * chunks + j, len(tail)).numpy()
+        words = tf.constant(np.stack([hi, low, angle.numpy()]))
+        expect.append(noise.box_muller(words, tf.float32, 1.3).numpy())
+    np.testing.assert_array_equal(z, np.concatenate(expect))
+    after = gen.state.numpy().view(np.uint64)
+    used_plane0 = -(-(sizes[0] // 2) // 4)  # blocks of 4 words
+    assert int(after[1]) == counter[1] and int(after[0]) - counter[0] >= used_plane0
+    # ... and the other planes are 2^64 blocks away from anything the generator hands out next
+    assert int(after[0]) - counter[0] < 2**63
 
 
 def test_structure_noise_per_leaf_stddev_and_dtypes():
@@ -289,18 +325,21 @@ def test_sampler_in_tf_function_with_unknown_shape():
 
 
 
-def test_large_draw_is_consecutive_chunk_draws():
-    # A static count above CHUNK is drawn chunk by chunk (to bound the sampler's temporaries):
-    # the result is exactly the concatenation of ordinary draws of CHUNK normals, then the rest.
+def test_large_draw_is_chunked_and_traces_like_eager():
+    # float64 (and XLA) draws above CHUNK are consecutive ordinary draws of CHUNK normals (to
+    # bound the transform's temporaries); float32 draws are chunked over reserved counter planes
+    # (test above). Either way a traced call with a constant count gives the eager values.
     n = 2 * noise.CHUNK + 7
-    whole = noise.gaussian_noise(noise.make_generator(seed=5), n).numpy()
+    whole = noise.gaussian_noise(noise.make_generator(seed=5), n, tf.float64).numpy()
     gen = noise.make_generator(seed=5)
-    parts = [noise.gaussian_noise(gen, m).numpy() for m in (noise.CHUNK, noise.CHUNK, 7)]
+    parts = [noise.gaussian_noise(gen, m, tf.float64).numpy() for m in (noise.CHUNK, noise.CHUNK, 7)]
     np.testing.assert_array_equal(whole, np.concatenate(parts))
-    noise_gen = noise.make_generator(seed=5)
-    traced = tf.function(lambda: noise.gaussian_noise(noise_gen, tf.constant(n)))
-    np.testing.assert_array_equal(traced().numpy(), whole)
-    assert noise.gaussian_noise(gen, noise.CHUNK + 1, tf.float64).shape == (noise.CHUNK + 1,)
+    for dtype in (tf.float32, tf.float64):
+        eager = noise.gaussian_noise(noise.make_generator(seed=6), n, dtype).numpy()
+        noise_gen = noise.make_generator(seed=6)
+        traced = tf.function(lambda: noise.gaussian_noise(noise_gen, tf.constant(n), dtype))
+        np.testing.assert_array_equal(traced().numpy(), eager)
+        assert eager.shape == (n,)
 
 
 def test_sampler_under_xla():
