@@ -244,11 +244,9 @@ def test_float32_sampler_reserves_two_words_per_pair_with_one_skip():
 
 
 def _stateless_words(key, counter, plane, count):
-    from tensorflow.python.ops import gen_stateless_random_ops_v2 as sv
-
     c = tf.constant([counter[0], (counter[1] + plane) % 2**64], tf.uint64)
-    return sv.stateless_random_uniform_full_int_v2(
-        shape=[count], key=tf.constant([key], tf.uint64), counter=c, dtype=tf.uint32, alg=1)
+    return tf.raw_ops.StatelessRandomUniformFullIntV2(
+        shape=[count], key=tf.constant([key], tf.uint64), counter=c, alg=1, dtype=tf.uint32)
 
 
 def test_float32_sampler_uses_the_documented_counter_planes():

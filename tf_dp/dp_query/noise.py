@@ -58,7 +58,6 @@ import os
 from typing import Any, Optional
 
 import tensorflow as tf
-from tensorflow.python.ops import gen_stateless_random_ops_v2
 
 
 def make_generator(seed: Optional[int] = None) -> tf.random.Generator:
@@ -158,8 +157,8 @@ class _ReservedWords:
         counter = self._counter
         if plane:
             counter = counter + tf.constant([0, plane], tf.uint64)
-        return gen_stateless_random_ops_v2.stateless_random_uniform_full_int_v2(
-            shape=shape, key=self._key, counter=counter, dtype=tf.uint32, alg=1
+        return tf.raw_ops.StatelessRandomUniformFullIntV2(
+            shape=shape, key=self._key, counter=counter, alg=1, dtype=tf.uint32
         )
 
 
