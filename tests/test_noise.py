@@ -272,11 +272,29 @@ def test_float32_sampler_uses_the_documented_counter_planes():
         words = tf.constant(np.stack([hi, low, angle.numpy()]))
         expect.append(noise.box_muller(words, tf.float32, 1.3).numpy())
     np.testing.assert_array_equal(z, np.concatenate(expect))
+    # the call reserved 256 blocks per word (2 words per pair) on plane 0, where only chunk 0's
+    # high words are read (h / 4 blocks); the next call starts past them
     after = gen.state.numpy().view(np.uint64)
-    used_plane0 = -(-(sizes[0] // 2) // 4)  # blocks of 4 words
-    assert int(after[1]) == counter[1] and int(after[0]) - counter[0] >= used_plane0
-    # ... and the other planes are 2^64 blocks away from anything the generator hands out next
-    assert int(after[0]) - counter[0] < 2**63
+    assert int(after[1]) == counter[1] and int(after[0]) - counter[0] == 256 * n
+
+
+def test_successive_calls_with_unknown_sizes_never_repeat_noise():
+    # Counts only known at run time take the same reserved-counter path: every call must move
+    # the generator past the words it read, or the next call would repeat its noise.
+    gen = noise.make_generator(seed=23)
+    fn = tf.function(lambda k: noise.gaussian_noise(gen, k),
+                     input_signature=[tf.TensorSpec([], tf.int32)])
+    n = 40_001
+    before = int(gen.state.numpy()[0])
+    a = fn(tf.constant(n)).numpy()
+    b = fn(tf.constant(n)).numpy()
+    assert int(gen.state.numpy()[0]) - before == 2 * 256 * 2 * ((n + 1) // 2)
+    assert a.shape == b.shape == (n,)
+    assert np.sum(a == b) <= 2  # equal float32 normals at the same position: chance only
+    assert abs(np.corrcoef(a, b)[0, 1]) <= K / np.sqrt(n)
+    # and a dense (float64) draw after them reads other blocks than the float32 calls did
+    c = noise.gaussian_noise(gen, n, tf.float64).numpy()
+    assert abs(np.corrcoef(b, c)[0, 1]) <= K / np.sqrt(n)
 
 
 def test_structure_noise_per_leaf_stddev_and_dtypes():

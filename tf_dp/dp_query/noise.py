@@ -142,7 +142,8 @@ class _ReservedWords:
     def __init__(self, generator: tf.random.Generator, words: Any, chunks: int):
         self._generator = generator
         self._chunks = chunks
-        self._direct = tf.distribute.has_strategy() or generator.algorithm != 1  # 1: Philox
+        alg = generator.algorithm  # 1: Philox (a Python int for generators made here)
+        self._direct = tf.distribute.has_strategy() or not (isinstance(alg, int) and alg == 1)
         if not self._direct:
             state = generator.skip(words)
             self._counter = tf.bitcast(state[:2], tf.uint64)
