@@ -46,8 +46,8 @@ step (it has no data dependency until the final addition): on a free core, along
 and backward pass, at the price of holding the noise through them. A gradient strategy for which
 memory matters more asks the DP optimizer to draw it after the clipped sum
 (``ClippedGradients.noise_after_sum``; JL's double-vjp route does). Large leaves get a draw each
-(:func:`add_gaussian_noise_structure`), and draws of more than :data:`CHUNK` normals are made as
-consecutive chunk draws, so the sampler's temporaries (about 3x its output) exist for a few chunks
+(:func:`add_gaussian_noise_structure`), and draws of more than :data:`CHUNK` normals are made in
+chunks (float32: on the call's reserved counter planes; float64/XLA: consecutive draws), so the sampler's temporaries (about 3x its output) exist for a few chunks
 at a time: on the reference BiLSTM one draw of its 0.6 M normals peaks at about 5 MB, not 9 MB.
 """
 
@@ -87,8 +87,8 @@ def gaussian_noise(
     """``n`` i.i.d. ``N(0, stddev^2)`` draws (a flat ``[n]`` tensor) from ``generator`` by
     Box-Muller (``stddev=None``: standard normals).
 
-    ``dtype`` is float32 or float64. Counts above :data:`CHUNK` (known while tracing) are drawn as
-    consecutive draws of ``CHUNK``. Draws ``2 * ceil(n / 2)`` Philox words plus one per pair whose
+    ``dtype`` is float32 or float64. Counts above :data:`CHUNK` (known while tracing) are drawn in
+    chunks of ``CHUNK``. Draws ``2 * ceil(n / 2)`` Philox words plus one per pair whose
     high word is below ``2^24`` in float32 (``3 * ceil(n / 2)`` in float64, under XLA, and for
     ``n <`` :data:`LAZY_MIN_SIZE`); see the module docstring for the bits used and the tail bound
     :data:`TAIL_BOUND`.
