@@ -47,8 +47,9 @@ and backward pass, at the price of holding the noise through them. A gradient st
 memory matters more asks the DP optimizer to draw it after the clipped sum
 (``ClippedGradients.noise_after_sum``; JL's double-vjp route does). Large leaves get a draw each
 (:func:`add_gaussian_noise_structure`), and draws of more than :data:`CHUNK` normals are made in
-chunks (float32: on the call's reserved counter planes; float64/XLA: consecutive draws), so the sampler's temporaries (about 3x its output) exist for a few chunks
-at a time: on the reference BiLSTM one draw of its 0.6 M normals peaks at about 5 MB, not 9 MB.
+chunks (float32: on the call's reserved counter planes; float64/XLA: consecutive draws), so the
+sampler's temporaries (about 3x its output) exist for a few chunks at a time: on the reference
+BiLSTM one draw of its 0.6 M normals peaks at about 5 MB, not 9 MB.
 """
 
 from __future__ import annotations
@@ -110,14 +111,13 @@ def gaussian_noise(
         if n_static is not None and n_static > CHUNK:
             # Consecutive independent draws of CHUNK normals: the same law, and the transform's
             # temporaries (about 3x its output) exist for the chunks in flight.
-            sizes = [min(CHUNK, n_static - k) for k in range(0, n_static, CHUNK)]
+            sizes = _chunk_sizes(n_static)
             return tf.concat([gaussian_noise(generator, m, dtype, stddev) for m in sizes], axis=0)
         bits = generator.uniform_full_int(tf.stack([tf.constant(3, tf.int64), half]), tf.uint32)
-        z = box_muller(bits, dtype, stddev)
-        return z if n_static is not None and n_static % 2 == 0 else z[:n]
+        return _first(box_muller(bits, dtype, stddev), n)
     # float32: the lazy transform, on words from counter ranges reserved with one skip
     if n_static is not None:
-        sizes = [min(CHUNK, n_static - k) for k in range(0, n_static, CHUNK)]
+        sizes = _chunk_sizes(n_static)
         words = _ReservedWords(generator, 2 * ((n_static + 1) // 2), len(sizes))
         parts = [_lazy_chunk(words, j, m, stddev) for j, m in enumerate(sizes)]
         return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
@@ -165,13 +165,23 @@ class _ReservedWords:
 
 def _lazy_chunk(words: _ReservedWords, chunk: int, n: Any, stddev: Any) -> tf.Tensor:
     """``n`` float32 normals (chunk ``chunk`` of a call) by :func:`box_muller_lazy`."""
-    n_static = tf.get_static_value(n)
     half = (tf.cast(n, tf.int64) + 1) // 2
     hi = words.draw(chunk, 0, half)
     angle = words.draw(chunk, 1, half)
     z = box_muller_lazy(hi, angle, lambda idx: words.draw(chunk, 2, tf.shape(idx)[0]), stddev)
+    return _first(z, n)
+
+
+def _chunk_sizes(n: int) -> list[int]:
+    return [min(CHUNK, n - k) for k in range(0, n, CHUNK)]
+
+
+def _first(z: tf.Tensor, n: Any) -> tf.Tensor:
+    """The first ``n`` of the ``2 ceil(n / 2)`` normals ``z`` (no slice, a copy, for even ``n``
+    known while tracing)."""
+    n_static = tf.get_static_value(n)
     if n_static is not None and int(n_static) % 2 == 0:
-        return z  # no slice (a slice is a copy)
+        return z
     return z[:n]
 
 

@@ -32,13 +32,11 @@ from tf_dp.dp_query.dp_query import DPQuery
 from tf_dp.dp_query.gaussian_query import GaussianSumQuery
 from tf_dp.dp_query.normalized_query import NormalizedQuery
 from tf_dp.gradients import ClippedGradients, GradientStrategy, gradient_modes, make_strategy
+from tf_dp.gradients.jl import METHODS as JL_METHODS
 from tf_dp.ledger.privacy_ledger import PrivacyLedger
 from tf_dp.ledger.query_with_ledger import QueryWithLedger
 
 _logger = logging.getLogger("tf_dp")
-
-_JL_METHODS = ("auto", "forward", "double_vjp")
-
 
 class DPOptimizerMixin:
     """Privacy configuration and private aggregation shared by every DP optimizer class."""
@@ -110,8 +108,8 @@ class DPOptimizerMixin:
                     "gradient_mode='jl' needs jl_projections, an integer >= 1 "
                     f"(got {jl_projections!r})"
                 )
-            if jl_method not in _JL_METHODS:
-                raise ValueError(f"jl_method must be one of {_JL_METHODS}, got {jl_method!r}")
+            if jl_method not in JL_METHODS:
+                raise ValueError(f"jl_method must be one of {JL_METHODS}, got {jl_method!r}")
         elif jl_projections is not None:
             raise ValueError("jl_projections is only used with gradient_mode='jl'")
         elif jl_method != "auto":
