@@ -113,7 +113,8 @@ def test_resume_from_file_then_continue_recording(tmp_path):
     assert len(entries) == 75
     assert entries[:10] == first.samples()
     assert [e.queries[0].l2_sensitivity for e in entries] == [1.0 + t for t in range(75)]
-    assert all(e.queries[1] == SumQueryEvent(0.5, float(tf.constant(0.8).numpy())) for e in entries)
+    assert all(e.queries[1] == SumQueryEvent(0.5, float(tf.constant(0.8).numpy()), noise_seed=2)
+               for e in entries)
 
     # restore_entries on a live ledger replaces its content; recording continues after it.
     first.restore_entries(entries[:3])

@@ -38,7 +38,7 @@ import tensorflow as tf
 from __future__ import annotations
 
 import abc
-from typing import Any, NamedTuple
+from typing import Optional, Any, NamedTuple
 
 import tensorflow as tf
 
@@ -52,6 +52,9 @@ class SumQuerySpec(NamedTuple):
     l2_sensitivity: Any
     noise_stddev: Any
     private: bool = True
+    #: the explicit seed of the noise generator, if the user gave one (recorded in the ledger:
+    #: seeded noise is predictable, so no guarantee holds)
+    noise_seed: Optional[int] = None
 
 
 class DPQuery(abc.ABC):

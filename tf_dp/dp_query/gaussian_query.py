@@ -54,8 +54,11 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     def __init__(self, l2_norm_clip: Any, stddev: Any, seed: Optional[int] = None):
         self._l2_norm_clip = check_scalar("l2_norm_clip", l2_norm_clip)
         self._stddev = check_scalar("stddev", stddev)
-        self._seed = seed
         self._generator = make_generator(seed)
+        if seed is not None and abs(seed) > 2**53:
+            # the ledger records the seed exactly in a float64 column
+            raise ValueError(f"seed must be an integer with |seed| <= 2**53, got {seed}")
+        self._seed = seed
 
     @property
     def l2_norm_clip(self) -> Any:
@@ -92,6 +95,7 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
             dp_query.SumQuerySpec(
                 tf.convert_to_tensor(global_state.l2_norm_clip, tf.float32),
                 tf.convert_to_tensor(global_state.stddev, tf.float32),
+                noise_seed=self._seed,
             )
         ]
 

@@ -46,6 +46,7 @@ class JointClipGaussianSumQuery(dp_query.SumAggregationDPQuery):
         checked = [check_scalar(f"scales[{i}]", a, allow_zero=False) for i, a in enumerate(leaves)]
         self._scales = tf.nest.pack_sequence_as(scales, checked)
         self._generator = make_generator(seed)
+        self._seed = seed
 
     @property
     def scales(self) -> Any:
@@ -94,5 +95,6 @@ class JointClipGaussianSumQuery(dp_query.SumAggregationDPQuery):
             dp_query.SumQuerySpec(
                 tf.convert_to_tensor(global_state.l2_norm_clip, tf.float32),
                 tf.convert_to_tensor(global_state.stddev, tf.float32),
+                noise_seed=self._seed,
             )
         ]

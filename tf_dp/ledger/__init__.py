@@ -10,6 +10,7 @@ from tf_dp.ledger.ledger_file import LedgerFileError, read_ledger_file, write_le
 _LAZY = {
     "PrivacyLedger": "tf_dp.ledger.privacy_ledger",
     "QueryWithLedger": "tf_dp.ledger.query_with_ledger",
+    "LedgerOverflowError": "tf_dp.ledger.privacy_ledger",
 }
 
 
@@ -30,4 +31,5 @@ __all__ = [
     "write_ledger_file",
     "PrivacyLedger",
     "QueryWithLedger",
+    "LedgerOverflowError",
 ]

@@ -83,14 +83,21 @@ class SumQueryEvent:
       noise_stddev: standard deviation of the Gaussian noise added to the sum (>= 0).
       mechanism: one of :data:`MECHANISMS`.
       jl_projections: for ``mechanism == "jl"``, the number ``r`` of JL projections; else None.
+      noise_seed: the explicit seed of the noise generator when the user gave one (tests and
+        debugging): the noise is then predictable, and no privacy guarantee holds for the run.
+        ``None`` (noise keyed from OS entropy) for real training.
     """
 
     l2_sensitivity: float
     noise_stddev: float
     mechanism: str = "gaussian"
     jl_projections: Optional[int] = None
+    noise_seed: Optional[int] = None
 
     def __post_init__(self):
+        seed = self.noise_seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"noise_seed must be an integer or None, got {seed!r}")
         s, sd = self.l2_sensitivity, self.noise_stddev
         if isinstance(s, bool) or not (isinstance(s, (int, float)) and math.isfinite(s) and s >= 0):
             raise ValueError(f"l2_sensitivity must be >= 0, got {s!r}")
@@ -156,6 +163,11 @@ class SampleEntry:
     @property
     def private(self) -> bool:
         return all(q.private for q in self.queries)
+
+    @property
+    def noise_seeds(self) -> tuple[int, ...]:
+        """Explicit noise seeds of this sample's queries (empty for real, unseeded training)."""
+        return tuple(q.noise_seed for q in self.queries if q.noise_seed is not None)
 
 
 def compress(entries: Sequence[SampleEntry]) -> list[tuple[SampleEntry, int]]:

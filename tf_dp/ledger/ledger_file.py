@@ -48,6 +48,18 @@ def _canonical(payload: Mapping[str, Any]) -> bytes:
     return json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
+def _query_payload(q: SumQueryEvent) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "l2_sensitivity": q.l2_sensitivity,
+        "noise_stddev": q.noise_stddev,
+        "mechanism": q.mechanism,
+        "jl_projections": q.jl_projections,
+    }
+    if q.noise_seed is not None:  # only seeded (test/debug) runs carry the key
+        out["noise_seed"] = q.noise_seed
+    return out
+
+
 def entries_to_payload(
     entries: Sequence[SampleEntry], metadata: Optional[Mapping[str, Any]] = None
 ) -> dict[str, Any]:
@@ -62,15 +74,7 @@ def entries_to_payload(
                     "selection_probability": entry.sampling.selection_probability,
                     "policy": entry.sampling.policy,
                 },
-                "queries": [
-                    {
-                        "l2_sensitivity": q.l2_sensitivity,
-                        "noise_stddev": q.noise_stddev,
-                        "mechanism": q.mechanism,
-                        "jl_projections": q.jl_projections,
-                    }
-                    for q in entry.queries
-                ],
+                "queries": [_query_payload(q) for q in entry.queries],
             }
         )
     payload: dict[str, Any] = {
@@ -121,6 +125,7 @@ def payload_to_entries(payload: Any) -> list[SampleEntry]:
                         noise_stddev=q["noise_stddev"],
                         mechanism=q["mechanism"],
                         jl_projections=q["jl_projections"],
+                        noise_seed=q.get("noise_seed"),
                     )
                     for q in run["queries"]
                 ),

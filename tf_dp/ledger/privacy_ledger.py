@@ -4,9 +4,15 @@ McMahan et al. 2018, section 6: rather than fixing a privacy computation before 
 what actually happened (population size, sampling probability, the clip and noise of every sum
 query at every step) and analyse the record afterwards, with any accountant, now or later.
 
-The ledger is a ``tf.Module`` holding growable ``tf.Variable`` buffers, so recording works inside
+The ledger is a ``tf.Module`` holding ``tf.Variable`` tables, so recording works inside
 ``tf.function`` and the ledger is saved by ``tf.train.Checkpoint`` (resumed training continues the
-same ledger). Buffers double when full, so recording costs amortised O(1) per step.
+same ledger); DP Keras optimizers also save it in ``.keras`` files and weight checkpoints. Tables
+double when full, so recording costs amortised O(1) per step. Inside an XLA-compiled step
+(``jit_compile=True``), where no variable may change shape, rows go to a fixed-size staging table
+written by index; :meth:`PrivacyLedger.flush` moves them into the ledger between compiled calls
+(reading methods and the Keras integration do this for you). A compiled step that finds the
+staging table full records nothing and must release nothing (:meth:`PrivacyLedger.has_room`;
+the DP optimizers withhold its update), and the next flush raises :class:`LedgerOverflowError`.
 
 Example::
 
@@ -38,7 +44,8 @@ from tf_dp.ledger.ledger_file import LedgerFileError, read_ledger_file, write_le
 
 # Column layouts of the two buffers.
 _SAMPLE_COLS = 3  # population_size, selection_probability, policy code
-_QUERY_COLS = 5  # sample index, l2_sensitivity, noise_stddev, mechanism code, jl_projections
+# sample index, l2_sensitivity, noise_stddev, mechanism code, jl_projections, noise seed (NaN: none)
+_QUERY_COLS = 6
 _INITIAL_CAPACITY = 64
 
 
@@ -64,22 +71,84 @@ def _f64(x) -> tf.Tensor:
     return tf.constant(x, tf.float64)
 
 
-class _Buffer(tf.Module):
-    """A growable [rows, cols] float64 table with a row count, usable inside tf.function."""
+def _in_xla_context() -> bool:
+    """True while tracing a function that XLA compiles (``jit_compile=True``).
 
-    def __init__(self, cols: int, name: str):
+    XLA cannot change a variable's shape inside a compiled step, so the ledger records there into
+    a fixed-size staging table instead. If TensorFlow's (internal) context check is unavailable,
+    the fixed-size path is assumed: it is correct everywhere, only less convenient.
+    """
+    if tf.executing_eagerly():
+        return False
+    try:
+        from tensorflow.python.ops import control_flow_util  # noqa: PLC0415
+
+        return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+    except Exception:  # pragma: no cover - depends on TensorFlow internals
+        return True
+
+
+def _ledger_variable(initial_value, shape=None, name=None) -> tf.Variable:
+    # Under tf.distribute every replica records the same (global) event; the first replica's write
+    # is the one kept, so the ledger's variables stay identical on every device.
+    return tf.Variable(
+        initial_value,
+        shape=shape,
+        trainable=False,
+        name=name,
+        synchronization=tf.VariableSynchronization.ON_WRITE,
+        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+    )
+
+
+class _Buffer(tf.Module):
+    """A [rows, cols] float64 table with a row count, usable inside tf.function and under XLA.
+
+    Rows live in ``data`` (a growable table: it doubles when full, amortised O(1) per row) and,
+    for rows recorded inside an XLA-compiled step, in ``staged``: a fixed-size table written by
+    index, because XLA cannot grow a variable. :meth:`flush` (eager, between compiled calls) moves
+    staged rows to ``data``. A row recorded while ``staged`` is full is not written: ``overflow``
+    counts it, :meth:`has_room` lets the step release nothing instead, and :meth:`flush` raises.
+    """
+
+    def __init__(self, cols: int, name: str, staging_capacity: int = _INITIAL_CAPACITY):
         super().__init__(name=name)
         with tf.init_scope():
-            self.data = tf.Variable(
-                tf.zeros([_INITIAL_CAPACITY, cols], tf.float64),
-                shape=tf.TensorShape([None, cols]),
-                trainable=False,
-                name="data",
+            self.data = _ledger_variable(
+                tf.zeros([_INITIAL_CAPACITY, cols], tf.float64), tf.TensorShape([None, cols]),
+                "data",
             )
-            self.count = tf.Variable(tf.constant(0, tf.int64), trainable=False, name="count")
+            self.count = _ledger_variable(tf.constant(0, tf.int64), name="count")
+            self.staged = _ledger_variable(
+                tf.zeros([staging_capacity, cols], tf.float64), tf.TensorShape([None, cols]),
+                "staged",
+            )
+            self.staged_count = _ledger_variable(tf.constant(0, tf.int64), name="staged_count")
+            self.overflow = _ledger_variable(tf.constant(0, tf.int64), name="overflow")
+
+    @property
+    def staging_capacity(self) -> int:
+        return int(self.staged.numpy().shape[0])
+
+    def _capacity_tensor(self) -> tf.Tensor:
+        return tf.shape(self.staged, out_type=tf.int64)[0]
+
+    def total(self) -> tf.Tensor:
+        """Rows recorded so far (flushed and staged)."""
+        return self.count.read_value() + self.staged_count.read_value()
+
+    def has_room(self, rows: int = 1) -> tf.Tensor:
+        """Whether ``rows`` more rows can be recorded in the current context (a bool tensor)."""
+        if not _in_xla_context():
+            return tf.constant(True)
+        return self.staged_count.read_value() + rows <= self._capacity_tensor()
 
     def append(self, row: tf.Tensor) -> tf.Tensor:
-        """Appends ``row`` (float64 [cols]); returns the index it was written at."""
+        """Appends ``row`` (float64 [cols]); returns its index among all rows."""
+        if _in_xla_context():
+            return self._stage(row)
+        if not tf.executing_eagerly():
+            self._merge_staged()
         index = self.count.read_value()
         capacity = tf.shape(self.data, out_type=tf.int64)[0]
 
@@ -87,14 +156,82 @@ class _Buffer(tf.Module):
             self.data.assign(tf.concat([self.data, tf.zeros_like(self.data)], axis=0))
             return tf.constant(0)
 
-        tf.cond(index >= capacity, grow, lambda: tf.constant(0))
+        if tf.executing_eagerly():
+            self.flush()
+            index = self.count.read_value()
+            if int(index) >= int(capacity):
+                grow()
+        else:
+            tf.cond(index >= capacity, grow, lambda: tf.constant(0))
         self.data.scatter_nd_update(tf.reshape(index, [1, 1]), tf.reshape(row, [1, -1]))
         self.count.assign_add(1)
         return index
 
+    def _stage(self, row: tf.Tensor) -> tf.Tensor:
+        k = self.staged_count.read_value()
+        capacity = self._capacity_tensor()
+        room = k < capacity
+        # Out of range writes are clamped onto the last row and masked out: the row is dropped,
+        # counted in ``overflow``, and the step's release is withheld by the caller (has_room).
+        slot = tf.minimum(k, capacity - 1)
+        old = self.staged[slot]
+        self.staged.scatter_nd_update(
+            tf.reshape(slot, [1, 1]), tf.reshape(tf.where(room, row, old), [1, -1])
+        )
+        self.staged_count.assign_add(tf.where(room, tf.constant(1, tf.int64), 0))
+        self.overflow.assign_add(tf.where(room, tf.constant(0, tf.int64), 1))
+        return self.count.read_value() + k
+
+    def _merge_staged(self) -> None:
+        """In a (non-XLA) graph: moves staged rows to ``data`` before a direct append."""
+        k = self.staged_count.read_value()
+
+        def merge():
+            n = self.count.read_value()
+            rows = self.staged[:k]
+            needed = n + k
+            capacity = tf.shape(self.data, out_type=tf.int64)[0]
+            new_cap = tf.maximum(capacity, needed) * 2
+            padded = tf.concat(
+                [self.data[:n], rows, tf.zeros([new_cap - needed, tf.shape(rows)[1]], tf.float64)],
+                axis=0,
+            )
+            self.data.assign(padded)
+            self.count.assign(needed)
+            self.staged_count.assign(0)
+            return tf.constant(0)
+
+        tf.cond(k > 0, merge, lambda: tf.constant(0))
+
+    def flush(self) -> None:
+        """Eagerly moves staged rows to ``data``; raises if rows were dropped for lack of room."""
+        dropped = int(self.overflow.numpy())
+        k = int(self.staged_count.numpy())
+        if k:
+            n = int(self.count.numpy())
+            table = np.concatenate([self.data.numpy()[:n], self.staged.numpy()[:k]], axis=0)
+            self.load(table)
+            self.staged_count.assign(0)
+        if dropped:
+            self.overflow.assign(0)
+            raise LedgerOverflowError(
+                f"{dropped} ledger row(s) could not be recorded inside a compiled (XLA) step "
+                f"because the staging table ({self.staging_capacity} rows) was full; those steps "
+                "released nothing (their updates were withheld). Flush the ledger "
+                "(ledger.flush()) between compiled calls, or give it room with "
+                "ledger.reserve(steps_per_call)"
+            )
+
+    def reserve(self, rows: int) -> None:
+        """Eagerly makes room for ``rows`` staged rows (flushes first)."""
+        self.flush()
+        if rows > self.staging_capacity:
+            self.staged.assign(tf.zeros([int(rows), self.staged.shape[1]], tf.float64))
+
     def numpy(self) -> np.ndarray:
         n = int(self.count.numpy())
-        return self.data.numpy()[:n]
+        k = int(self.staged_count.numpy())
+        return np.concatenate([self.data.numpy()[:n], self.staged.numpy()[:k]], axis=0)
 
     def load(self, table: np.ndarray) -> None:
         n = table.shape[0]
@@ -103,6 +240,12 @@ class _Buffer(tf.Module):
         padded[:n] = table
         self.data.assign(padded)
         self.count.assign(n)
+        self.staged_count.assign(0)
+        self.overflow.assign(0)
+
+
+class LedgerOverflowError(RuntimeError):
+    """Steps recorded inside compiled calls did not fit the ledger's staging table."""
 
 
 class PrivacyLedger(tf.Module):
@@ -117,6 +260,31 @@ class PrivacyLedger(tf.Module):
         super().__init__(name=name)
         self._samples = _Buffer(_SAMPLE_COLS, "samples")
         self._queries = _Buffer(_QUERY_COLS, "queries")
+
+    # -- compiled (XLA) steps ----------------------------------------------------------------------
+
+    def has_room(self, queries_per_sample: int = 1) -> tf.Tensor:
+        """Whether one more sample (with ``queries_per_sample`` sum queries) can be recorded in the
+        current context. Always true outside XLA; inside an XLA-compiled step, true while the
+        staging tables have room. A step must release nothing when this is false."""
+        return tf.logical_and(
+            self._samples.has_room(1), self._queries.has_room(queries_per_sample)
+        )
+
+    def reserve(self, samples: int, queries_per_sample: int = 1) -> None:
+        """Eagerly sizes the staging tables for ``samples`` compiled steps between two flushes
+        (the Keras integration reserves ``steps_per_execution``)."""
+        self._samples.reserve(int(samples))
+        self._queries.reserve(int(samples) * max(1, int(queries_per_sample)))
+
+    def flush(self) -> None:
+        """Moves rows recorded inside XLA-compiled steps into the ledger proper (eager only).
+
+        Reading methods flush by themselves; the Keras integration flushes after every compiled
+        call. Raises :class:`LedgerOverflowError` if steps were withheld for lack of room.
+        """
+        self._samples.flush()
+        self._queries.flush()
 
     # -- recording (graph-safe) ------------------------------------------------------------------
 
@@ -134,12 +302,17 @@ class PrivacyLedger(tf.Module):
         return self._samples.append(row)
 
     def record_sum_query(
-        self, l2_sensitivity, noise_stddev, mechanism="gaussian", jl_projections=0
+        self, l2_sensitivity, noise_stddev, mechanism="gaussian", jl_projections=0,
+        noise_seed: Optional[int] = None,
     ) -> tf.Tensor:
-        """Records one sum query of the current sample (values as used at run time)."""
+        """Records one sum query of the current sample (values as used at run time).
+
+        ``noise_seed`` is the explicit seed of the noise generator, if the user gave one (the
+        noise is then predictable and the run has no privacy guarantee; statements say so)."""
         if isinstance(mechanism, str):
             mechanism = mechanism_code(mechanism)
-        sample_index = self._samples.count.read_value() - 1
+        sample_index = self._samples.total() - 1
+        seed = float("nan") if noise_seed is None else float(noise_seed)
         row = tf.stack(
             [
                 _f64(sample_index),
@@ -147,6 +320,7 @@ class PrivacyLedger(tf.Module):
                 _f64(noise_stddev),
                 _f64(mechanism),
                 _f64(jl_projections),
+                _f64(seed),
             ]
         )
         return self._queries.append(row)
@@ -155,14 +329,16 @@ class PrivacyLedger(tf.Module):
 
     @property
     def num_samples(self) -> int:
-        return int(self._samples.count.numpy())
+        return int(self._samples.total().numpy())
 
     def samples(self) -> list[SampleEntry]:
         """The recorded samples, in order, each with its sum queries."""
+        if tf.executing_eagerly():
+            self.flush()
         samples = self._samples.numpy()
         queries = self._queries.numpy()
         per_sample: list[list[SumQueryEvent]] = [[] for _ in range(samples.shape[0])]
-        for idx, sens, std, mech, r in queries:
+        for idx, sens, std, mech, r, seed in queries:
             i = int(idx)
             if not 0 <= i < len(per_sample):
                 raise ValueError(
@@ -178,6 +354,7 @@ class PrivacyLedger(tf.Module):
                     noise_stddev=float(std),
                     mechanism=mech_name,
                     jl_projections=int(r) if mech_name == "jl" else None,
+                    noise_seed=None if np.isnan(seed) else int(seed),
                 )
             )
         return [
@@ -223,7 +400,8 @@ class PrivacyLedger(tf.Module):
         queries = np.array(
             [
                 [i, q.l2_sensitivity, q.noise_stddev, mechanism_code(q.mechanism),
-                 q.jl_projections or 0]
+                 q.jl_projections or 0,
+                 float("nan") if q.noise_seed is None else float(q.noise_seed)]
                 for i, e in enumerate(entries)
                 for q in e.queries
             ],

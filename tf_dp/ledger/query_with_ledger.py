@@ -140,8 +140,9 @@ class QueryWithLedger(DPQuery):
     def clip_weights(self, params: Any, squared_norms: Any) -> Any:
         return self._query.clip_weights(params, squared_norms)
 
-    def _event_values(self, specs: list[SumQuerySpec]) -> list[tuple[Any, Any, Any, Any]]:
-        """(l2_sensitivity, noise_stddev, mechanism code, jl_projections) of each sum query, as the
+    def _event_values(self, specs: list[SumQuerySpec]) -> list[tuple[Any, Any, Any, Any, Any]]:
+        """(l2_sensitivity, noise_stddev, mechanism code, jl_projections, noise_seed) of each sum
+        query, as the
         ledger records them: the clip times the sensitivity multiplier for private queries."""
         jl = self._jl_projections.read_value()
         values = []
@@ -152,7 +153,7 @@ class QueryWithLedger(DPQuery):
             else:
                 mech = tf.constant(mechanism_code("none"))
                 sens = tf.cast(spec.l2_sensitivity, tf.float32)
-            values.append((sens, spec.noise_stddev, mech, jl))
+            values.append((sens, spec.noise_stddev, mech, jl, spec.noise_seed))
         return values
 
     def next_sample_entry(
@@ -162,7 +163,9 @@ class QueryWithLedger(DPQuery):
         sampling parameters, mechanism settings and ``global_state`` (e.g. to check a privacy
         budget before a step). ``sensitivity_multiplier`` overrides the current multiplier."""
         entries = []
-        for sens, std, mech, jl in self._event_values(self._query.sum_query_specs(global_state)):
+        for sens, std, mech, jl, seed in self._event_values(
+            self._query.sum_query_specs(global_state)
+        ):
             name = MECHANISMS[int(mech)]
             sens = float(sens)
             if sensitivity_multiplier is not None and name != "none":
@@ -173,6 +176,7 @@ class QueryWithLedger(DPQuery):
                     noise_stddev=float(std),
                     mechanism=name,
                     jl_projections=int(jl) if name == "jl" else None,
+                    noise_seed=seed,
                 )
             )
         sampling = SamplingEvent(
@@ -182,9 +186,20 @@ class QueryWithLedger(DPQuery):
         )
         return SampleEntry(sampling, tuple(entries))
 
+    def has_room(self, global_state: Any) -> tf.Tensor:
+        """Whether the ledger can record the next step here (see ``PrivacyLedger.has_room``)."""
+        return self._ledger.has_room(len(self._query.sum_query_specs(global_state)))
+
     def get_noised_result(self, sample_state: Any, global_state: Any):
+        """The wrapped query's noised result; records the sample and its sum queries.
+
+        Inside an XLA-compiled step whose ledger has no room left, nothing is recorded and the
+        result is all zeros (nothing about the data is released); the next ``ledger.flush()``
+        raises. The DP optimizers withhold such a step's update altogether.
+        """
         specs = self._query.sum_query_specs(global_state)
         checks = _check_specs(specs)
+        room = self._ledger.has_room(len(specs))
         result, new_state = self._query.get_noised_result(sample_state, global_state)
         # Record only once the result exists (and the run-time clip and noise values passed their
         # checks): a step that fails leaves the ledger unchanged.
@@ -192,9 +207,20 @@ class QueryWithLedger(DPQuery):
             self._ledger.record_sampling(
                 self._population_size, self._selection_probability, self._policy
             )
-        for sens, std, mech, jl in self._event_values(specs):
-            self._ledger.record_sum_query(sens, std, mech, jl)
+        for sens, std, mech, jl, seed in self._event_values(specs):
+            self._ledger.record_sum_query(sens, std, mech, jl, seed)
+        if not (isinstance(room, tf.Tensor) and tf.get_static_value(room) is True):
+            result = tf.nest.map_structure(
+                lambda t: _where(room, t), result
+            )
         return result, new_state
+
+
+def _where(keep: tf.Tensor, t: Any) -> Any:
+    if isinstance(t, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.where(keep, t.values, tf.zeros_like(t.values)), t.indices,
+                                t.dense_shape)
+    return tf.where(keep, t, tf.zeros_like(t))
 
 
 def _check_specs(specs: list[SumQuerySpec]) -> list[Any]:
