@@ -186,8 +186,11 @@ def test_save_and_reload_keras_file(tmp_path):
     )
     path = os.path.join(tmp_path, "model.keras")
     model.save(path)
+    recorded = model.optimizer.ledger.samples()
+    assert recorded
     loaded = keras.models.load_model(path)
     assert isinstance(loaded, dpk.DPSequential)
+    assert loaded.optimizer.ledger.samples() == recorded  # the ledger travels in the .keras file
     assert type(loaded.optimizer).__name__ == "DPKerasAdamOptimizer"
     assert loaded.optimizer.l2_norm_clip == 1.0
     assert loaded.optimizer.noise_multiplier == 1.1
@@ -196,7 +199,8 @@ def test_save_and_reload_keras_file(tmp_path):
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
     # training continues with privacy
     loaded.fit(x, data(20)[1], batch_size=5, epochs=1, verbose=0)
-    assert loaded.optimizer.ledger.num_samples == 4
+    assert loaded.optimizer.ledger.num_samples == len(recorded) + 4
+    assert loaded.optimizer.ledger.samples()[: len(recorded)] == recorded
 
 
 def test_dp_model_functional_save_reload(tmp_path):
@@ -308,15 +312,19 @@ def test_bad_optimizer_arguments(kwargs, exc, pattern):
         dpk.DPKerasSGDOptimizer(**kwargs)
 
 
-def test_shuffle_false_refused_before_anything_runs():
+def test_shuffle_false_is_accounted_like_shuffled_batches():
+    """Fixed-size batches in a fixed order: the bound used (no amplification) does not depend on
+    the order, so fit accepts shuffle=False and records the same sampling."""
     x, y = data(10)
     model = dpk.make_private(mlp())
     model.compile(
         optimizer=dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0), loss=LOSS
     )
-    with pytest.raises(ValueError, match="shuffle"):
-        model.fit(x, y, batch_size=5, shuffle=False, verbose=0)
-    assert model.optimizer.ledger.num_samples == 0
+    model.fit(x, y, batch_size=5, shuffle=False, epochs=2, verbose=0)
+    entries = model.optimizer.ledger.samples()
+    assert len(entries) == 4
+    assert {(e.sampling.population_size, e.sampling.selection_probability, e.sampling.policy)
+            for e in entries} == {(10, 0.5, "shuffle")}
 
 
 def test_unknown_sampling_refused():

@@ -84,6 +84,7 @@ class PrivacyResult:
     order: Optional[float] = None
     mu: Optional[float] = None
     steps: int = 0
+    noise_seeds: tuple = ()
 
     def __str__(self) -> str:
         if not math.isinf(self.epsilon):
@@ -95,7 +96,14 @@ class PrivacyResult:
             eps = "infinite (no privacy guarantee)"
         lines = [f"[{self.accountant}] epsilon = {eps} at delta = {self.delta:.3g} over "
                  f"{self.steps} steps."]
-        if self.certified:
+        if self.noise_seeds:
+            seeds = ", ".join(str(s) for s in self.noise_seeds)
+            lines.append(
+                f"NOT A PRIVACY GUARANTEE: the noise was drawn from a known seed (noise_seed="
+                f"{seeds}), so it is predictable and can be subtracted. The figure is what an "
+                "unseeded run with the same settings would give."
+            )
+        elif self.certified:
             lines.append("This epsilon is a proven upper bound on the privacy loss.")
         else:
             lines.append("This epsilon is an APPROXIMATION (not a proven bound).")
@@ -109,6 +117,8 @@ class PrivacyResult:
     def to_dict(self) -> dict[str, Any]:
         d = {"epsilon": None if math.isinf(self.epsilon) else self.epsilon, "delta": self.delta,
              "certified": self.certified, "assumptions": self.assumptions}
+        if self.noise_seeds:
+            d["noise_seeds"] = list(self.noise_seeds)
         if self.order is not None:
             d["order"] = self.order
         if self.mu is not None:
@@ -223,11 +233,22 @@ def _gdp_mu(units: list[_Unit]) -> float:
     return math.sqrt(total)
 
 
+def _seeded(result: PrivacyResult, entries: Sequence[SampleEntry]) -> PrivacyResult:
+    """Marks a result whose run drew its noise from an explicit seed: no guarantee holds."""
+    seeds = tuple(sorted({s for e in entries for s in e.noise_seeds}))
+    if not seeds:
+        return result
+    return dataclasses.replace(result, certified=False, noise_seeds=seeds)
+
+
 def compute_epsilon(
     ledger, delta: float, accountant: str = "rdp", *, orders: Optional[Sequence[float]] = None,
     discretization: Optional[float] = None,
 ) -> PrivacyResult:
     """Epsilon at ``delta`` for a ledger (path, ``PrivacyLedger`` or list of ``SampleEntry``).
+
+    A run whose noise came from an explicit ``noise_seed`` gets ``certified=False`` and a
+    statement that says no guarantee holds (the seed is in ``noise_seeds``).
 
     Args:
       ledger: the run's record.
@@ -240,6 +261,10 @@ def compute_epsilon(
     if not (isinstance(delta, (int, float)) and 0.0 < delta < 1.0):
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
     entries = as_entries(ledger)
+    return _seeded(_epsilon(entries, delta, accountant, orders, discretization), entries)
+
+
+def _epsilon(entries, delta, accountant, orders, discretization) -> PrivacyResult:
     units, non_private, policies = _units(entries)
     has_jl = any(u.r is not None for u in units)
     certified = accountant != "gdp" or all(u.q >= 1.0 for u in units)
@@ -285,6 +310,10 @@ def compute_delta(
     if not (isinstance(epsilon, (int, float)) and epsilon >= 0 and not math.isnan(epsilon)):
         raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
     entries = as_entries(ledger)
+    return _seeded(_delta(entries, epsilon, accountant, orders, discretization), entries)
+
+
+def _delta(entries, epsilon, accountant, orders, discretization) -> PrivacyResult:
     units, non_private, policies = _units(entries)
     has_jl = any(u.r is not None for u in units)
     certified = accountant != "gdp" or all(u.q >= 1.0 for u in units)

@@ -134,8 +134,43 @@ def dp_train_step(model: keras.Model, data: Any) -> dict[str, Any]:
     optimizer.apply_dp_gradients(grads, variables)
     tracker = getattr(model, "_loss_tracker", None)
     if tracker is not None:
-        tracker.update_state(mean_loss, sample_weight=tf.shape(clipped.losses)[0])
-    return model.compute_metrics(x, y, clipped.y_pred, sample_weight=sample_weight)
+        real = tf.shape(clipped.losses)[0] if sample_weight is None else rows
+        tracker.update_state(mean_loss, sample_weight=real)
+    return _compute_metrics(model, x, y, clipped.y_pred, sample_weight)
+
+
+def _compute_metrics(model: keras.Model, x: Any, y: Any, y_pred: Any, sample_weight: Any):
+    """``model.compute_metrics`` over the real records only.
+
+    Rows with sample weight 0 (the padding of ``tf_dp.data.poisson_batches``) are not examples:
+    Keras's compiled ``metrics`` ignore sample weights, so they get the 0/1 mask of real rows as
+    their weight, and ``weighted_metrics`` get the sample weights as usual. Shapes stay fixed
+    (XLA-safe): rows are masked, not removed.
+    """
+    compiled = getattr(model, "_compile_metrics", None)
+    overridden = type(model).compute_metrics is not keras.Model.compute_metrics
+    if (
+        sample_weight is None
+        or overridden
+        or compiled is None
+        or not hasattr(compiled, "_flat_metrics")
+    ):
+        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    if not compiled.built:
+        compiled.build(y, y_pred)
+    flat_y = compiled._flatten_y(y)
+    flat_pred = compiled._flatten_y(y_pred)
+    weights = compiled._flatten_y(sample_weight)
+    if len(weights) < len(flat_y):
+        weights = [weights[0]] * len(flat_y)
+    masks = [tf.cast(tf.not_equal(w, 0), tf.float32) for w in weights]
+    for m, y_t, y_p, mask in zip(compiled._flat_metrics, flat_y, flat_pred, masks):
+        if m:
+            m.update_state(y_t, y_p, mask)
+    for m, y_t, y_p, w in zip(compiled._flat_weighted_metrics, flat_y, flat_pred, weights):
+        if m:
+            m.update_state(y_t, y_p, w)
+    return model.get_metrics_result()
 
 
 def _num_examples(x: Any) -> int | None:
@@ -150,23 +185,59 @@ def _num_examples(x: Any) -> int | None:
     return None
 
 
-def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Declares the sampling of ``fit``'s input to the DP optimizer; unwraps Poisson batches."""
-    optimizer = model.optimizer
+def _dp_optimizer_of(model: keras.Model):
+    optimizer = getattr(model, "optimizer", None)
     if not getattr(optimizer, "_tf_dp_optimizer", False):
         raise TypeError(
             "a private model needs a tf_dp DP optimizer (e.g. tf_dp.keras.DPKerasSGDOptimizer); "
             f"compile it with one (got {type(optimizer).__name__})"
         )
+    return optimizer
+
+
+def _with_class_weight(dataset: tf.data.Dataset, class_weight: dict) -> tf.data.Dataset:
+    """Multiplies each row's sample weight by its class weight (as Keras does for arrays)."""
+    if not isinstance(class_weight, dict) or not class_weight:
+        raise ValueError(f"class_weight must be a non-empty dict {{class: weight}}, got {class_weight!r}")
+    size = max(int(k) for k in class_weight) + 1
+    table = np.ones(size, np.float32)
+    for k, w in class_weight.items():
+        if isinstance(k, bool) or int(k) != k or int(k) < 0:
+            raise ValueError(f"class_weight keys must be integers >= 0, got {k!r}")
+        if not np.isfinite(w) or w < 0:
+            raise ValueError(f"class_weight values must be finite numbers >= 0, got {w!r}")
+        table[int(k)] = w
+    table = tf.constant(table)
+
+    def weigh(x, y, sample_weight):
+        if len(y.shape) == 2 and y.shape[-1] is not None and y.shape[-1] > 1:
+            labels = tf.argmax(y, axis=-1)
+        else:
+            labels = tf.reshape(tf.cast(y, tf.int64), [-1])
+        return x, y, sample_weight * tf.gather(table, labels)
+
+    return dataset.map(weigh)
+
+
+def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Declares the sampling of ``fit``'s input to the DP optimizer; unwraps Poisson batches.
+
+    The declaration holds for this ``fit`` only (the DP optimizer forgets it when ``fit``
+    returns), so a later ``fit`` on another input never inherits it.
+    """
+    optimizer = _dp_optimizer_of(model)
     args = list(args)
     x = args[0] if args else kwargs.get("x")
     sampling = getattr(x, "tf_dp_sampling", None)
     if sampling is not None:
         n, q = sampling
-        optimizer.set_sampling(n, q, "poisson")
         if kwargs.get("batch_size") is not None:
             raise ValueError("batch_size must be None when x is tf_dp.data.poisson_batches(...)")
         dataset = x.dataset
+        class_weight = kwargs.pop("class_weight", None)
+        if class_weight is not None:
+            dataset = _with_class_weight(dataset, class_weight)
+        optimizer._declare_fit_sampling(n, q, "poisson")
         kwargs.setdefault("shuffle", False)  # the Poisson sampler draws its own batches
         if args:
             args[0] = dataset
@@ -179,34 +250,102 @@ def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, d
     if n is not None:
         split = kwargs.get("validation_split") or 0.0
         n_train = int(n * (1.0 - split)) if split else n
-        batch_size = kwargs.get("batch_size") or (args[2] if len(args) > 2 and args[2] else 32)
-        if kwargs.get("shuffle") is False:
+        if n_train < 1:
             raise ValueError(
-                "shuffle=False: batches would be the same fixed slices every epoch; DP accounting "
-                "for in-memory arrays assumes shuffled batches (or use tf_dp.data.poisson_batches)"
+                f"x holds {n} examples ({n_train} for training after validation_split={split}); "
+                "DP training needs at least 1"
             )
+        batch_size = kwargs.get("batch_size") or (args[2] if len(args) > 2 and args[2] else 32)
         batch_size = min(int(batch_size), n_train)
-        optimizer.set_sampling(n_train, batch_size / n_train, "shuffle")
+        # Fixed-size batches, shuffled or not: the bound used for them assumes no amplification
+        # (each example is in one batch per epoch), so it does not depend on the order.
+        optimizer._declare_fit_sampling(n_train, batch_size / n_train, "shuffle")
         return tuple(args), kwargs
     if not optimizer.sampling_configured:
         raise ValueError(
             "cannot tell how this input samples the data: pass in-memory arrays, "
             "tf_dp.data.poisson_batches(...), or call model.optimizer.set_sampling("
-            "population_size=..., selection_probability=..., sampling_policy=...) before fit"
+            "population_size=..., selection_probability=..., sampling_policy=...) before this "
+            "fit (a sampling that an earlier fit derived from its own input is not reused)"
         )
     return tuple(args), kwargs
 
 
+def private_fit(model: keras.Model, fit: Any, args: tuple, kwargs: dict) -> Any:
+    """``fit`` of a private model: checks, sampling declaration, and the ledger's bookkeeping."""
+    check_model_is_dp_compatible(model)
+    optimizer = _dp_optimizer_of(model)
+    optimizer.check_ledger_covers_steps()
+    args, kwargs = prepare_fit(model, args, kwargs)
+    try:
+        return fit(*args, **kwargs)
+    finally:
+        optimizer._end_fit()
+
+
+def private_compile(model: keras.Model, compile_fn: Any, args: tuple, kwargs: dict) -> None:
+    """``compile`` of a private model: a new DP optimizer continues the model's ledger."""
+    previous = getattr(model, "optimizer", None)
+    compile_fn(*args, **kwargs)
+    current = getattr(model, "optimizer", None)
+    if (
+        current is not previous
+        and getattr(previous, "_tf_dp_optimizer", False)
+        and getattr(current, "_tf_dp_optimizer", False)
+    ):
+        current.inherit_ledger(previous)
+
+
+def private_train_function(model: keras.Model) -> None:
+    """Makes the train function of a private model XLA-safe for the ledger.
+
+    Before the function is traced, the ledger's staging table gets room for one compiled call
+    (``steps_per_execution`` steps); after every call, the staging table is flushed.
+    """
+    fn = model.train_function
+    if fn is None or getattr(fn, "_tf_dp_flushing", False):
+        return
+    optimizer = getattr(model, "optimizer", None)
+    if not getattr(optimizer, "_tf_dp_optimizer", False):
+        return
+    specs = optimizer.dp_query.sum_query_specs(optimizer._dp_global_state)
+    steps = int(getattr(model, "steps_per_execution", 1) or 1)
+    optimizer.ledger.reserve(steps, len(specs))
+
+    def train_function(*a, **k):
+        out = fn(*a, **k)
+        optimizer.after_compiled_call()
+        return out
+
+    train_function._tf_dp_flushing = True
+    model.train_function = train_function
+
+
 class _PrivateTrainingMixin:
-    """``train_step`` and ``fit`` of a private model (shared by DPSequential and DPModel)."""
+    """``train_step``, ``fit`` and ``compile`` of a private model (DPSequential and DPModel)."""
 
     def train_step(self, data):
         return dp_train_step(self, data)
 
     def fit(self, *args, **kwargs):
-        check_model_is_dp_compatible(self)
-        args, kwargs = prepare_fit(self, args, kwargs)
-        return super().fit(*args, **kwargs)
+        return private_fit(self, super().fit, args, kwargs)
+
+    def compile(self, *args, **kwargs):
+        return private_compile(self, super().compile, args, kwargs)
+
+    # Same arguments as Keras's compile: let Keras save and restore the compile config as usual.
+    compile._is_default = True
+
+    def compile_from_config(self, config):
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if getattr(self, "optimizer", None) is not None and self.built:
+            self.optimizer.build(self.trainable_variables)  # create its variables to load into
+
+    def make_train_function(self, force=False):
+        out = super().make_train_function(force)
+        private_train_function(self)
+        return self.train_function if out is None else out
 
 
 @keras.saving.register_keras_serializable(package="tf_dp")
@@ -284,14 +423,26 @@ def make_private(model: keras.Model) -> keras.Model:
         return model
     check_model_is_dp_compatible(model)
     original_fit = model.fit
+    original_compile = model.compile
+    original_make_train_function = model.make_train_function
 
     def fit(self, *args, **kwargs):
-        check_model_is_dp_compatible(self)
-        args, kwargs = prepare_fit(self, args, kwargs)
-        return original_fit(*args, **kwargs)
+        return private_fit(self, original_fit, args, kwargs)
+
+    def compile(self, *args, **kwargs):
+        return private_compile(self, original_compile, args, kwargs)
+
+    compile._is_default = True  # same arguments as Keras's: compile configs save as usual
+
+    def make_train_function(self, force=False):
+        out = original_make_train_function(force)
+        private_train_function(self)
+        return self.train_function if out is None else out
 
     model.train_step = types.MethodType(dp_train_step, model)
     model.fit = types.MethodType(fit, model)
+    model.compile = types.MethodType(compile, model)
+    model.make_train_function = types.MethodType(make_train_function, model)
     model._tf_dp_private = True
     return model
 

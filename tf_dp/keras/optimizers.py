@@ -26,6 +26,7 @@ import math
 from typing import Any, Optional
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_dp.dp_query.dp_query import DPQuery
@@ -37,6 +38,10 @@ from tf_dp.ledger.privacy_ledger import PrivacyLedger
 from tf_dp.ledger.query_with_ledger import QueryWithLedger
 
 _logger = logging.getLogger("tf_dp")
+
+#: Keys of the ledger's tables in the optimizer's saved variables (``.keras`` / weights files).
+_LEDGER_SAMPLES_KEY = "tf_dp_ledger_samples"
+_LEDGER_QUERIES_KEY = "tf_dp_ledger_queries"
 
 class DPOptimizerMixin:
     """Privacy configuration and private aggregation shared by every DP optimizer class."""
@@ -126,8 +131,19 @@ class DPOptimizerMixin:
         self._dp_query = QueryWithLedger(query, self._ledger)
         self._dp_global_state = query.initial_global_state()
         self._sampling_configured = False
+        self._sampling_from_fit = False
+        self._noise_seed = noise_seed
         self._strategy: Optional[GradientStrategy] = None
         self._dp_applying = False
+        with tf.init_scope():
+            # DP steps whose update was withheld because it was not finite (still recorded).
+            self._dp_skipped_steps = tf.Variable(
+                tf.constant(0, tf.int64), trainable=False, name="dp_skipped_steps",
+                synchronization=tf.VariableSynchronization.ON_WRITE,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+            )
+        self._skipped_reported = 0
+        self._inherited_unrecorded = 0  # steps a previous optimizer applied but did not record
 
     # -- configuration --------------------------------------------------------------------------
 
@@ -171,6 +187,44 @@ class DPOptimizerMixin:
         """
         self._dp_query.set_sampling(population_size, selection_probability, sampling_policy)
         self._sampling_configured = True
+        self._sampling_from_fit = False
+
+    def _declare_fit_sampling(
+        self, population_size: int, selection_probability: float, sampling_policy: str
+    ) -> None:
+        """A declaration ``fit`` derived from its own input: valid for that ``fit`` only."""
+        self.set_sampling(population_size, selection_probability, sampling_policy)
+        self._sampling_from_fit = True
+
+    def _end_fit(self) -> None:
+        """Called when a ``fit`` returns: forgets the sampling that ``fit`` derived from its input
+        (a later ``fit`` on another input must declare its own) and reports withheld steps."""
+        if self._sampling_from_fit:
+            self._sampling_configured = False
+            self._sampling_from_fit = False
+        self.after_compiled_call()
+
+    def after_compiled_call(self) -> None:
+        """Flushes the ledger's staging table and logs DP steps withheld as non-finite (eager)."""
+        self._ledger.flush()
+        skipped = int(self._dp_skipped_steps.numpy())
+        if skipped > self._skipped_reported:
+            _logger.warning(
+                "tf_dp: %d DP step(s) so far produced a non-finite update; their updates were "
+                "withheld (nothing applied) and the steps were still recorded in the ledger",
+                skipped,
+            )
+            self._skipped_reported = skipped
+
+    @property
+    def skipped_steps(self) -> int:
+        """DP steps whose noised update was not finite: withheld, but recorded in the ledger."""
+        return int(self._dp_skipped_steps.numpy())
+
+    @property
+    def noise_seed(self) -> Optional[int]:
+        """The explicit noise seed (tests and debugging; it voids the guarantee), or None."""
+        return self._noise_seed
 
     def next_sample_entry(self):
         """The :class:`~tf_dp.ledger.events.SampleEntry` the next DP step will record.
@@ -255,12 +309,47 @@ class DPOptimizerMixin:
         ]
 
     def apply_dp_gradients(self, grads, trainable_variables) -> None:
-        """Applies gradients produced by :meth:`dp_aggregate` (the only way in)."""
-        self._dp_applying = True
-        try:
-            super().apply(grads, trainable_variables)  # type: ignore[misc]
-        finally:
-            self._dp_applying = False
+        """Applies gradients produced by :meth:`dp_aggregate` (the only way in).
+
+        The update is withheld (nothing applied, ``iterations`` unchanged) when it is not finite
+        (the step is still in the ledger: a conservative record) or when the ledger had no room
+        to record the step inside a compiled call (nothing released, nothing recorded; the next
+        flush raises). Non-finite steps are counted in :attr:`skipped_steps` and logged.
+        """
+        if not self.built:  # build outside the conditional update below
+            self.build(trainable_variables)  # type: ignore[attr-defined]
+        room = self._dp_query.has_room(self._dp_global_state)
+        finite = tf.reduce_all(
+            tf.stack(
+                [
+                    tf.reduce_all(tf.math.is_finite(
+                        g.values if isinstance(g, tf.IndexedSlices) else g
+                    ))
+                    for g in grads
+                    if g is not None
+                ]
+            )
+        )
+
+        def update():
+            self._dp_applying = True
+            try:
+                super(DPOptimizerMixin, self).apply(grads, trainable_variables)  # type: ignore[misc]
+            finally:
+                self._dp_applying = False
+            return tf.constant(True)
+
+        def withhold():
+            self._dp_skipped_steps.assign_add(
+                tf.where(room, tf.constant(1, tf.int64), tf.constant(0, tf.int64))
+            )
+            return tf.constant(False)
+
+        ok = tf.logical_and(room, finite)
+        if tf.executing_eagerly():
+            update() if bool(ok) else withhold()
+        else:
+            tf.cond(ok, update, withhold)
 
     def apply(self, grads, trainable_variables=None):
         if not self._dp_applying:
@@ -270,6 +359,73 @@ class DPOptimizerMixin:
                 "with tf_dp.keras.make_private(model) (or use tf_dp.keras.DPSequential / DPModel)."
             )
         return super().apply(grads, trainable_variables)  # type: ignore[misc]
+
+    # -- the ledger travels with the model ------------------------------------------------------
+
+    def save_own_variables(self, store) -> None:
+        """Saves the optimizer's variables and its ledger (``.keras`` files, ``save_weights``,
+        ``keras.callbacks.BackupAndRestore`` and ``ModelCheckpoint`` all go through here)."""
+        super().save_own_variables(store)  # type: ignore[misc]
+        samples, queries = self._ledger.tables()
+        store[_LEDGER_SAMPLES_KEY] = samples
+        store[_LEDGER_QUERIES_KEY] = queries
+
+    def load_own_variables(self, store) -> None:
+        """Restores the optimizer's variables and its ledger.
+
+        The restored ledger replaces the current one unless the current one already records more
+        steps (e.g. older weights loaded into a model that trained on): the ledger never loses
+        recorded steps on load, so it can over-count but never under-count.
+        """
+        keys = list(store.keys())
+        if _LEDGER_SAMPLES_KEY in keys:
+            samples = np.asarray(store[_LEDGER_SAMPLES_KEY])
+            queries = np.asarray(store[_LEDGER_QUERIES_KEY])
+            if samples.shape[0] >= self._ledger.num_samples:
+                self._ledger.load_tables(samples, queries)
+            else:
+                _logger.warning(
+                    "tf_dp: kept the optimizer's ledger (%d steps) rather than the saved one (%d "
+                    "steps): a ledger never forgets recorded steps on load",
+                    self._ledger.num_samples, samples.shape[0],
+                )
+        inner = {k: store[k] for k in keys if k not in (_LEDGER_SAMPLES_KEY, _LEDGER_QUERIES_KEY)}
+        super().load_own_variables(inner)  # type: ignore[misc]
+
+    def inherit_ledger(self, previous: "DPOptimizerMixin") -> None:
+        """Continues ``previous``'s ledger (a private model recompiled with a new DP optimizer)."""
+        previous._ledger.flush()
+        self._inherited_unrecorded = max(
+            0,
+            int(previous.iterations.numpy())  # type: ignore[attr-defined]
+            + previous._inherited_unrecorded
+            - previous._ledger.num_samples,
+        )
+        if previous._ledger.num_samples:
+            self._ledger.restore_entries(previous._ledger.samples())
+            _logger.info(
+                "tf_dp: the new optimizer continues the model's ledger (%d recorded steps)",
+                self._ledger.num_samples,
+            )
+
+    def check_ledger_covers_steps(self) -> None:
+        """Raises if the optimizer applied more steps than its ledger records.
+
+        That happens when a model was trained privately and then reloaded from a file that has
+        no ledger, or its ledger was reset: continuing would print a budget that ignores the
+        steps already taken.
+        """
+        applied = int(self.iterations.numpy()) + self._inherited_unrecorded  # type: ignore
+        recorded = self._ledger.num_samples
+        if applied > recorded:
+            raise ValueError(
+                f"this DP optimizer has applied {applied} steps but its ledger records only "
+                f"{recorded}: the privacy already spent is unknown, so training cannot continue "
+                "with a budget that ignores it. Restore the run's ledger "
+                "(model.optimizer.ledger.restore_entries(tf_dp.ledger.read_ledger_file(path))), "
+                "or, if those steps did not touch private data, compile the model with a new DP "
+                "optimizer (a fresh optimizer starts at step 0)"
+            )
 
     # -- serialisation -------------------------------------------------------------------------
 

@@ -410,6 +410,22 @@ class PrivacyLedger(tf.Module):
         self._samples.load(samples)
         self._queries.load(queries)
 
+    def tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """The raw sample and query tables (float64), e.g. to store them in a weights file."""
+        self.flush()
+        return self._samples.numpy(), self._queries.numpy()
+
+    def load_tables(self, samples: np.ndarray, queries: np.ndarray) -> None:
+        """Replaces the content with tables from :meth:`tables` (validated through the events)."""
+        samples = np.asarray(samples, np.float64).reshape(-1, _SAMPLE_COLS)
+        queries = np.asarray(queries, np.float64).reshape(-1, _QUERY_COLS)
+        probe = PrivacyLedger.__new__(PrivacyLedger)
+        tf.Module.__init__(probe, name="probe")
+        probe._samples, probe._queries = _Buffer(_SAMPLE_COLS, "s"), _Buffer(_QUERY_COLS, "q")
+        probe._samples.load(samples)
+        probe._queries.load(queries)
+        self.restore_entries(probe.samples())  # every event is validated on the way
+
     def reset(self) -> None:
         """Forgets every recorded event."""
         self.restore_entries([])
