@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
+from tf_dp.dp_query.xla import in_xla_context
 from tf_dp.dp_query.noise import make_generator
 from tf_dp.gradients import base
 from tf_dp.gradients.vectorized import fast_pfor_converters
@@ -68,8 +69,11 @@ class MicrobatchStrategy(base.GradientStrategy):
         microbatch ``j`` (``B`` for an empty slot); ``position[i]`` is example ``i``'s slot."""
         m = self.num_microbatches
         b = tf.shape(ids)[0]
-        counts = tf.math.bincount(ids, minlength=m, maxlength=m, dtype=tf.int32)
-        cap = tf.maximum(tf.reduce_max(counts), 1)
+        counts = tf.reduce_sum(tf.one_hot(ids, m, dtype=tf.int32), axis=0)
+        if in_xla_context():  # XLA needs a static shape: room for the whole batch in each
+            cap = tf.maximum(b, 1)
+        else:
+            cap = tf.maximum(tf.reduce_max(counts), 1)
         order = tf.argsort(ids, stable=True)
         starts = tf.cumsum(counts, exclusive=True)
         slot_sorted = tf.range(b) - tf.gather(starts, tf.gather(ids, order))

@@ -33,6 +33,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tf_dp.dp_query.xla import in_xla_context
 from tf_dp.ledger.events import (
     MECHANISMS,
     SAMPLING_POLICIES,
@@ -69,23 +70,6 @@ def _f64(x) -> tf.Tensor:
     ):
         return tf.cast(x, tf.float64)
     return tf.constant(x, tf.float64)
-
-
-def _in_xla_context() -> bool:
-    """True while tracing a function that XLA compiles (``jit_compile=True``).
-
-    XLA cannot change a variable's shape inside a compiled step, so the ledger records there into
-    a fixed-size staging table instead. If TensorFlow's (internal) context check is unavailable,
-    the fixed-size path is assumed: it is correct everywhere, only less convenient.
-    """
-    if tf.executing_eagerly():
-        return False
-    try:
-        from tensorflow.python.ops import control_flow_util  # noqa: PLC0415
-
-        return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
-    except Exception:  # pragma: no cover - depends on TensorFlow internals
-        return True
 
 
 def _ledger_variable(initial_value, shape=None, name=None) -> tf.Variable:
@@ -139,13 +123,13 @@ class _Buffer(tf.Module):
 
     def has_room(self, rows: int = 1) -> tf.Tensor:
         """Whether ``rows`` more rows can be recorded in the current context (a bool tensor)."""
-        if not _in_xla_context():
+        if not in_xla_context():
             return tf.constant(True)
         return self.staged_count.read_value() + rows <= self._capacity_tensor()
 
     def append(self, row: tf.Tensor) -> tf.Tensor:
         """Appends ``row`` (float64 [cols]); returns its index among all rows."""
-        if _in_xla_context():
+        if in_xla_context():
             return self._stage(row)
         if not tf.executing_eagerly():
             self._merge_staged()
