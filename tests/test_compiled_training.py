@@ -85,3 +85,55 @@ def test_training_metrics_count_only_real_rows(mode, jit_compile):
     assert history.history["accuracy"][0] == 1.0
     row_loss = float(LOSS(np.array([1]), np.array([[0.0, 3.0]], np.float32)))
     assert history.history["loss"][0] == pytest.approx(row_loss, rel=1e-5)
+
+
+def _one_step_update(policy, mode, jit_compile):
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        keras.utils.set_random_seed(0)
+        model = tf_dp.keras.make_private(keras.Sequential([
+            keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)]))
+        model.compile(
+            optimizer=tf_dp.keras.DPKerasSGDOptimizer(
+                l2_norm_clip=0.5, noise_multiplier=0.0, gradient_mode=mode, learning_rate=1.0,
+                **MODES[mode]),
+            loss=LOSS, jit_compile=jit_compile)
+        assert isinstance(model.optimizer, tf_dp.keras.DPKerasSGDOptimizer)  # not loss-scaled
+        before = [w.numpy() for w in model.trainable_weights]
+        x, y = _data(64, seed=5)
+        model.fit(x, y, batch_size=64, shuffle=False, verbose=0)
+        assert model.optimizer.ledger.num_samples == 1
+        return [w.numpy() - b for w, b in zip(model.trainable_weights, before)]
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("policy,tol", [("mixed_float16", 5e-3), ("mixed_bfloat16", 3e-2)])
+@pytest.mark.parametrize("mode", ["vectorized", "ghost"])
+def test_mixed_precision_gives_the_float32_clipped_sum(policy, tol, mode):
+    """Noise 0, one step, learning rate 1: the update is the normalised clipped sum. Under a mixed
+    policy it matches float32 to the precision of the compute dtype (float16: 11-bit mantissa,
+    bfloat16: 8-bit), for eager graphs and XLA alike."""
+    reference = _one_step_update("float32", mode, False)
+    for jit_compile in (False, True):
+        update = _one_step_update(policy, mode, jit_compile)
+        for u, r in zip(update, reference):
+            assert u.dtype == np.float32
+            assert np.linalg.norm(u - r) <= tol * np.linalg.norm(r)
+
+
+@pytest.mark.parametrize("mode", ["microbatch", "jl"])
+def test_randomised_modes_train_under_mixed_float16(mode):
+    update = _one_step_update("mixed_float16", mode, True)
+    assert all(np.all(np.isfinite(u)) and np.any(u != 0) for u in update)
+
+
+def test_an_explicit_loss_scale_optimizer_is_unwrapped():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = tf_dp.keras.make_private(keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)]))
+        opt = tf_dp.keras.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0)
+        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(opt), loss=LOSS)
+        assert model.optimizer is opt
+    finally:
+        keras.mixed_precision.set_global_policy("float32")

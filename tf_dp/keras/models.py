@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import types
 from typing import Any
 
@@ -38,6 +39,8 @@ import tensorflow as tf
 
 from tf_dp.gradients.base import as_tf_variables
 from tf_dp.keras.losses import PerExampleLoss
+
+_logger = logging.getLogger("tf_dp")
 
 #: Layers that mix examples of a batch: per-example gradients are not defined for them.
 _MIXING_LAYERS = (keras.layers.BatchNormalization,)
@@ -284,8 +287,31 @@ def private_fit(model: keras.Model, fit: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def private_compile(model: keras.Model, compile_fn: Any, args: tuple, kwargs: dict) -> None:
-    """``compile`` of a private model: a new DP optimizer continues the model's ledger."""
+    """``compile`` of a private model: a new DP optimizer continues the model's ledger.
+
+    Under the ``mixed_float16`` policy the DP optimizer is not wrapped in a Keras
+    ``LossScaleOptimizer`` (and one passed in is unwrapped): the DP step computes per-example
+    losses in float32 without loss scaling, and clips and noises in float32. A loss scale that
+    adapts to overflows in the private data would make later steps depend on that data outside
+    the noised sum.
+    """
     previous = getattr(model, "optimizer", None)
+    args = list(args)
+    optimizer = args[0] if args else kwargs.get("optimizer")
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and getattr(
+        optimizer.inner_optimizer, "_tf_dp_optimizer", False
+    ):
+        _logger.warning(
+            "tf_dp: LossScaleOptimizer removed: DP steps do not use dynamic loss scaling "
+            "(per-example losses and the clipped, noised sum are computed in float32)"
+        )
+        optimizer = optimizer.inner_optimizer
+        if args:
+            args[0] = optimizer
+        else:
+            kwargs["optimizer"] = optimizer
+    if getattr(optimizer, "_tf_dp_optimizer", False):
+        kwargs["auto_scale_loss"] = False
     compile_fn(*args, **kwargs)
     current = getattr(model, "optimizer", None)
     if (
