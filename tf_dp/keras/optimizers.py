@@ -288,9 +288,12 @@ class DPOptimizerMixin:
             tf.nest.flatten(clipped.clipped_sum, expand_composites=True) if after else []
         ):
             noised, _ = q.get_noised_result(clipped.clipped_sum, self._dp_global_state)
-        if self._normalized:
-            return list(noised)
         records = tf.cast(clipped.num_records, tf.float32)
+        replicas = _replicas_in_sync()
+        if replicas > 1:
+            noised, records = _all_reduce_with_one_noise(clipped.clipped_sum, noised, records)
+        if self._normalized:
+            return _share(list(noised), replicas)
         if self._num_microbatches is not None and self._strategy is not None and (
             self._strategy.name == "microbatch"
         ):
@@ -301,12 +304,17 @@ class DPOptimizerMixin:
             )
             denominator = tf.where(tf.equal(q._policy, 0), expected, records)
         denominator = tf.maximum(denominator, 1e-12)
-        return [
-            tf.IndexedSlices(g.values / tf.cast(denominator, g.values.dtype), g.indices, g.dense_shape)
-            if isinstance(g, tf.IndexedSlices)
-            else g / tf.cast(denominator, g.dtype)
-            for g in noised
-        ]
+        return _share(
+            [
+                tf.IndexedSlices(
+                    g.values / tf.cast(denominator, g.values.dtype), g.indices, g.dense_shape
+                )
+                if isinstance(g, tf.IndexedSlices)
+                else g / tf.cast(denominator, g.dtype)
+                for g in noised
+            ],
+            replicas,
+        )
 
     def apply_dp_gradients(self, grads, trainable_variables) -> None:
         """Applies gradients produced by :meth:`dp_aggregate` (the only way in).
@@ -348,6 +356,20 @@ class DPOptimizerMixin:
         ok = tf.logical_and(room, finite)
         if tf.executing_eagerly():
             update() if bool(ok) else withhold()
+        elif _replicas_in_sync() > 1:
+            # The update all-reduces across replicas, which cannot sit inside a conditional: a
+            # withheld step applies zeros instead (nothing about the data; the base optimizer's
+            # own state, e.g. momentum, still advances as for any step).
+            self._dp_skipped_steps.assign_add(
+                tf.cast(tf.logical_and(room, tf.logical_not(finite)), tf.int64)
+            )
+            grads = [
+                tf.IndexedSlices(tf.where(ok, g.values, tf.zeros_like(g.values)), g.indices,
+                                 g.dense_shape)
+                if isinstance(g, tf.IndexedSlices) else tf.where(ok, g, tf.zeros_like(g))
+                for g in grads
+            ]
+            update()
         else:
             tf.cond(ok, update, withhold)
 
@@ -447,6 +469,45 @@ class DPOptimizerMixin:
             }
         )
         return config
+
+
+def _replicas_in_sync() -> int:
+    """Replicas of the current ``tf.distribute`` step (1 outside one)."""
+    if not tf.distribute.has_strategy():
+        return 1
+    ctx = tf.distribute.get_replica_context()
+    return 1 if ctx is None else int(ctx.num_replicas_in_sync)
+
+
+def _all_reduce_with_one_noise(clipped_sum, noised, records):
+    """Across replicas: the sum of every replica's clipped sum plus the noise of replica 0 only.
+
+    Each replica noised its own clipped sum; replica 0 contributes its noised sum and the others
+    their clipped sums, so one SUM all-reduce gives every replica the same global clipped sum
+    with exactly one draw of noise (variance sigma^2 C^2, not k times that, and not k copies).
+    The record counts are summed too (the global batch).
+    """
+    ctx = tf.distribute.get_replica_context()
+    first = tf.equal(ctx.replica_id_in_sync_group, 0)
+
+    def pick(n, c):
+        if isinstance(n, tf.IndexedSlices):
+            n, c = tf.convert_to_tensor(n), tf.convert_to_tensor(c)
+        return tf.where(first, n, tf.cast(c, n.dtype))
+
+    local = [pick(n, c) for n, c in zip(tf.nest.flatten(noised), tf.nest.flatten(clipped_sum))]
+    total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, local)
+    return tf.nest.pack_sequence_as(noised, total), ctx.all_reduce(
+        tf.distribute.ReduceOp.SUM, records
+    )
+
+
+def _share(grads: list, replicas: int) -> list:
+    """Every replica holds the same global update; Keras's apply sums the replicas' gradients, so
+    each passes ``1/replicas`` of it."""
+    if replicas == 1:
+        return grads
+    return [g / tf.cast(replicas, g.dtype) for g in grads]
 
 
 def _check_number(name: str, value: Any, positive: bool) -> None:

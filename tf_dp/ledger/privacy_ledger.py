@@ -72,7 +72,21 @@ def _f64(x) -> tf.Tensor:
     return tf.constant(x, tf.float64)
 
 
-def _ledger_variable(initial_value, shape=None, name=None) -> tf.Variable:
+def _fixed_shape_context() -> bool:
+    """XLA, or a replica of a multi-replica ``tf.distribute`` step (where a mirrored variable
+    cannot be resized inside the step): rows go to the fixed-size staging table."""
+    if in_xla_context():
+        return True
+    ctx = tf.distribute.get_replica_context()
+    return (
+        not tf.executing_eagerly()
+        and tf.distribute.has_strategy()
+        and ctx is not None
+        and ctx.num_replicas_in_sync > 1
+    )
+
+
+def ledger_variable(initial_value, shape=None, name=None) -> tf.Variable:
     # Under tf.distribute every replica records the same (global) event; the first replica's write
     # is the one kept, so the ledger's variables stay identical on every device.
     return tf.Variable(
@@ -98,17 +112,17 @@ class _Buffer(tf.Module):
     def __init__(self, cols: int, name: str, staging_capacity: int = _INITIAL_CAPACITY):
         super().__init__(name=name)
         with tf.init_scope():
-            self.data = _ledger_variable(
+            self.data = ledger_variable(
                 tf.zeros([_INITIAL_CAPACITY, cols], tf.float64), tf.TensorShape([None, cols]),
                 "data",
             )
-            self.count = _ledger_variable(tf.constant(0, tf.int64), name="count")
-            self.staged = _ledger_variable(
+            self.count = ledger_variable(tf.constant(0, tf.int64), name="count")
+            self.staged = ledger_variable(
                 tf.zeros([staging_capacity, cols], tf.float64), tf.TensorShape([None, cols]),
                 "staged",
             )
-            self.staged_count = _ledger_variable(tf.constant(0, tf.int64), name="staged_count")
-            self.overflow = _ledger_variable(tf.constant(0, tf.int64), name="overflow")
+            self.staged_count = ledger_variable(tf.constant(0, tf.int64), name="staged_count")
+            self.overflow = ledger_variable(tf.constant(0, tf.int64), name="overflow")
 
     @property
     def staging_capacity(self) -> int:
@@ -123,13 +137,13 @@ class _Buffer(tf.Module):
 
     def has_room(self, rows: int = 1) -> tf.Tensor:
         """Whether ``rows`` more rows can be recorded in the current context (a bool tensor)."""
-        if not in_xla_context():
+        if not _fixed_shape_context():
             return tf.constant(True)
         return self.staged_count.read_value() + rows <= self._capacity_tensor()
 
     def append(self, row: tf.Tensor) -> tf.Tensor:
         """Appends ``row`` (float64 [cols]); returns its index among all rows."""
-        if in_xla_context():
+        if _fixed_shape_context():
             return self._stage(row)
         if not tf.executing_eagerly():
             self._merge_staged()
@@ -158,9 +172,12 @@ class _Buffer(tf.Module):
         # Out of range writes are clamped onto the last row and masked out: the row is dropped,
         # counted in ``overflow``, and the step's release is withheld by the caller (has_room).
         slot = tf.minimum(k, capacity - 1)
-        old = self.staged[slot]
-        self.staged.scatter_nd_update(
-            tf.reshape(slot, [1, 1]), tf.reshape(tf.where(room, row, old), [1, -1])
+        table = self.staged.read_value()
+        # (a whole-table assign: mirrored variables under tf.distribute have no scatter update)
+        self.staged.assign(
+            tf.tensor_scatter_nd_update(
+                table, tf.reshape(slot, [1, 1]), tf.reshape(tf.where(room, row, table[slot]), [1, -1])
+            )
         )
         self.staged_count.assign_add(tf.where(room, tf.constant(1, tf.int64), 0))
         self.overflow.assign_add(tf.where(room, tf.constant(0, tf.int64), 1))

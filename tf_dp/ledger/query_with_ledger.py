@@ -15,7 +15,12 @@ from tf_dp.ledger.events import (
     SamplingEvent,
     SumQueryEvent,
 )
-from tf_dp.ledger.privacy_ledger import PrivacyLedger, mechanism_code, policy_code
+from tf_dp.ledger.privacy_ledger import (
+    PrivacyLedger,
+    ledger_variable,
+    mechanism_code,
+    policy_code,
+)
 
 
 class QueryWithLedger(DPQuery):
@@ -61,11 +66,11 @@ class QueryWithLedger(DPQuery):
         self._query = query
         self._ledger = ledger
         with tf.init_scope():
-            self._population_size = tf.Variable(1, dtype=tf.int64, trainable=False)
-            self._selection_probability = tf.Variable(1.0, dtype=tf.float64, trainable=False)
-            self._policy = tf.Variable(0, dtype=tf.int32, trainable=False)
-            self._sensitivity_multiplier = tf.Variable(1.0, dtype=tf.float32, trainable=False)
-            self._jl_projections = tf.Variable(0, dtype=tf.int32, trainable=False)
+            self._population_size = ledger_variable(tf.constant(1, tf.int64))
+            self._selection_probability = ledger_variable(tf.constant(1.0, tf.float64))
+            self._policy = ledger_variable(tf.constant(0, tf.int32))
+            self._sensitivity_multiplier = ledger_variable(tf.constant(1.0, tf.float32))
+            self._jl_projections = ledger_variable(tf.constant(0, tf.int32))
         self.set_sampling(population_size, selection_probability, sampling_policy)
 
     @property
