@@ -203,3 +203,25 @@ def test_empty_batches_record_a_step_add_noise_and_no_gradient():
     assert noisy.optimizer.ledger.num_samples == 3
     assert any(np.abs(a - b).max() > 0 for a, b in zip(before, noisy.get_weights()))
     assert all(np.all(np.isfinite(w)) for w in noisy.get_weights())
+
+
+def test_worker_shards_partition_the_data_and_sample_each_example_at_rate_q():
+    """num_shards/shard_index: worker w samples only examples w mod k, at rate q, so the union of
+    the workers' batches is one Poisson sample of the whole data set (declared globally)."""
+    n, q, k, steps = 300, 0.2, 3, 400
+    x = np.arange(n, dtype=np.float32)[:, None]
+    y = np.zeros(n, np.int64)
+    counts = np.zeros(n)
+    for w in range(k):
+        batches = tf_dp.data.poisson_batches(x, y, sampling_probability=q, num_shards=k,
+                                             shard_index=w, steps_per_epoch=steps)
+        assert batches.tf_dp_sampling == (n, q)
+        for bx, _, bw in batches.dataset:
+            rows = bx.numpy()[bw.numpy() > 0, 0].astype(int)
+            assert np.all(rows % k == w) and len(set(rows)) == len(rows)
+            counts[rows] += 1
+    # Each example's count is Binomial(steps, q): mean within 5 standard errors of q.
+    se = np.sqrt(q * (1 - q) / (steps * n))
+    assert abs(counts.mean() / steps - q) < 5 * se
+    with pytest.raises(ValueError, match="shard_index must be an integer in"):
+        tf_dp.data.poisson_batches(x, y, sampling_probability=q, num_shards=2, shard_index=2)

@@ -40,3 +40,4 @@ def test_mirrored_strategy_noises_once_per_global_step(mode):
     # Poisson batches: one sampling event per global step, the global population and rate.
     assert r["poisson_recorded"] == r["poisson_steps"] == 40
     assert r["poisson_ledger"] == [[400, 0.05, "poisson"]]
+

@@ -82,6 +82,7 @@ class PoissonBatches:
     tf_dp_sampling: tuple[int, float]
     steps_per_epoch: int
     max_batch_size: int
+    num_shards: int = 1
 
     @property
     def population_size(self) -> int:
@@ -144,6 +145,8 @@ def poisson_batches(
     max_batch_size: Optional[int] = None,
     seed: Optional[int] = None,
     overflow_probability: float = DEFAULT_OVERFLOW_PROBABILITY,
+    num_shards: int = 1,
+    shard_index: int = 0,
 ) -> PoissonBatches:
     """Poisson-sampled, padded batches of in-memory data for a private model's ``fit``.
 
@@ -159,6 +162,12 @@ def poisson_batches(
         ``Binomial(n, q)``. A larger sample is emitted whole (see the module docstring).
       seed: fixes the sampling randomness. Tests and debugging only (default: OS entropy).
       overflow_probability: per-step probability that the default ``max_batch_size`` is exceeded.
+      num_shards, shard_index: for multi-worker training (``MultiWorkerMirroredStrategy``): every
+        worker passes the *whole* data set and its own ``shard_index`` in ``[0, num_shards)``;
+        worker ``w`` Poisson-samples (rate ``q``, its own randomness) only the examples whose index
+        is ``w`` modulo ``num_shards``. The shards partition the data, so the union of the
+        workers' batches at a step is one Poisson sample of rate ``q`` over all ``n`` examples,
+        and every worker declares the global ``n`` and ``q``.
 
     Returns:
       A :class:`PoissonBatches` (``.dataset``, ``.tf_dp_sampling == (n, q)``, ``.steps_per_epoch``).
@@ -186,6 +195,16 @@ def poisson_batches(
             )
     if n < 1:
         raise ValueError("x must hold at least one example")
+    num_shards = _check_positive_int("num_shards", num_shards)
+    if isinstance(shard_index, bool) or not isinstance(shard_index, (int, np.integer)) or not (
+        0 <= shard_index < num_shards
+    ):
+        raise ValueError(
+            f"shard_index must be an integer in [0, num_shards={num_shards}), got {shard_index!r}"
+        )
+    shard_index = int(shard_index)
+    if num_shards > n:
+        raise ValueError(f"num_shards must be <= the number of examples ({n}), got {num_shards}")
     if sample_weight is not None:
         sample_weight = np.asarray(sample_weight, dtype=np.float32).reshape(-1)
         if sample_weight.shape[0] != n:
@@ -197,8 +216,9 @@ def poisson_batches(
     if steps_per_epoch is None:
         steps_per_epoch = max(1, int(round(1.0 / q)))
     steps_per_epoch = _check_positive_int("steps_per_epoch", steps_per_epoch)
+    shard_rows = np.arange(shard_index, n, num_shards)
     if max_batch_size is None:
-        max_batch_size = default_max_batch_size(n, q, overflow_probability)
+        max_batch_size = default_max_batch_size(len(shard_rows), q, overflow_probability)
     max_batch_size = _check_positive_int("max_batch_size", max_batch_size)
     if seed is None:
         key = int.from_bytes(os.urandom(8), "little") >> 1  # OS entropy; int64-safe
@@ -206,7 +226,14 @@ def poisson_batches(
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise TypeError(f"seed must be None or an integer, got {type(seed).__name__}")
         key = int(seed) & ((1 << 63) - 1)
+        key = (key + 0x9E3779B97F4A7C15 * shard_index) & ((1 << 63) - 1)  # a key per shard
 
+    if num_shards > 1:
+        x = tf.nest.map_structure(lambda t: t[shard_rows], x)
+        y = tf.nest.map_structure(lambda t: t[shard_rows], y)
+        if sample_weight is not None:
+            sample_weight = sample_weight[shard_rows]
+    rows = len(shard_rows)
     x_t = tf.nest.map_structure(tf.convert_to_tensor, x)
     y_t = tf.nest.map_structure(tf.convert_to_tensor, y)
     sw_t = None if sample_weight is None else tf.convert_to_tensor(sample_weight)
@@ -225,7 +252,7 @@ def poisson_batches(
 
     def sample(counter: tf.Tensor):
         # A Philox key per step: (OS-entropy key, per-step random counter from the dataset).
-        u = tf.random.stateless_uniform([n], seed=tf.stack([key_t, counter]), dtype=tf.float64)
+        u = tf.random.stateless_uniform([rows], seed=tf.stack([key_t, counter]), dtype=tf.float64)
         idx = tf.reshape(tf.where(u < q64), [-1])
         k = tf.shape(idx, out_type=tf.int32)[0]
         bx = tf.nest.map_structure(lambda t: pad(tf.gather(t, idx), k), x_t)
@@ -237,9 +264,14 @@ def poisson_batches(
     # Fresh random counters on every pass over the dataset (Keras re-iterates it each epoch).
     counters = tf.data.Dataset.random(seed=key % (1 << 31), rerandomize_each_iteration=True)
     dataset = counters.take(steps_per_epoch).map(sample).prefetch(2)
+    if num_shards > 1:  # already this worker's shard: tf.distribute must not shard it again
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        dataset = dataset.with_options(options)
     return PoissonBatches(
         dataset=dataset,
         tf_dp_sampling=(n, q),
         steps_per_epoch=steps_per_epoch,
         max_batch_size=max_batch_size,
+        num_shards=num_shards,
     )

@@ -222,6 +222,15 @@ def _with_class_weight(dataset: tf.data.Dataset, class_weight: dict) -> tf.data.
     return dataset.map(weigh)
 
 
+def _num_workers(strategy: Any) -> int:
+    """Worker processes of a (multi-worker) ``tf.distribute`` strategy; 1 for all others."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return 1
+    spec = resolver.cluster_spec().as_dict()
+    return max(1, len(spec.get("worker", [])) + len(spec.get("chief", [])))
+
+
 def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Declares the sampling of ``fit``'s input to the DP optimizer; unwraps Poisson batches.
 
@@ -236,6 +245,15 @@ def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, d
         n, q = sampling
         if kwargs.get("batch_size") is not None:
             raise ValueError("batch_size must be None when x is tf_dp.data.poisson_batches(...)")
+        workers = _num_workers(model.distribute_strategy)
+        shards = getattr(x, "num_shards", 1)
+        if shards != workers:
+            raise ValueError(
+                f"poisson_batches(num_shards={shards}) under a strategy with {workers} worker(s): "
+                f"each worker must sample its own shard, with num_shards={workers} and "
+                "shard_index=<its task index>, so that the union of the workers' batches is one "
+                "Poisson sample of the whole data set"
+            )
         dataset = x.dataset
         class_weight = kwargs.pop("class_weight", None)
         if class_weight is not None:
