@@ -26,6 +26,7 @@ per mode unless ``--memory none``/``inprocess``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -49,6 +50,30 @@ NOISE_MULTIPLIER = 1.1
 L2_NORM_CLIP = 1.0
 LEARNING_RATE = 0.05
 
+#: Set from the command line: ``jit_compile`` for every model, and the ``tf.distribute`` strategy
+#: (``None``, or a MirroredStrategy over two logical CPU devices) models are built under.
+SETTINGS: dict[str, Any] = {"jit_compile": False, "strategy": None}
+
+
+def _scope():
+    strategy = SETTINGS["strategy"]
+    return strategy.scope() if strategy is not None else contextlib.nullcontext()
+
+
+def configure(jit_compile: bool, strategy: str) -> None:
+    """Applies ``--jit_compile`` and ``--strategy`` (call before any TensorFlow op runs)."""
+    SETTINGS["jit_compile"] = bool(jit_compile)
+    if strategy == "mirrored":
+        cpus = tf.config.list_physical_devices("CPU")
+        gpus = tf.config.list_physical_devices("GPU")
+        if len(gpus) >= 2:
+            SETTINGS["strategy"] = tf.distribute.MirroredStrategy()
+        else:  # split the CPU into two logical devices
+            tf.config.set_logical_device_configuration(
+                cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2
+            )
+            SETTINGS["strategy"] = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
 
 def parse_mode(mode: str) -> tuple[str, Optional[int]]:
     """``"jl:1"`` -> ``("jl", 1)``; ``"vectorized"`` -> ``("vectorized", None)``."""
@@ -68,10 +93,16 @@ def _loss() -> keras.losses.Loss:
 
 def build(model_name: str, mode: str, batch_size: int, seed: int = 0) -> keras.Model:
     """A compiled model for ``mode`` (fresh weights from ``seed``)."""
+    with _scope():
+        return _build(model_name, mode, batch_size, seed)
+
+
+def _build(model_name: str, mode: str, batch_size: int, seed: int) -> keras.Model:
     model = build_model(model_name, seed=seed)
     name, option = parse_mode(mode)
+    jit = SETTINGS["jit_compile"]
     if name == "nonprivate":
-        model.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE), loss=_loss())
+        model.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE), loss=_loss(), jit_compile=jit)
         return model
     import tf_dp.keras as dpk
     from tf_dp.gradients import gradient_modes
@@ -92,7 +123,7 @@ def build(model_name: str, mode: str, batch_size: int, seed: int = 0) -> keras.M
         **kwargs,
     )
     model = dpk.make_private(model)
-    model.compile(optimizer=optimizer, loss=_loss())
+    model.compile(optimizer=optimizer, loss=_loss(), jit_compile=jit)
     # The dataset below repeats one batch: declare the sampling a 60000-example shuffled epoch
     # would have (it only affects the ledger, not the time).
     optimizer.set_sampling(60000, batch_size / 60000, "shuffle")
@@ -125,7 +156,10 @@ def time_modes(
         model = build(model_name, mode, batch_size)
         warm_up(model, ds, warmup)
         models[mode] = model
-        iterators[mode] = iter(ds)
+        strategy = SETTINGS["strategy"]
+        iterators[mode] = iter(
+            ds if strategy is None else strategy.experimental_distribute_dataset(ds)
+        )
     times: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(rounds):
         for mode in modes:
@@ -216,7 +250,9 @@ def memory_subprocess(model_name: str, batch_size: int, mode: str) -> Optional[f
         str(batch_size),
         "--_probe_memory",
         mode,
-    ]
+        "--strategy",
+        "mirrored" if SETTINGS["strategy"] is not None else "none",
+    ] + (["--jit_compile"] if SETTINGS["jit_compile"] else [])
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
     for line in reversed(proc.stdout.splitlines()):
@@ -253,6 +289,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = {
         "model": args.model,
         "batch_size": args.batch_size,
+        "jit_compile": SETTINGS["jit_compile"],
+        "strategy": "mirrored" if SETTINGS["strategy"] is not None else "none",
         "steps_timed": args.steps * args.rounds,
         "memory_method": args.memory,
         "modes": {
@@ -270,6 +308,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def format_text(result: dict[str, Any]) -> str:
     lines = [
         f"model={result['model']} batch_size={result['batch_size']} "
+        f"jit_compile={result['jit_compile']} strategy={result['strategy']} "
         f"(median of {result['steps_timed']} steps per mode, same process; "
         f"memory: {result['memory_method']})",
         f"{'mode':<16}{'ms/step':>10}{'ratio':>9}{'peak MB':>10}",
@@ -295,8 +334,16 @@ def main(argv: Optional[list[str]] = None) -> None:
         default="subprocess",
         help="peak memory: a fresh process per mode (default), in this process, or skip",
     )
+    p.add_argument("--jit_compile", action="store_true", help="compile every model with XLA")
+    p.add_argument(
+        "--strategy",
+        choices=("none", "mirrored"),
+        default="none",
+        help="mirrored: MirroredStrategy over 2 GPUs, or 2 logical CPU devices without GPUs",
+    )
     p.add_argument("--_probe_memory", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    configure(args.jit_compile, args.strategy)
     if args.batch_size is None:
         from bench.models import DEFAULT_BATCH
 
