@@ -116,3 +116,48 @@ def test_noise_from_budget_bad_input_exits_2(args):
     p = _run("compute_noise_from_budget", *args)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_shuffle_counts_the_given_epochs():
+    # 10000 / 64 is 156.25: an epoch is 157 steps (the last batch partial). Five epochs are five
+    # full-batch Gaussians with noise multiplier 2 / 2: mu = sqrt(5) (it was sqrt(6)).
+    p = _run("compute_dp_sgd_privacy", "--N=10000", "--batch_size=64", "--noise_multiplier=2",
+             "--epochs=5", "--sampling=shuffle", "--delta=1e-5", "--accountant=gdp",
+             "--format=json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["gdp"]["mu"] == pytest.approx(math.sqrt(5.0), rel=1e-12)
+    assert "785 steps (5 epochs of 157 steps)" in out["assumptions"]
+
+
+@pytest.mark.parametrize("module,own", [("compute_dp_sgd_privacy", "noise_multiplier"),
+                                        ("compute_noise_from_budget", "epsilon")])
+@pytest.mark.parametrize("arg", ["--help", "-h"])
+def test_help_lists_every_flag(module, own, arg):
+    p = _run(module, arg)
+    assert p.returncode == 0 and p.stderr == ""
+    for name in ("N", "batch_size", "epochs", "steps", "delta", "accountant", "sampling",
+                 "microbatch_size", "format", own):
+        assert f"--{name}:" in p.stdout, name
+    assert "rdp|moments|pld|gdp|all" in p.stdout
+
+
+def test_huge_epochs_are_composed_or_refused_with_the_range():
+    p = _run("compute_dp_sgd_privacy", "--N=60000", "--batch_size=256", "--noise_multiplier=1.1",
+             "--epochs=1e9", "--delta=1e-5", "--format=json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["rdp"]["epsilon"] == pytest.approx(
+        acc.dp_sgd_epsilon(60000, 256, 1.1, 1e-5, epochs=1e9).epsilon, rel=1e-12)
+    for module, extra in [("compute_dp_sgd_privacy", "--noise_multiplier=1.1"),
+                          ("compute_noise_from_budget", "--epsilon=3")]:
+        p = _run(module, "--N=60000", "--batch_size=256", extra, "--epochs=1e300",
+                 "--delta=1e-5")
+        assert p.returncode == 2 and "Traceback" not in p.stderr and p.stdout == ""
+        assert len(p.stderr.strip().splitlines()) == 1
+        assert "--epochs must be in (0, 4.255e+12]" in p.stderr
+
+
+def test_pld_budget_names_pld():
+    p = _run("compute_noise_from_budget", "--N=100", "--batch_size=100", "--epsilon=1e-6",
+             "--epochs=1000", "--delta=1e-10", "--accountant=pld")
+    assert p.returncode == 2 and "'pld' accountant" in p.stderr and "rdp" not in p.stderr

@@ -27,12 +27,16 @@ from tf_dp.accounting.gdp import (
 from tf_dp.accounting.jl import jl_delta, jl_epsilon, jl_mechanism
 from tf_dp.accounting.ledger_analysis import (
     ACCOUNTANTS,
+    MAX_STEPS,
     PrivacyResult,
     compute_delta,
     compute_epsilon,
     dp_sgd_entries,
     dp_sgd_epsilon,
+    dp_sgd_run,
     effective_noise_multipliers,
+    shuffle_epochs,
+    shuffle_steps_per_epoch,
 )
 from tf_dp.accounting.pld import Mixture, SubsampledGaussian, pld_delta, pld_epsilon
 from tf_dp.accounting.rdp import (
@@ -50,6 +54,7 @@ from tf_dp.accounting.strong_composition import (
 __all__ = [
     "ACCOUNTANTS",
     "DEFAULT_ORDERS",
+    "MAX_STEPS",
     "MOMENTS_ORDERS",
     "Mixture",
     "PrivacyResult",
@@ -61,6 +66,7 @@ __all__ = [
     "delta_from_rdp",
     "dp_sgd_entries",
     "dp_sgd_epsilon",
+    "dp_sgd_run",
     "dp_sgd_strong_composition_epsilon",
     "effective_noise_multipliers",
     "epsilon_from_mu",
@@ -74,5 +80,7 @@ __all__ = [
     "pld_epsilon",
     "rdp_poisson_gaussian",
     "reduced_noise",
+    "shuffle_epochs",
+    "shuffle_steps_per_epoch",
     "strong_composition",
 ]

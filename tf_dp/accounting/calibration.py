@@ -69,9 +69,14 @@ def calibrate_noise_multiplier(
     # multiplier is at most RDP's; the brackets are verified anyway).
     hi = 1.0
     if accountant == "pld" and jl_projections is None:
-        hi = calibrate_noise_multiplier(
-            target_epsilon, delta, n, batch_size, epochs=epochs, steps=steps, accountant="rdp",
-            sampling=sampling, microbatch_size=microbatch_size, rtol=rtol)
+        try:
+            hi = calibrate_noise_multiplier(
+                target_epsilon, delta, n, batch_size, epochs=epochs, steps=steps,
+                accountant="rdp", sampling=sampling, microbatch_size=microbatch_size, rtol=rtol)
+        except ValueError:
+            # RDP cannot reach the target; pld may (it is tighter). Bracket from the top, so a
+            # target out of reach is reported by the pld check below, under its own name.
+            hi = MAX_NOISE_MULTIPLIER
     while eps(hi) > target_epsilon:
         if hi >= MAX_NOISE_MULTIPLIER:
             raise ValueError(

@@ -9,10 +9,15 @@ Sampling policies (design invariant 5):
 
 * ``poisson``: each record is included independently with probability ``q``; privacy amplification
   by subsampling is applied (Abadi et al. 2016 Sec. 3.1; Bu et al. 2019 Sec. 3.1).
-* ``shuffle``: fixed-size batches from a shuffled dataset, each record used once per epoch.  No
-  amplification is assumed: every epoch is counted as one full-batch Gaussian mechanism with the
-  effective noise multiplier, ``ceil(steps * q)`` epochs per run of identical samples (a partial
-  epoch counts as a full one).
+* ``shuffle``: every epoch the ``n`` records are shuffled and cut into ``ceil(n / b)`` batches of
+  ``b = q * n`` records (the last one smaller when ``b`` does not divide ``n``), as Keras does with
+  in-memory arrays and as ``Dataset.shuffle(n).batch(b)`` does; each record is used once per
+  epoch.  Neighbouring datasets replace one record (sensitivity ``2C``), and no amplification is
+  assumed: every epoch counts as one full-batch Gaussian mechanism with half the effective noise
+  multiplier, ``ceil(steps / ceil(n / b))`` epochs per run of identical samples (a partial epoch
+  counts as a full one).  Inputs whose epochs have fewer steps (``drop_remainder=True``, or
+  ``repeat()`` before ``batch()``, where batches straddle epochs) should declare the population
+  ``b * (n // b)``: epochs of ``n // b`` steps, which counts them exactly or conservatively.
 
 Non-private samples (a query without noise) give ``epsilon = inf``.
 
@@ -39,12 +44,16 @@ from tf_dp.ledger.ledger_file import as_entries
 
 __all__ = [
     "ACCOUNTANTS",
+    "MAX_STEPS",
     "PrivacyResult",
     "compute_epsilon",
     "compute_delta",
     "effective_noise_multipliers",
     "dp_sgd_entries",
     "dp_sgd_epsilon",
+    "dp_sgd_run",
+    "shuffle_epochs",
+    "shuffle_steps_per_epoch",
 ]
 
 #: Accountants that analyse a ledger.  ``gdp`` is an approximation (privacy CLT).
@@ -60,6 +69,9 @@ _KIND_TEXT = {
     "gdp": "Gaussian-DP via the privacy central limit theorem (Bu et al. 2019): an ASYMPTOTIC "
     "APPROXIMATION, not a certified bound",
 }
+
+
+_PLD_CAP_NOTE = "privacy losses above the PLD loss cap"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +103,9 @@ class PrivacyResult:
             eps = f"{self.epsilon:.4g}"
         elif "JL clipping" in self.assumptions:
             eps = (f"infinite: above the JL accountant's loss cap ({_jl.JL_LOSS_CAP:g}), i.e. no "
+                   "useful guarantee")
+        elif _PLD_CAP_NOTE in self.assumptions:
+            eps = (f"infinite: above the PLD accountant's loss cap ({_pld._LOSS_CAP:g}), i.e. no "
                    "useful guarantee")
         else:
             eps = "infinite (no privacy guarantee)"
@@ -142,12 +157,35 @@ def effective_noise_multipliers(ledger) -> list[float]:
     return [e.effective_noise_multiplier() for e in as_entries(ledger)]
 
 
-def _units(entries: Sequence[SampleEntry]) -> tuple[list[_Unit], bool, set]:
-    """Reduces entries to composable units; returns (units, any_non_private, policies)."""
+def shuffle_steps_per_epoch(population_size: int, selection_probability: float) -> int:
+    """Steps of one epoch of shuffled fixed-size batches: ``ceil(n / b)`` with ``b = q * n``.
+
+    The last batch of an epoch holds the ``n mod b`` records left over (Keras with in-memory
+    arrays; ``Dataset.shuffle(n).batch(b)``).  ``b`` is snapped to the nearest integer when ``q``
+    was stored with float round-off.
+    """
+    n = population_size
+    b = selection_probability * n
+    if b <= 0:
+        raise ValueError(f"selection_probability must be > 0, got {selection_probability!r}")
+    if abs(b - round(b)) <= 1e-6 * max(1.0, b):
+        b = float(round(b))
+    return max(1, int(math.ceil(n / b - 1e-9)))
+
+
+def shuffle_epochs(steps: int, population_size: int, selection_probability: float) -> int:
+    """Epochs touched by ``steps`` steps of shuffled fixed-size batches (a partial epoch counts)."""
+    per_epoch = shuffle_steps_per_epoch(population_size, selection_probability)
+    return max(1, -(-int(steps) // per_epoch))
+
+
+def _units(runs: Sequence[tuple[SampleEntry, int]]) -> tuple[list[_Unit], bool, set]:
+    """Reduces runs of identical entries to composable units; returns (units, any_non_private,
+    policies)."""
     units: list[_Unit] = []
     non_private = False
     policies = set()
-    for entry, count in compress(entries):
+    for entry, count in runs:
         q = float(entry.sampling.selection_probability)
         policy = entry.sampling.policy
         policies.add(policy)
@@ -163,8 +201,8 @@ def _units(entries: Sequence[SampleEntry]) -> tuple[list[_Unit], bool, set]:
             # datasets differ by replacing one record (adding one would shift every later batch).
             # Replacing a record changes its clipped contribution by up to 2C: sensitivity 2C,
             # i.e. half the effective noise multiplier, once per epoch, no amplification.
-            epochs = int(math.ceil(count * q - 1e-9))
-            units.append(_Unit(1.0, z / 2.0, r, max(epochs, 1), policy))
+            epochs = shuffle_epochs(count, entry.sampling.population_size, q)
+            units.append(_Unit(1.0, z / 2.0, r, epochs, policy))
         else:
             units.append(_Unit(q, z, r, count, policy))
     return units, non_private, policies
@@ -181,8 +219,9 @@ def _assumptions(accountant: str, policies: set, has_jl: bool, extra: str = "") 
         parts.append("shuffled fixed-size batches: replace-one adjacency (the dataset size is "
                      "fixed; a replaced record's clipped gradient moves by up to 2C) and NO "
                      "amplification assumed; each epoch (each record used once) counted as one "
-                     "full-batch Gaussian mechanism with half the effective noise multiplier, "
-                     "partial epochs counted as full")
+                     "full-batch Gaussian mechanism with half the effective noise multiplier "
+                     "(an epoch is ceil(n/b) steps, its last batch partial; a partial epoch "
+                     "counts as a full one)")
     if has_jl:
         parts.append("JL clipping steps accounted as the mixture mechanism of Bu et al. 2020 "
                      "(Lemma 4.3 / Thm 4.1), heavy tail of the norm estimate included; privacy "
@@ -233,9 +272,9 @@ def _gdp_mu(units: list[_Unit]) -> float:
     return math.sqrt(total)
 
 
-def _seeded(result: PrivacyResult, entries: Sequence[SampleEntry]) -> PrivacyResult:
+def _seeded(result: PrivacyResult, runs: Sequence[tuple[SampleEntry, int]]) -> PrivacyResult:
     """Marks a result whose run drew its noise from an explicit seed: no guarantee holds."""
-    seeds = tuple(sorted({s for e in entries for s in e.noise_seeds}))
+    seeds = tuple(sorted({s for e, _ in runs for s in e.noise_seeds}))
     if not seeds:
         return result
     return dataclasses.replace(result, certified=False, noise_seeds=seeds)
@@ -261,11 +300,16 @@ def compute_epsilon(
     if not (isinstance(delta, (int, float)) and 0.0 < delta < 1.0):
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
     entries = as_entries(ledger)
-    return _seeded(_epsilon(entries, delta, accountant, orders, discretization), entries)
+    return _epsilon_of_runs(compress(entries), len(entries), delta, accountant, orders,
+                            discretization)
 
 
-def _epsilon(entries, delta, accountant, orders, discretization) -> PrivacyResult:
-    units, non_private, policies = _units(entries)
+def _epsilon_of_runs(runs, steps, delta, accountant, orders=None, discretization=None):
+    return _seeded(_epsilon(runs, steps, delta, accountant, orders, discretization), runs)
+
+
+def _epsilon(runs, steps, delta, accountant, orders, discretization) -> PrivacyResult:
+    units, non_private, policies = _units(runs)
     has_jl = any(u.r is not None for u in units)
     certified = accountant != "gdp" or all(u.q >= 1.0 for u in units)
     assumptions = _assumptions(accountant, policies, has_jl)
@@ -275,7 +319,7 @@ def _epsilon(entries, delta, accountant, orders, discretization) -> PrivacyResul
             "exact here, since without subsampling the composition of Gaussian mechanisms is "
             "exactly mu-GDP",
         )
-    common = dict(accountant=accountant, delta=float(delta), steps=len(entries),
+    common = dict(accountant=accountant, delta=float(delta), steps=steps,
                   assumptions=assumptions)
     if non_private:
         return PrivacyResult(epsilon=math.inf, certified=True, **common,
@@ -298,6 +342,11 @@ def _epsilon(entries, delta, accountant, orders, discretization) -> PrivacyResul
     if discretization is not None:
         kw["h"] = discretization
     eps = _pld.pld_epsilon(mechs, delta, **kw)
+    if math.isinf(eps) and not has_jl:
+        common["assumptions"] = _assumptions(
+            accountant, policies, has_jl,
+            f"{_PLD_CAP_NOTE} ({_pld._LOSS_CAP:g}) count as infinite, so epsilon = inf means "
+            f"that losses above {_pld._LOSS_CAP:g} have probability delta or more")
     return PrivacyResult(epsilon=eps, certified=True, **common)
 
 
@@ -310,17 +359,18 @@ def compute_delta(
     if not (isinstance(epsilon, (int, float)) and epsilon >= 0 and not math.isnan(epsilon)):
         raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
     entries = as_entries(ledger)
-    return _seeded(_delta(entries, epsilon, accountant, orders, discretization), entries)
+    runs = compress(entries)
+    return _seeded(_delta(runs, len(entries), epsilon, accountant, orders, discretization), runs)
 
 
-def _delta(entries, epsilon, accountant, orders, discretization) -> PrivacyResult:
-    units, non_private, policies = _units(entries)
+def _delta(runs, steps, epsilon, accountant, orders, discretization) -> PrivacyResult:
+    units, non_private, policies = _units(runs)
     has_jl = any(u.r is not None for u in units)
     certified = accountant != "gdp" or all(u.q >= 1.0 for u in units)
 
     def result(delta, **kw):
         return PrivacyResult(accountant=accountant, epsilon=float(epsilon), delta=float(delta),
-                             certified=certified, steps=len(entries),
+                             certified=certified, steps=steps,
                              assumptions=_assumptions(accountant, policies, has_jl), **kw)
 
     if non_private:
@@ -351,7 +401,16 @@ def _check_positive_int(name: str, value) -> int:
     return value
 
 
-def dp_sgd_entries(
+#: Most steps :func:`dp_sgd_entries` lists (one list item per step); :func:`dp_sgd_epsilon`
+#: composes up to :data:`MAX_STEPS` steps without listing them.
+MAX_LISTED_STEPS = 10_000_000
+
+#: Most steps a hyperparameter run may have (far beyond any real training; above it the
+#: accountants' sums lose their meaning in floating point).
+MAX_STEPS = 10**15
+
+
+def dp_sgd_run(
     n: int,
     batch_size: int,
     noise_multiplier: float,
@@ -361,12 +420,18 @@ def dp_sgd_entries(
     sampling: str = "poisson",
     microbatch_size: Optional[int] = None,
     jl_projections: Optional[int] = None,
-) -> list[SampleEntry]:
-    """The ledger DP-SGD would record for these hyperparameters (clip C = 1, noise sigma*C).
+) -> tuple[SampleEntry, int]:
+    """The one sample entry DP-SGD records at every step (clip C = 1, noise sigma*C), and the
+    number of steps, for these hyperparameters.
 
-    ``steps = ceil(epochs * n / batch_size)`` when ``epochs`` is given.  ``microbatch_size > 1``
-    means several examples share one clipped gradient: the sensitivity is ``2C`` under add/remove
-    adjacency, so the effective noise multiplier is halved.
+    With ``epochs``: ``poisson`` runs ``ceil(epochs * n / batch_size)`` steps (the expected batch
+    size is ``batch_size``); ``shuffle`` runs ``ceil(n / batch_size)`` steps per epoch (the last
+    batch of an epoch partial, as Keras does), ``ceil(epochs * ceil(n / batch_size))`` in all, so
+    the accountants count exactly ``ceil(epochs)`` epochs.  ``microbatch_size > 1`` means several
+    examples share one clipped gradient: the sensitivity is ``2C`` under add/remove adjacency, so
+    the effective noise multiplier is halved.
+
+    Example: ``entry, steps = dp_sgd_run(60000, 256, 1.1, epochs=60)``.
     """
     n = _check_positive_int("N (dataset size)", n)
     batch_size = _check_positive_int("batch_size", batch_size)
@@ -377,13 +442,21 @@ def dp_sgd_entries(
         raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
     if (steps is None) == (epochs is None):
         raise ValueError("give exactly one of steps or epochs")
-    if epochs is not None:
-        if not (isinstance(epochs, (int, float)) and epochs > 0 and math.isfinite(epochs)):
-            raise ValueError(f"epochs must be > 0, got {epochs!r}")
-        steps = int(math.ceil(epochs * n / batch_size - 1e-9))
-    steps = _check_positive_int("steps", steps)
     if sampling not in ("poisson", "shuffle"):
         raise ValueError(f"sampling must be 'poisson' or 'shuffle', got {sampling!r}")
+    if epochs is not None:
+        if not (isinstance(epochs, (int, float)) and epochs > 0 and math.isfinite(epochs)):
+            raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}")
+        per_epoch = (shuffle_steps_per_epoch(n, batch_size / n) if sampling == "shuffle"
+                     else n / batch_size)
+        if epochs * per_epoch > MAX_STEPS:
+            raise ValueError(
+                f"epochs must be in (0, {MAX_STEPS / per_epoch:.4g}] for N={n} and batch_size="
+                f"{batch_size} (at most {MAX_STEPS:.0e} steps), got {epochs!r}")
+        steps = int(math.ceil(epochs * per_epoch - 1e-9))
+    steps = _check_positive_int("steps", steps)
+    if steps > MAX_STEPS:
+        raise ValueError(f"steps must be in [1, {MAX_STEPS:.0e}], got {steps!r}")
     sensitivity = 1.0
     if microbatch_size is not None:
         microbatch_size = _check_positive_int("microbatch_size", microbatch_size)
@@ -397,7 +470,30 @@ def dp_sgd_entries(
         query = SumQueryEvent(sensitivity, float(noise_multiplier), "jl", jl_projections)
     else:
         query = SumQueryEvent(sensitivity, float(noise_multiplier))
-    entry = SampleEntry(SamplingEvent(n, batch_size / n, sampling), (query,))
+    return SampleEntry(SamplingEvent(n, batch_size / n, sampling), (query,)), steps
+
+
+def dp_sgd_entries(
+    n: int,
+    batch_size: int,
+    noise_multiplier: float,
+    *,
+    steps: Optional[int] = None,
+    epochs: Optional[float] = None,
+    sampling: str = "poisson",
+    microbatch_size: Optional[int] = None,
+    jl_projections: Optional[int] = None,
+) -> list[SampleEntry]:
+    """The ledger DP-SGD would record for these hyperparameters, one entry per step (see
+    :func:`dp_sgd_run`; at most :data:`MAX_LISTED_STEPS` steps)."""
+    entry, steps = dp_sgd_run(n, batch_size, noise_multiplier, steps=steps, epochs=epochs,
+                              sampling=sampling, microbatch_size=microbatch_size,
+                              jl_projections=jl_projections)
+    if steps > MAX_LISTED_STEPS:
+        raise ValueError(
+            f"{steps} steps are too many to list one entry per step (at most "
+            f"{MAX_LISTED_STEPS}); use dp_sgd_epsilon or dp_sgd_run, which do not list them"
+        )
     return [entry] * steps
 
 
@@ -414,11 +510,15 @@ def dp_sgd_epsilon(
     microbatch_size: Optional[int] = None,
     jl_projections: Optional[int] = None,
 ) -> PrivacyResult:
-    """Epsilon of DP-SGD from its hyperparameters (see :func:`dp_sgd_entries`).
+    """Epsilon of DP-SGD from its hyperparameters (see :func:`dp_sgd_run`), for any number of
+    steps (the steps are composed at once, never listed).
 
     Example: ``dp_sgd_epsilon(60000, 256, 1.1, 1e-5, epochs=60, accountant="pld")``.
     """
-    entries = dp_sgd_entries(n, batch_size, noise_multiplier, steps=steps, epochs=epochs,
-                             sampling=sampling, microbatch_size=microbatch_size,
-                             jl_projections=jl_projections)
-    return compute_epsilon(entries, delta, accountant)
+    _check_accountant(accountant)
+    if not (isinstance(delta, (int, float)) and 0.0 < delta < 1.0):
+        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    entry, steps = dp_sgd_run(n, batch_size, noise_multiplier, steps=steps, epochs=epochs,
+                              sampling=sampling, microbatch_size=microbatch_size,
+                              jl_projections=jl_projections)
+    return _epsilon_of_runs([(entry, steps)], steps, delta, accountant)

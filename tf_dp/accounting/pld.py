@@ -373,15 +373,20 @@ class DiscretePLD:
         c = np.cumsum(p)
         total = c[-1]
         lo = int(np.searchsorted(c, _TAIL, side="right"))  # entries [0, lo) hold <= _TAIL
+        cap_index = int(math.floor(self.loss_cap / self.h)) - self.offset
+        if lo >= p.size or cap_index < lo:
+            # (Almost) all finite mass is negligible or above the loss cap: it all goes to +inf
+            # (pessimistic); one empty grid point keeps the array non-empty.
+            return DiscretePLD(self.h, self.offset + p.size - 1, np.zeros(1),
+                               min(1.0, self.inf_mass + float(total)), self.loss_cap)
         upper = total - c  # mass strictly above index i
         hi_candidates = np.nonzero(upper > _TAIL)[0]
         hi = int(hi_candidates[-1]) + 1 if hi_candidates.size else p.size - 1
         hi = min(max(hi, lo), p.size - 1)
         moved_up = float(c[lo - 1]) if lo > 0 else 0.0
         to_inf = float(upper[hi])
-        # Cap the loss range: mass above _LOSS_CAP goes to +inf.
-        cap_index = int(math.floor(self.loss_cap / self.h)) - self.offset
-        if hi > cap_index >= lo:
+        # Cap the loss range: mass above the cap goes to +inf.
+        if hi > cap_index:
             to_inf += float(p[cap_index + 1 : hi + 1].sum())
             hi = cap_index
         new = p[lo : hi + 1].copy()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from absl import app, flags
 
@@ -29,7 +29,31 @@ def parse_flags(argv: list[str]) -> list[str]:
     return []
 
 
-def run_main(main: Callable[[list[str]], Any]) -> None:
+_HELP_ARGS = ("-h", "-?", "-help", "--help", "--helpshort", "--helpfull")
+
+
+def help_text(doc: str, flag_names: Sequence[str]) -> str:
+    """The tool's docstring followed by every flag it reads: name, meaning, default, choices."""
+    lines = [doc.strip(), "", "Flags:"]
+    for name in flag_names:
+        flag = flags.FLAGS[name]
+        text = f"  --{name}: {flag.help}"
+        if flag.default is not None:
+            text += f" (default: {flag.default})"
+        lines.append(text)
+    lines.append("  --help: show this help and exit.")
+    return "\n".join(lines) + "\n"
+
+
+def run_main(
+    main: Callable[[list[str]], Any], doc: str = "", flag_names: Sequence[str] = ()
+) -> None:
+    """Runs ``main`` under absl; ``--help`` (or ``-h``) prints ``doc`` and the tool's flags to
+    stdout and exits 0."""
+    if any(arg in _HELP_ARGS or arg.startswith("--help=") for arg in sys.argv[1:]):
+        sys.stdout.write(help_text(doc, flag_names))
+        sys.exit(0)
+
     def wrapped(argv):
         try:
             return main(argv)
@@ -48,16 +72,30 @@ def define(kind: str, name: str, default, help_text: str, *args) -> None:
     definer(name, default, *args, help_text)
 
 
+#: The flags both tools read, in the order ``--help`` lists them.
+TRAINING_FLAGS = ("N", "batch_size", "epochs", "steps", "delta", "accountant", "sampling",
+                  "microbatch_size", "format")
+
+
 def define_training_flags() -> None:
     """The flags both tools share: the training run's size, sampling and accountant."""
-    define("integer", "N", None, "Number of examples in the training set.")
-    define("integer", "batch_size", None, "Expected batch size (Poisson) or batch size (shuffle).")
-    define("float", "epochs", None, "Number of epochs (steps = ceil(epochs * N / batch_size)).")
-    define("integer", "steps", None, "Number of steps (alternative to --epochs).")
+    define("integer", "N", None, "Number of examples in the training set (> 0).")
+    define("integer", "batch_size", None,
+           "Expected batch size (poisson) or batch size (shuffle), in [1, N].")
+    define("float", "epochs", None,
+           "Number of epochs (> 0). poisson: ceil(epochs * N / batch_size) steps; shuffle: "
+           "ceil(N / batch_size) steps per epoch (the last batch partial, as Keras does), and "
+           "exactly ceil(epochs) epochs are counted.")
+    define("integer", "steps", None, "Number of steps (> 0; instead of --epochs).")
     define("float", "delta", None, "Target delta, in (0, 1).")
-    define("enum", "accountant", "rdp", "Accountant.", ["rdp", "moments", "pld", "gdp", "all"])
-    define("enum", "sampling", "poisson", "Batch sampling policy.", ["poisson", "shuffle"])
-    define("integer", "microbatch_size", None, "Examples per microbatch (>1: sensitivity 2C).")
+    define("enum", "accountant", "rdp",
+           "Accountant (gdp is an approximation; all: every one).",
+           ["rdp", "moments", "pld", "gdp", "all"])
+    define("enum", "sampling", "poisson",
+           "Batch sampling: poisson (amplification applied) or shuffle (fixed-size shuffled "
+           "batches, no amplification assumed).", ["poisson", "shuffle"])
+    define("integer", "microbatch_size", None,
+           "Examples per microbatch (> 1: sensitivity 2C, effective noise halved).")
     define("enum", "format", "text", "Output format.", ["text", "json"])
 
 
@@ -81,9 +119,14 @@ def check_sizes(n, batch_size, steps, epochs, delta) -> None:
         raise UsageError(f"--batch_size ({batch_size}) must be <= --N ({n})")
     if (steps is None) == (epochs is None):
         raise UsageError("give exactly one of --epochs or --steps")
-    if steps is not None and steps <= 0:
-        raise UsageError(f"--steps must be a positive integer, got {steps}")
-    if epochs is not None and not (epochs > 0 and math.isfinite(epochs)):
-        raise UsageError(f"--epochs must be > 0, got {epochs}")
+    from tf_dp.accounting.ledger_analysis import MAX_STEPS
+
+    if steps is not None and not 0 < steps <= MAX_STEPS:
+        raise UsageError(f"--steps must be an integer in [1, {MAX_STEPS:.0e}], got {steps}")
+    # Every run is composed at once (never listed step by step), up to MAX_STEPS steps.
+    max_epochs = MAX_STEPS / math.ceil(n / batch_size)
+    if epochs is not None and not (0 < epochs <= max_epochs):
+        raise UsageError(f"--epochs must be in (0, {max_epochs:.4g}] for --N={n} and "
+                         f"--batch_size={batch_size} (at most {MAX_STEPS:.0e} steps), got {epochs}")
     if delta is None or not (0.0 < delta < 1.0):
         raise UsageError(f"--delta must be in (0, 1), got {delta}")

@@ -25,9 +25,12 @@ from tf_dp.cli import _common
 
 FLAGS = flags.FLAGS
 _common.define_training_flags()
-_common.define("float", "noise_multiplier", None, "Noise stddev divided by the clip norm.")
-_common.define("integer", "jl_projections", None, "JL projections r (DP-SGD-JL accounting).")
-_common.define("string", "ledger", None, "Ledger file to analyse instead of hyperparameters.")
+_common.define("float", "noise_multiplier", None, "Noise stddev divided by the clip norm (>= 0).")
+_common.define("integer", "jl_projections", None,
+               "JL projections r (> 0): DP-SGD-JL accounting (pld accountant only).")
+_common.define("string", "ledger", None,
+               "Ledger file to analyse instead of hyperparameters (then only --delta, "
+               "--accountant and --format are read).")
 
 
 def main(argv):
@@ -42,6 +45,11 @@ def main(argv):
     if FLAGS.ledger:
         entries = read_ledger_file(FLAGS.ledger)  # LedgerFileError is a ValueError -> exit 2
         source = f"ledger file {FLAGS.ledger} ({len(entries)} steps)"
+
+        def analyse(name):
+            return acc.compute_epsilon(entries, delta, name)
+
+        has_jl = any(q.mechanism == "jl" for e in set(entries) for q in e.queries)
     else:
         _common.check_sizes(FLAGS.N, FLAGS.batch_size, FLAGS.steps, FLAGS.epochs, delta)
         if FLAGS.noise_multiplier is None or not FLAGS.noise_multiplier >= 0:
@@ -53,15 +61,24 @@ def main(argv):
         if FLAGS.jl_projections is not None and FLAGS.jl_projections <= 0:
             raise _common.UsageError(
                 f"--jl_projections must be a positive integer, got {FLAGS.jl_projections}")
-        entries = acc.dp_sgd_entries(
-            FLAGS.N, FLAGS.batch_size, FLAGS.noise_multiplier, steps=FLAGS.steps,
-            epochs=FLAGS.epochs, sampling=FLAGS.sampling, microbatch_size=FLAGS.microbatch_size,
-            jl_projections=FLAGS.jl_projections)
-        z = entries[0].effective_noise_multiplier()
-        source = (f"DP-SGD with N={FLAGS.N}, batch size {FLAGS.batch_size}, {len(entries)} steps, "
+        hyper = dict(steps=FLAGS.steps, epochs=FLAGS.epochs, sampling=FLAGS.sampling,
+                     microbatch_size=FLAGS.microbatch_size, jl_projections=FLAGS.jl_projections)
+        # One entry and a step count: any number of steps is composed without being listed.
+        entry, steps = acc.dp_sgd_run(FLAGS.N, FLAGS.batch_size, FLAGS.noise_multiplier, **hyper)
+        z = entry.effective_noise_multiplier()
+        size = f"{steps} steps"
+        if FLAGS.sampling == "shuffle":
+            per_epoch = acc.shuffle_steps_per_epoch(FLAGS.N, FLAGS.batch_size / FLAGS.N)
+            size += (f" ({acc.shuffle_epochs(steps, FLAGS.N, FLAGS.batch_size / FLAGS.N)} "
+                     f"epochs of {per_epoch} steps)")
+        source = (f"DP-SGD with N={FLAGS.N}, batch size {FLAGS.batch_size}, {size}, "
                   f"effective noise multiplier {z:g}")
-    has_jl = any(e.jl_projections is not None for e in entries[:1]) or any(
-        q.mechanism == "jl" for e in set(entries) for q in e.queries)
+
+        def analyse(name):
+            return acc.dp_sgd_epsilon(FLAGS.N, FLAGS.batch_size, FLAGS.noise_multiplier, delta,
+                                      accountant=name, **hyper)
+
+        has_jl = FLAGS.jl_projections is not None
     accountant = FLAGS.accountant
     if has_jl and accountant == "rdp" and not FLAGS["accountant"].present:
         accountant = "pld"  # the default accountant cannot analyse JL steps; pld can
@@ -74,7 +91,7 @@ def main(argv):
                 raise _common.UsageError(
                     f"--accountant={name} cannot analyse JL steps; use --accountant=pld or all")
             continue
-        results[name] = acc.compute_epsilon(entries, delta, name)
+        results[name] = analyse(name)
     if FLAGS.format == "json":
         out = {}
         for name, r in results.items():
@@ -100,8 +117,11 @@ def main(argv):
     return 0
 
 
+FLAG_NAMES = _common.TRAINING_FLAGS + ("noise_multiplier", "jl_projections", "ledger")
+
+
 def run():
-    _common.run_main(main)
+    _common.run_main(main, __doc__, FLAG_NAMES)
 
 
 if __name__ == "__main__":

@@ -62,8 +62,11 @@ def main(argv):
     return 0
 
 
+FLAG_NAMES = _common.TRAINING_FLAGS + ("epsilon",)
+
+
 def run():
-    _common.run_main(main)
+    _common.run_main(main, __doc__, FLAG_NAMES)
 
 
 if __name__ == "__main__":
