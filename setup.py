@@ -30,6 +30,7 @@ setup(
             "pytest>=7.4",
             "dp-accounting>=0.4,<0.7",
             "scikit-learn>=1.3",
+            "ruff>=0.5",
         ],
         "tutorials": [
             "matplotlib>=3.7",

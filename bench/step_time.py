@@ -41,7 +41,6 @@ from typing import Any, Optional
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from bench.models import MODELS, build_model, make_batch  # noqa: E402

@@ -3,7 +3,7 @@
 import math
 
 import pytest
-from scipy import optimize, stats
+from scipy import stats
 
 from tf_dp.accounting import gdp, rdp
 

@@ -1,6 +1,5 @@
 """RDP / moments accountant: dp_accounting oracle, Abadi et al. 2016's 1.26, Table 1 of Bu et al. 2019."""
 
-import math
 
 import numpy as np
 import pytest

@@ -181,5 +181,21 @@ def test_allocation_rejects_bad_input(call, match):
         call()
 
 
+@pytest.mark.parametrize("record", [2.5, -1])
+def test_python_number_records_accumulate(record):
+    """A record that is a Python number (no ``.shape``) is checked against the sample state like a
+    tensor (dp_query.py used ``np`` without importing it: NameError)."""
+    query = tf_dp.NoPrivacySumQuery()
+    gs = query.initial_global_state()
+    state = query.initial_sample_state(tf.constant(0.0))
+    for _ in range(2):
+        state = query.accumulate_record(query.derive_sample_params(gs), state, record)
+    result, _ = query.get_noised_result(state, gs)
+    assert float(result) == 2 * record
+    wide = query.initial_sample_state(tf.zeros([3]))
+    with pytest.raises(ValueError, match="does not match"):
+        query.accumulate_record(query.derive_sample_params(gs), wide, record)
+
+
 if __name__ == "__main__":  # Bazel py_test entry point (see BUILD)
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -244,5 +244,30 @@ def test_empty_ledger_round_trip(tmp_path):
     assert tf_dp.PrivacyLedger.load(tmp_path / "empty.json").num_samples == 0
 
 
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permission bits")
+def test_file_mode_follows_the_replaced_file_or_the_umask(tmp_path):
+    """The atomic write goes through a temporary file that mkstemp creates 0600; the ledger must
+    not end up 0600 (it used to, even over a 0644 file)."""
+    entries = make_entries()
+    mode = lambda p: os.stat(p).st_mode & 0o777  # noqa: E731
+    for existing in (0o644, 0o640, 0o664):
+        path = tmp_path / f"l{existing:o}.json"
+        path.write_text("{}")
+        os.chmod(path, existing)
+        write_ledger_file(path, entries)
+        assert mode(path) == existing
+        assert read_ledger_file(path) == entries
+    old = os.umask(0o022)
+    try:
+        write_ledger_file(tmp_path / "new022.json", entries)
+        os.umask(0o077)
+        write_ledger_file(tmp_path / "new077.json", entries)
+    finally:
+        os.umask(old)
+    assert mode(tmp_path / "new022.json") == 0o644
+    assert mode(tmp_path / "new077.json") == 0o600
+    assert ledger_file._current_umask() == old
+
+
 if __name__ == "__main__":  # Bazel py_test entry point (see BUILD)
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -1,8 +1,6 @@
 """What the ledger records, and when: each fit declares its own sampling, the ledger travels with
 the model (``.keras`` files, weights, recompiles), and seeded runs are not called guarantees."""
 
-import os
-
 import keras
 import numpy as np
 import pytest

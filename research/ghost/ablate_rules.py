@@ -4,14 +4,14 @@ the ledger. Research only: the stand-in variants are not private and clip nothin
 
     python -m research.ghost.ablate_rules cnn
 """
-import sys, time, statistics, os, contextlib
+import sys, time, statistics, os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf, keras
 from bench import step_time as st
 from tf_dp.dp_query import gaussian_query as gq
 from tf_dp.gradients.ghost import rules as R
-from tf_dp.gradients.ghost.factors import PerExample, Outer
+from tf_dp.gradients.ghost.factors import PerExample
 model_name = sys.argv[1] if len(sys.argv) > 1 else "cnn"
 ds = st.dataset(model_name, 256)
 def zero_noise(gen, values, sds): return values

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 from scipy import optimize, special
 
 __all__ = ["mu_poisson", "mu_uniform", "delta_from_mu", "epsilon_from_mu", "reduced_noise"]

@@ -22,8 +22,7 @@ JL) use without materialising per-example gradients.
 
 Example::
 
-    import numpy as np
-import tensorflow as tf
+    import tensorflow as tf
     import tf_dp
 
     query = tf_dp.GaussianSumQuery(l2_norm_clip=1.0, stddev=1.1)
@@ -38,8 +37,9 @@ import tensorflow as tf
 from __future__ import annotations
 
 import abc
-from typing import Optional, Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
+import numpy as np
 import tensorflow as tf
 
 

@@ -36,7 +36,7 @@ from typing import Any, Optional, Sequence
 
 import keras
 
-from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
+from tf_dp.ledger.events import SampleEntry
 from tf_dp.ledger.ledger_file import read_ledger_file
 
 _logger = logging.getLogger("tf_dp")

@@ -18,9 +18,16 @@ Format (version 1)::
     }
 
 Files are written atomically (temporary file in the same directory, fsync, rename), so a reader
-never sees half a file. A file that fails to parse, has a different format/version, a bad checksum
-(edited or truncated), or events outside their valid ranges is rejected with
-:class:`LedgerFileError` naming the problem; nothing is half-read.
+never sees half a file. A rewritten file keeps the permission bits of the file it replaces; a new
+file gets ``0666`` less the process's umask (``0644`` with the usual umask ``022``), like any file
+``open`` creates. A file that fails to parse, has a different format/version, a bad checksum, or
+events outside their valid ranges is rejected with :class:`LedgerFileError` naming the problem;
+nothing is half-read.
+
+The SHA-256 checksum detects corruption and accidental edits (a truncated copy, a changed digit).
+It is not a signature: anyone who edits the file on purpose can recompute it, so it does not
+protect a ledger against deliberate tampering. Keep ledgers where only trusted people can write,
+or sign them separately.
 
 This module is pure Python so that the accountants and command-line tools can read ledgers without
 TensorFlow.
@@ -31,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
@@ -41,7 +49,8 @@ FORMAT_VERSION = 1
 
 
 class LedgerFileError(ValueError):
-    """A ledger file could not be read: missing, malformed, edited, truncated or from another version."""
+    """A ledger file could not be read: missing, malformed, corrupted (bad checksum), truncated or
+    from another version."""
 
 
 def _canonical(payload: Mapping[str, Any]) -> bytes:
@@ -105,7 +114,9 @@ def payload_to_entries(payload: Any) -> list[SampleEntry]:
     except (TypeError, ValueError) as e:
         raise LedgerFileError(f"ledger file holds values that are not valid JSON numbers: {e}")
     if payload.get("sha256") != digest:
-        raise LedgerFileError("ledger checksum mismatch: the file was edited or corrupted")
+        raise LedgerFileError(
+            "ledger checksum mismatch: the file was corrupted or edited after it was written"
+        )
     entries: list[SampleEntry] = []
     try:
         for run in payload["runs"]:
@@ -142,17 +153,45 @@ def payload_to_entries(payload: Any) -> list[SampleEntry]:
     return entries
 
 
+def _current_umask() -> int:
+    try:  # Linux: read it without changing it (os.umask would, briefly, for every thread)
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _file_mode(path: str) -> int:
+    """The permission bits for a ledger written to ``path``: those of the file it replaces, or
+    ``0666`` less the umask for a new file (what ``open`` would give it)."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return 0o666 & ~_current_umask()
+
+
 def write_ledger_file(
     path: str | os.PathLike,
     entries: Sequence[SampleEntry],
     metadata: Optional[Mapping[str, Any]] = None,
 ) -> None:
-    """Writes ``entries`` to ``path`` atomically."""
+    """Writes ``entries`` to ``path`` atomically, keeping the permission bits of a file it
+    replaces (a new file: ``0666`` less the umask)."""
     data = json.dumps(entries_to_payload(entries, metadata), indent=1, allow_nan=False)
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
+    mode = _file_mode(path)
     fd, tmp = tempfile.mkstemp(prefix=".ledger-", suffix=".tmp", dir=directory)
     try:
+        if hasattr(os, "fchmod"):  # mkstemp creates the file 0600
+            os.fchmod(fd, mode)
+        else:  # pragma: no cover (Windows)
+            os.chmod(tmp, mode)
         with os.fdopen(fd, "w") as f:
             f.write(data)
             f.flush()

@@ -16,8 +16,10 @@ factors into things the forward and backward passes already computed. Signature:
   :mod:`tf_dp.gradients.ghost.factors`: ``Outer(a, g)`` (gradient ``sum_t a_t g_t^T``),
   ``Rows(ids, g, num_rows)`` (embedding tables) or ``PerExample(grads)`` (materialised, for small
   variables). The strategy derives the per-example norms, the cross terms between several calls,
-  and the clipped sum from these factors. Variables of the layer the rule leaves out get their
-  per-example gradients from the vectorized fallback.
+  and the clipped sum from these factors. A rule must return a factor for every trainable
+  variable of its layer: the strategy raises a ``ValueError`` naming the variables a rule left
+  out. (A layer whose class has no rule, or whose ``supports`` refuses it, is not an error: all its
+  variables get per-example gradients from the vectorized fallback.)
 
 Register with :func:`register_layer_norm_rule`; the built-in rules for ``Dense``, ``EinsumDense``,
 ``Conv1D``, ``Conv2D``, ``Embedding``, ``LayerNormalization`` and ``GroupNormalization`` are
@@ -39,7 +41,6 @@ Example (a layer computing ``x * scale`` elementwise, ``scale`` of shape ``[d]``
 from __future__ import annotations
 
 import dataclasses
-import string
 from typing import Any, Callable, Optional, Sequence
 
 import keras
