@@ -31,6 +31,11 @@ setup(
             "dp-accounting>=0.4,<0.7",
             "scikit-learn>=1.3",
             "ruff>=0.5",
+            # tests/test_notebooks.py executes tutorials/*.ipynb (which plot with matplotlib)
+            "nbclient>=0.7",
+            "nbformat>=5.7",
+            "ipykernel>=6.0",
+            "matplotlib>=3.7",
         ],
         "tutorials": [
             "matplotlib>=3.7",

@@ -1,0 +1,148 @@
+"""The tutorial notebooks: stored clean, badge and set-up cell, and executed top to bottom.
+
+Every ``tutorials/*.ipynb`` is run in small mode (``TF_DP_TUTORIAL_SMALL=1``) in a fresh kernel
+(nbclient + ipykernel), with matplotlib's Agg backend, on real data: Debian's Fashion-MNIST when
+it is installed, otherwise a small real set in the same format (scikit-learn's digits, see
+``tests/idx_fixtures.py``). No MNIST download is attempted. After the notebook, one extra cell
+prints the values the checks below read (accuracy, epsilon, ...) as JSON.
+"""
+
+import glob
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+
+from tests.idx_fixtures import write_digits_idx
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TUTORIALS = os.path.join(ROOT, "tutorials")
+DEBIAN_FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(TUTORIALS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+colab = _load("_colab")
+builder = _load("_build_notebooks")
+
+NOTEBOOKS = sorted(glob.glob(os.path.join(TUTORIALS, "*.ipynb")))
+NAMES = [os.path.basename(p)[: -len(".ipynb")] for p in NOTEBOOKS]
+
+# What each notebook must have produced: a cell printing JSON, and checks of its values.
+CHECKS = {
+    "classification_privacy": (
+        "import json, math\n"
+        "print(json.dumps({'accuracy': float(test_accuracy), 'epsilon': float(final_epsilon),"
+        " 'budget': float(TARGET_EPSILON), 'spent': float(budget.epsilon_spent),"
+        " 'history_eps': [float(e) for e in history.history['epsilon']],"
+        " 'sweep': [[float(v) for v in row] for row in sweep],"
+        " 'baseline': float(baseline_accuracy),"
+        " 'accountants': {k: [r.epsilon, r.certified] for k, r in results.items()}}))"
+    ),
+}
+
+
+def _check_classification_privacy(values):
+    assert 0.2 < values["accuracy"] <= 1.0  # 10 classes: chance is 0.1
+    assert math.isfinite(values["epsilon"]) and 0 < values["epsilon"] <= values["budget"]
+    assert values["spent"] <= values["budget"]
+    eps = values["history_eps"]
+    assert len(eps) >= 1 and all(b > a for a, b in zip(eps, eps[1:]))  # grows epoch by epoch
+    acc = values["accountants"]
+    assert acc["gdp"][1] is False and all(acc[k][1] for k in ("rdp", "moments", "pld"))
+    assert acc["pld"][0] <= acc["rdp"][0] <= acc["moments"][0]
+    sweep = values["sweep"]
+    assert [s for s, _, _ in sweep] == sorted(s for s, _, _ in sweep)
+    epsilons = [e for _, e, _ in sweep]
+    assert all(b < a for a, b in zip(epsilons, epsilons[1:]))  # more noise, smaller epsilon
+    assert all(0.1 < a <= 1.0 for _, _, a in sweep)
+    assert values["baseline"] > 0.2
+
+
+VALIDATORS = {"classification_privacy": _check_classification_privacy}
+
+
+def test_every_notebook_has_a_source_and_is_up_to_date():
+    assert NAMES, "no notebook in tutorials/"
+    assert set(NAMES) == set(builder.available())
+    for name in NAMES:
+        expected = nbformat.writes(builder.build(name))
+        with open(builder.notebook_path(name), encoding="utf-8") as f:
+            stored = f.read()
+        assert stored.rstrip("\n") == expected.rstrip("\n"), (
+            f"{name}.ipynb differs from tutorials/_nb_{name}.py: run "
+            "python tutorials/_build_notebooks.py"
+        )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_is_stored_without_outputs(name):
+    nb = nbformat.read(builder.notebook_path(name), as_version=4)
+    nbformat.validate(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [], f"{name}: a code cell has outputs"
+            assert cell.execution_count is None, f"{name}: a code cell has an execution count"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_opens_with_its_colab_badge_and_has_the_set_up_cell(name):
+    nb = nbformat.read(builder.notebook_path(name), as_version=4)
+    first = nb.cells[0]
+    assert first.cell_type == "markdown"
+    url = colab.colab_url(f"{name}.ipynb")
+    assert url.startswith(f"https://colab.research.google.com/github/{colab.GITHUB_REPOSITORY}/")
+    assert url.endswith(f"/blob/{colab.BRANCH}/tutorials/{name}.ipynb")
+    assert first.source == colab.badge_markdown(f"{name}.ipynb")
+    setup = [c for c in nb.cells if c.cell_type == "code" and "find_spec(\"tf_dp\")" in c.source]
+    assert len(setup) == 1, f"{name}: no set-up cell"
+    assert colab.pip_requirement() in setup[0].source
+    assert colab.REPOSITORY_URL in setup[0].source
+    # The set-up cell comes before any other code.
+    first_code = next(c for c in nb.cells if c.cell_type == "code")
+    assert first_code is setup[0]
+    # A parameters cell reads the small-size switch.
+    assert any("TF_DP_TUTORIAL_SMALL" in c.source and "parameters" in c.metadata.get("tags", [])
+               for c in nb.cells if c.cell_type == "code")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    if os.path.isfile(os.path.join(DEBIAN_FASHION_MNIST, "train-labels-idx1-ubyte.gz")):
+        return DEBIAN_FASHION_MNIST
+    directory = str(tmp_path_factory.mktemp("digits_idx"))
+    write_digits_idx(directory)
+    return directory
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_runs_top_to_bottom_in_small_mode(name, data_dir, tmp_path, monkeypatch):
+    nb = nbformat.read(builder.notebook_path(name), as_version=4)
+    check = CHECKS.get(name)
+    if check is not None:
+        nb.cells.append(nbformat.v4.new_code_cell(check))
+    monkeypatch.setenv("TF_DP_TUTORIAL_SMALL", "1")
+    monkeypatch.setenv("TF_DP_TUTORIAL_DATA_DIR", data_dir)
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
+    monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    client = nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
+    client.execute()
+    if check is None:
+        return
+    outputs = nb.cells[-1].outputs
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    values = json.loads(text.strip().splitlines()[-1])
+    VALIDATORS[name](values)
