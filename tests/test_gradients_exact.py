@@ -138,7 +138,7 @@ def reference_grads(model, x, y, sw=None, groups=None):
             rows = len(idx) if sw is None else max(int(np.count_nonzero(sw[idx])), 1)
             loss = tf.reduce_sum(loss) / rows
         grads = tape.gradient(loss, model.trainable_variables)
-        out.append([np.asarray(g) for g in grads])
+        out.append([np.asarray(tf.convert_to_tensor(g)) for g in grads])  # IndexedSlices too
     return out
 
 

@@ -17,6 +17,16 @@ randomly assigned microbatches under add/remove adjacency), and ``y_pred`` and t
 losses for metrics.
 
 Strategies never add noise: the DP optimizer's query does (``get_noised_result``).
+
+Non-finite records. Clipping bounds a record only if its gradient is finite: ``min(1, C/||g||)``
+of a NaN gradient is NaN, and ``0 * NaN`` is NaN, so one NaN or inf in one example would make the
+whole sum (and every weight after the update) NaN. Every strategy therefore gives a record whose
+per-example loss or gradient norm is not finite clip weight 0 (:func:`record_weights`) and
+*removes* it from the sum by selection, never by multiplying it by 0 (:func:`weighted_sum`).
+Strategies whose sum goes through a backward pass shared by several records (a microbatch, JL's
+weighted backward pass) re-run that pass with the bad records replaced by copies of a kept record
+of weight 0 (:func:`fill_rows`): NaN activations of one record would otherwise reach every
+parameter gradient. The clipped sum is then exactly the clipped sum of the other records.
 """
 
 from __future__ import annotations
@@ -65,9 +75,123 @@ def squared_norms_of(per_example_grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
 
 
 def weighted_sum(weights: tf.Tensor, per_example_grads: tf.Tensor) -> tf.Tensor:
-    """``sum_i w_i g_i`` for ``g`` of shape ``[B, ...]``."""
+    """``sum_i w_i g_i`` for ``g`` of shape ``[B, ...]``, where records of weight 0 add exactly 0.
+
+    A record of weight 0 may have a NaN or inf gradient (see :func:`record_weights`); ``0 * NaN``
+    is NaN, so such rows are selected out (``tf.where``), not multiplied by 0. The selection runs
+    only in steps that have a zero weight.
+    """
     w = tf.cast(weights, per_example_grads.dtype)
-    return tf.tensordot(w, per_example_grads, axes=1)
+    return tf.tensordot(w, zero_rows(tf.not_equal(w, 0), per_example_grads), axes=1)
+
+
+def zero_rows(keep: tf.Tensor, t: Any) -> Any:
+    """``t`` (a ``[B, ...]`` tensor or a list of them) with the rows where ``keep`` (``[B]``
+    bool) is False set to exactly 0. Skips the selection (a conditional) when every row is kept.
+    """
+    ts = list(t) if isinstance(t, (list, tuple)) else [t]
+
+    def select():
+        out = []
+        for x in ts:
+            shape = tf.concat([tf.shape(keep), tf.ones([tf.rank(x) - 1], tf.int32)], 0)
+            out.append(tf.where(tf.reshape(keep, shape), x, tf.zeros_like(x)))
+        return out
+
+    out = tf.cond(tf.reduce_all(keep), lambda: [tf.identity(x) for x in ts], select)
+    out = [tf.ensure_shape(o, x.shape) for o, x in zip(out, ts)]
+    return out if isinstance(t, (list, tuple)) else out[0]
+
+
+def finite_records(squared_norms: Any, losses: Any = None) -> tf.Tensor:
+    """``[B]`` bool: records whose squared norm (every leaf) and loss (if given) are finite.
+
+    ``losses`` may be ``[B]`` or ``[B, k]`` (e.g. the slots of a microbatch: all must be finite).
+    """
+    leaves = [tf.cast(s, tf.float32) for s in tf.nest.flatten(squared_norms)]
+    keep = tf.math.is_finite(tf.add_n(leaves))  # NaN or inf in any leaf makes the sum non-finite
+    if losses is not None:
+        lf = tf.math.is_finite(tf.cast(losses, tf.float32))
+        if lf.shape.rank is not None and lf.shape.rank > 1:
+            lf = tf.reduce_all(tf.reshape(lf, [tf.shape(lf)[0], -1]), axis=1)
+        keep = tf.logical_and(keep, lf)
+    return keep
+
+
+def record_weights(query, params, squared_norms: Any, losses: Any = None, keep: Any = None):
+    """The query's clip weights, with weight exactly 0 for every non-finite record.
+
+    A record whose loss or squared norm (in any leaf) is NaN or inf gets weight 0 in every leaf,
+    whatever the query's own rule does with a non-finite norm. ``keep`` (``[B]`` bool), if given,
+    further restricts the records kept. Returns ``(weights, keep)``.
+    """
+    finite = finite_records(squared_norms, losses)
+    keep = finite if keep is None else tf.logical_and(finite, keep)
+    # the query never sees a non-finite norm: a NaN could break rules that compare norms
+    safe = tf.nest.map_structure(
+        lambda s: tf.where(keep, s, tf.zeros_like(s)), squared_norms
+    )
+    weights = query.clip_weights(params, safe)
+    weights = tf.nest.map_structure(
+        lambda w: tf.where(keep, w, tf.zeros_like(w)), weights
+    )
+    return weights, keep
+
+
+def fill_rows(data: Any, replace: tf.Tensor, source: tf.Tensor) -> tuple[Any, tf.Tensor]:
+    """Replaces the rows where ``replace`` is True by a copy of the first row where ``source`` is.
+
+    For a backward pass shared by several records: a record that must contribute nothing is
+    swapped for a copy of a record that gives finite values, and is given weight 0 by the caller
+    (its contribution is then ``0 * finite = 0``). ``data`` is any structure of ``[B, ...]``
+    tensors (``None`` leaves stay ``None``). Without any source row, rows are left as they are
+    (the caller must discard the result). Returns ``(data, has_source)``.
+    """
+    b = tf.shape(replace)[0]
+    has_source = tf.reduce_any(source)
+    first = tf.cast(tf.argmax(tf.cast(source, tf.int32)), tf.int32)
+    rows = tf.range(b)
+    index = tf.where(tf.logical_and(replace, has_source), tf.fill([b], first), rows)
+
+    def take(t):
+        return None if t is None else tf.gather(t, index)
+
+    return tf.nest.map_structure(take, data), has_source
+
+
+def finite_rows(x: Any) -> tf.Tensor:
+    """``[B]`` bool: rows of ``x`` whose floating-point features are all finite."""
+    leaves = tf.nest.flatten(x)
+    keep = tf.ones([tf.shape(leaves[0])[0]], tf.bool)
+    for t in leaves:
+        t = tf.convert_to_tensor(t)
+        if t.dtype.is_floating:
+            f = tf.math.is_finite(t)
+            keep = tf.logical_and(keep, tf.reduce_all(tf.reshape(f, [tf.shape(f)[0], -1]), 1))
+    return keep
+
+
+def fill_padding_rows(data: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+    """Rows of sample weight 0 (e.g. the zero rows that pad Poisson batches) as copies of a real row.
+
+    A row of zeros need not be a valid input (e.g. a sequence of padding tokens only: a masked
+    mean over no time step is ``0/0``); its weight of 0 does not stop its NaN from reaching a
+    backward pass or a loss metric, since ``0 * NaN`` is NaN. A copy of a real row (the first of
+    non-zero weight with finite features) computes finite values, and its weight 0 still makes
+    its contribution exactly 0. Metrics already leave rows of weight 0 out.
+    """
+    x, y, sw = data
+    leaves = [tf.convert_to_tensor(w) for w in tf.nest.flatten(sw) if w is not None]
+    if not leaves:
+        return data
+    # a row is padding when every weight it has (one per output, for per-output weights) is 0
+    pad = None
+    for w in leaves:
+        zero = tf.reduce_all(tf.equal(tf.reshape(w, [tf.shape(w)[0], -1]), 0), axis=1)
+        pad = zero if pad is None else tf.logical_and(pad, zero)
+    source = tf.logical_and(tf.logical_not(pad), finite_rows(x))
+    (x, y), _ = fill_rows((x, y), pad, source)
+    return x, y, sw
 
 
 def global_norms(squared_norms: Sequence[tf.Tensor]) -> tf.Tensor:

@@ -15,6 +15,18 @@ on the same assignment), so exactly one microbatch's clipped mean changes, by at
 Sensitivity recorded in the ledger: ``2C`` (a microbatch of the neighbouring batch may hold
 several examples, whatever the sizes in this batch). For ``C``, clip every example on its own
 (``num_microbatches=None``).
+
+Slots that hold no example of the microbatch -- the empty slots of a microbatch smaller than the
+largest one, and rows of sample weight 0 such as Poisson padding -- are computed as copies of a
+real example of the *same* microbatch, with weight 0: a row of zeros need not be a valid input
+(a sequence of padding tokens only gives a masked mean of ``0/0`` = NaN), and since the examples of
+a microbatch share one backward pass, ``0 * NaN`` would make the whole microbatch's gradient NaN.
+
+Non-finite records: an example whose loss is NaN or inf is left out of its microbatch (the
+microbatch's backward pass is re-run without it, in steps that have such an example): the
+microbatch's mean is over its other examples. A microbatch whose mean gradient is still not
+finite (e.g. a finite loss with a non-finite gradient), or that holds no example, gets clip weight
+0 and adds exactly 0 to the clipped sum (selected out, not multiplied by 0).
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ import tensorflow as tf
 from tf_dp.dp_query.xla import in_xla_context
 from tf_dp.dp_query.noise import make_generator
 from tf_dp.gradients import base
-from tf_dp.gradients.vectorized import fast_pfor_converters
+from tf_dp.gradients.vectorized import map_records
 
 
 class MicrobatchStrategy(base.GradientStrategy):
@@ -83,31 +95,32 @@ class MicrobatchStrategy(base.GradientStrategy):
         )
         return index, position
 
-    def clipped_sum(self, loss_fn, data, variables, query, params) -> base.ClippedGradients:
-        x, y, sw = data
-        m = self.num_microbatches
-        b = base.batch_size_of(x)
-        ids = self.assignment(b)
-        index, position = self.layout(ids)
-        if sw is not None:
-            weight = tf.cast(tf.reshape(sw, [b]), tf.float32)
-        else:
-            weight = tf.ones([b], tf.float32)
+    def _gradients(self, loss_fn, x, y, weight, index, tf_vars):
+        """Per-microbatch mean gradients for the rows of non-zero ``weight`` (``[B]``).
+
+        Returns ``(grads [M, ...] per variable, y_pred [M, cap, ...], losses [M, cap], counts [M])``.
+        """
+        padded_w = tf.concat([weight, tf.zeros([1], weight.dtype)], 0)
+        ws = tf.gather(padded_w, index)  # [M, cap]; empty slots get weight 0
+        real = tf.not_equal(ws, 0.0)
+        # A microbatch's mean is over its rows of non-zero weight: empty slots and zero-weight
+        # rows (e.g. Poisson padding) do not dilute it. Clipping bounds the record either way, so
+        # the count does not affect the sensitivity.
+        counts = tf.reduce_sum(tf.cast(real, tf.float32), axis=1)
+        # Every other slot reads the microbatch's first real row (weight 0, so it adds 0 * a
+        # finite gradient); a microbatch with no real row keeps its slots and gets weight 0.
+        first = tf.argmax(tf.cast(real, tf.int32), axis=1, output_type=tf.int32)
+        filler = tf.gather(index, first, batch_dims=1)  # [M]
+        slot_index = tf.where(real, index, filler[:, None])
 
         def group(t):
             if t is None:
                 return None
             padded = tf.concat([t, tf.zeros(tf.concat([[1], tf.shape(t)[1:]], 0), t.dtype)], 0)
-            return tf.gather(padded, index)  # [M, cap, ...]; empty slots read the zero row
+            return tf.gather(padded, slot_index)  # [M, cap, ...]
 
         xs = tf.nest.map_structure(group, x)
         ys = tf.nest.map_structure(group, y)
-        ws = group(weight)  # empty slots get weight 0
-        # A microbatch's mean is over its rows of non-zero weight: empty slots and zero-weight
-        # rows (e.g. Poisson padding) do not dilute it. Clipping bounds the record either way, so
-        # the count does not affect the sensitivity.
-        counts = tf.reduce_sum(tf.cast(tf.not_equal(ws, 0.0), tf.float32), axis=1)
-        tf_vars = base.as_tf_variables(variables)
 
         def one(mb):
             mx, my, mw, count = mb
@@ -117,16 +130,46 @@ class MicrobatchStrategy(base.GradientStrategy):
             grads = tape.gradient(loss, tf_vars, unconnected_gradients="zero")
             return [tf.convert_to_tensor(g) for g in grads], y_pred, losses
 
-        with fast_pfor_converters():
-            per_mb, y_pred, losses = tf.vectorized_map(
-                one, (xs, ys, ws, counts), fallback_to_while_loop=True
-            )
-        sq = base.squared_norms_of(per_mb)
-        weights = query.clip_weights(params, sq)
-        clipped = [base.weighted_sum(w, g) for w, g in zip(weights, per_mb)]
+        per_mb, y_pred, losses = map_records(
+            one, (xs, ys, ws, counts), getattr(loss_fn, "model", None), what="microbatch"
+        )
+        return per_mb, y_pred, losses, counts
+
+    def clipped_sum(self, loss_fn, data, variables, query, params) -> base.ClippedGradients:
+        data = base.fill_padding_rows(data)  # finite predictions and losses for metrics
+        x, y, sw = data
+        m = self.num_microbatches
+        b = base.batch_size_of(x)
+        ids = self.assignment(b)
+        index, position = self.layout(ids)
+        if sw is not None:
+            weight = tf.cast(tf.reshape(sw, [b]), tf.float32)
+        else:
+            weight = tf.ones([b], tf.float32)
+        tf_vars = base.as_tf_variables(variables)
+        per_mb, y_pred, losses, counts = self._gradients(loss_fn, x, y, weight, index, tf_vars)
         slots = tf.stack([ids, position], axis=1)  # back to the batch's order
         y_pred = tf.nest.map_structure(lambda t: tf.gather_nd(t, slots), y_pred)
         losses = tf.gather_nd(losses, slots)
+
+        # Examples with a non-finite loss: their NaN reached their microbatch's shared backward
+        # pass. Re-run those passes without them (only in steps that have one).
+        # An input feature that is not finite can give a finite loss and a non-finite gradient
+        # (e.g. tanh saturates): such examples are left out too.
+        finite = tf.logical_and(tf.math.is_finite(losses), base.finite_rows(x))
+        bad = tf.logical_and(tf.not_equal(weight, 0.0), tf.logical_not(finite))
+
+        def without_bad():
+            w = tf.where(bad, tf.zeros_like(weight), weight)
+            grads, _, _, c = self._gradients(loss_fn, x, y, w, index, tf_vars)
+            return grads, c
+
+        per_mb, counts = tf.cond(
+            tf.reduce_any(bad), without_bad, lambda: ([tf.identity(g) for g in per_mb], counts)
+        )
+        sq = base.squared_norms_of(per_mb)
+        weights, _ = base.record_weights(query, params, sq, keep=tf.greater(counts, 0))
+        clipped = [base.weighted_sum(w, g) for w, g in zip(tf.nest.flatten(weights), per_mb)]
         multiplier = 2.0
         return base.ClippedGradients(
             clipped_sum=clipped,

@@ -20,6 +20,21 @@ Two things keep it fast:
   batched matmul, Rochette et al. 2019 style); other ops and formats keep TensorFlow's converter.
   This uses TensorFlow's internal ``pfor`` converter registry; if that changes, the strategy falls
   back to TensorFlow's default (same results, slower) -- tests compare both with a slow reference.
+
+Recurrent layers: Keras 3's ``LSTM``/``GRU``/``SimpleRNN`` run a ``tf.while_loop``, and
+``tf.vectorized_map`` cannot vectorise the gradient of that loop with respect to its inputs (a
+``TypeError`` about ``dtype variant`` on TF 2.21, e.g. for ``Embedding`` + ``LSTM``). While the
+per-example gradients are traced, such layers run unrolled (``unroll=True``, the same
+computation as a Python loop over the time steps), which vectorises. Where that fails too (a
+sequence length unknown when tracing, or any other op that ``vectorized_map`` cannot convert), the
+per-example gradients are computed one example after another in a ``tf.while_loop`` (same values,
+slower; logged once at INFO level).
+
+Non-finite records: an example whose loss or gradient norm is NaN or inf gets clip weight 0 and
+adds exactly 0 to the clipped sum (selected out, not multiplied by 0; see
+:mod:`tf_dp.gradients.base`). Rows of sample weight 0 (Poisson padding) are computed as copies of
+a real row, so that padding which is not a valid input (e.g. padding tokens only) does not give
+NaN losses.
 """
 
 from __future__ import annotations
@@ -116,6 +131,101 @@ def fast_pfor_converters():
             registry["Conv2DBackpropFilter"] = original
 
 
+# -- recurrent layers and a sequential fallback -----------------------------------------------------
+
+
+def _walk_layers(model: Any) -> list:
+    flatten = getattr(model, "_flatten_layers", None)
+    if flatten is None:
+        return []
+    return list(flatten(include_self=True, recursive=True))
+
+
+def looping_rnns(model: Any) -> list:
+    """The Keras recurrent layers of ``model`` that run a ``tf.while_loop`` (``unroll=False``)."""
+    if model is None:
+        return []
+    import keras  # local: the gradients layer does not otherwise need Keras
+
+    return [
+        layer
+        for layer in _walk_layers(model)
+        if isinstance(layer, keras.layers.RNN) and not getattr(layer, "unroll", True)
+    ]
+
+
+@contextlib.contextmanager
+def unrolled(rnns: Sequence[Any]):
+    """While active (tracing only), the given Keras recurrent layers run unrolled."""
+    if not rnns:
+        yield
+        return
+    with _PATCH_LOCK:
+        for layer in rnns:
+            layer.unroll = True
+        try:
+            yield
+        finally:
+            for layer in rnns:
+                layer.unroll = False
+
+
+_LOGGED_FALLBACK: set = set()
+
+
+def map_records(fn, elems: Any, model: Any = None, fast_conv: bool = True, what: str = "records"):
+    """``fn`` over the leading axis of ``elems``, stacked: ``tf.vectorized_map`` where it can.
+
+    Tries, in order: ``tf.vectorized_map`` (with the fast convolution converter); the same with the
+    model's recurrent layers unrolled, if it has looping ones; and finally a ``tf.while_loop`` over
+    the records, one at a time (same values, slower). Trace-time failures only: a model that fails
+    every route raises the error of the sequential route.
+    """
+    converters = fast_pfor_converters if fast_conv else contextlib.nullcontext
+    rnns = looping_rnns(model)
+    errors = []
+    # a looping RNN under vectorized_map fails whenever its input needs a gradient: go straight to
+    # the unrolled route
+    attempts = [rnns] if rnns else [[]]
+    for unroll in attempts:
+        try:
+            with converters(), unrolled(unroll):
+                return tf.vectorized_map(fn, elems, fallback_to_while_loop=True)
+        except (TypeError, ValueError, NotImplementedError) as e:
+            errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+    key = (id(model), what)
+    if key not in _LOGGED_FALLBACK:
+        _LOGGED_FALLBACK.add(key)
+        _logger.info(
+            "tf_dp: tf.vectorized_map cannot compute per-%s gradients of model %r (%s); computing "
+            "them one after another instead",
+            what,
+            getattr(model, "name", None),
+            "; ".join(errors),
+        )
+    return sequential_map(fn, elems)
+
+
+def sequential_map(fn, elems: Any):
+    """``fn`` over the leading axis of ``elems`` in a ``tf.while_loop``, outputs stacked.
+
+    The first record is computed outside the loop (to learn the outputs' structure); at least one
+    record is needed.
+    """
+    n = tf.shape(tf.nest.flatten(elems)[0])[0]
+    first = fn(tf.nest.map_structure(lambda t: t[0], elems))
+    tas = tf.nest.map_structure(
+        lambda t: tf.TensorArray(t.dtype, size=n, element_shape=t.shape).write(0, t), first
+    )
+
+    def body(i, tas):
+        out = fn(tf.nest.map_structure(lambda t: t[i], elems))
+        return i + 1, tf.nest.map_structure(lambda ta, t: ta.write(i, t), tas, out)
+
+    _, tas = tf.while_loop(lambda i, _: i < n, body, (tf.constant(1), tas))
+    return tf.nest.map_structure(lambda ta: ta.stack(), tas)
+
+
 # -- the strategy -----------------------------------------------------------------------------------
 
 
@@ -180,8 +290,12 @@ class VectorizedStrategy(base.GradientStrategy):
             return grads, y_pred, loss
 
         elems = (x, y) if sw is None else (x, y, sw)
-        with self._converters():
-            return tf.vectorized_map(one, elems, fallback_to_while_loop=self._fallback)
+        if not self._fallback:
+            with self._converters():
+                return tf.vectorized_map(one, elems, fallback_to_while_loop=False)
+        return map_records(
+            one, elems, getattr(loss_fn, "model", None), self._fast_conv, what="example"
+        )
 
     def chunk_size(self, variables: Sequence[Any]) -> Optional[int]:
         """Examples per chunk for these variables (``None``: the whole batch at once)."""
@@ -195,22 +309,23 @@ class VectorizedStrategy(base.GradientStrategy):
             params += n
         return max(1, self._chunk_bytes // max(1, 4 * params))
 
-    def _clip_and_sum(self, per_example, query, params, real=None):
+    def _clip_and_sum(self, per_example, losses, query, params, real=None):
         sq = base.squared_norms_of(per_example)
-        weights = query.clip_weights(params, sq)
-        if real is not None:  # padding examples contribute nothing
-            weights = tf.nest.map_structure(lambda w: w * real, weights)
+        # padding examples of a chunk contribute nothing; nor do non-finite records
+        keep = None if real is None else tf.greater(real, 0)
+        weights, _ = base.record_weights(query, params, sq, losses, keep)
         clipped = [base.weighted_sum(w, g) for w, g in zip(tf.nest.flatten(weights), per_example)]
         return clipped, sq
 
     def clipped_sum(self, loss_fn, data, variables, query, params) -> base.ClippedGradients:
+        data = base.fill_padding_rows(data)
         x, y, sw = data
         b = base.batch_size_of(x)
         chunk = self.chunk_size(variables)
         static_b = tf.nest.flatten(x)[0].shape[0]
         if chunk is None or (static_b is not None and static_b <= chunk):
             per_example, y_pred, losses = self.per_example_gradients(loss_fn, data, variables)
-            clipped, sq = self._clip_and_sum(per_example, query, params)
+            clipped, sq = self._clip_and_sum(per_example, losses, query, params)
             return base.ClippedGradients(
                 clipped_sum=clipped,
                 norms=base.global_norms(sq),
@@ -252,7 +367,7 @@ class VectorizedStrategy(base.GradientStrategy):
             per_example, y_pred, losses = self.per_example_gradients(
                 loss_fn, (cx, cy, csw), variables
             )
-            clipped, sq = self._clip_and_sum(per_example, query, params, real[i])
+            clipped, sq = self._clip_and_sum(per_example, losses, query, params, real[i])
             acc = [a + tf.cast(c, a.dtype) for a, c in zip(acc, clipped)]
             sq_ta = sq_ta.write(i, tf.add_n([tf.cast(s, tf.float32) for s in sq]))
             loss_ta = loss_ta.write(i, tf.cast(losses, tf.float32))

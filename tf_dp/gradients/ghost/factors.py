@@ -20,6 +20,10 @@ factors (book-keeping, Bu et al. 2022), so the clipped record is exactly the vec
 measured. A layer called several times (shared weights) contributes one factor per call; factors of
 one variable are concatenated along ``T`` (or summed, for :class:`PerExample`), which gives the
 exact norm of the summed per-example gradient, cross terms between calls included.
+
+The weighted sums select records of weight 0 out of the factors (``tf.where``) instead of
+multiplying them by 0: a non-finite record (weight 0) may have NaN or inf factors, and 0 * NaN is
+NaN. A record's factors hold only its own values, so its NaN does not reach other records.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import dataclasses
 from typing import Optional, Sequence
 
 import tensorflow as tf
+
+from tf_dp.gradients.base import weighted_sum, zero_rows
 
 
 def _f32(t: tf.Tensor) -> tf.Tensor:
@@ -194,9 +200,7 @@ def squared_norm_and_sum(f, variable_shape):
     if isinstance(f, PerExample):
         grads = f.grads
         sq = tf.reduce_sum(tf.reshape(tf.square(grads), [tf.shape(grads)[0], -1]), axis=1)
-        return sq, lambda w: tf.reshape(
-            tf.tensordot(tf.cast(w, grads.dtype), grads, axes=1), variable_shape
-        )
+        return sq, lambda w: tf.reshape(weighted_sum(w, grads), variable_shape)
     if isinstance(f, Outer):
         a, g = f.a, f.g
         if a.shape[1] == 1:
@@ -210,8 +214,7 @@ def squared_norm_and_sum(f, variable_shape):
         m = _per_example_dc(f)  # [B, D, C]
         sq = tf.reduce_sum(tf.square(m), axis=[1, 2])
         return sq, lambda w: _to_variable(
-            tf.transpose(tf.tensordot(tf.cast(w, m.dtype), m, axes=1)), f, variable_shape,
-            batched=False,
+            tf.transpose(weighted_sum(w, m)), f, variable_shape, batched=False
         )
     if isinstance(f, Rows):
         return _rows_sq(f), lambda w: _rows_weighted(f, w, variable_shape)
@@ -219,8 +222,10 @@ def squared_norm_and_sum(f, variable_shape):
 
 
 def _outer_weighted(f: Outer, w: tf.Tensor, variable_shape) -> tf.Tensor:
-    a, g = f.a, f.g
-    w = tf.cast(w, g.dtype)
+    w = tf.cast(w, f.g.dtype)
+    # records of weight 0 may hold NaN or inf (non-finite records): select them out of both
+    # factors, since 0 * NaN is NaN
+    a, g = zero_rows(tf.not_equal(w, 0), [f.a, f.g])
     if g.shape[2] is not None and a.shape[2] is not None and a.shape[2] < g.shape[2]:
         a = a * w[:, None, None]
     else:
@@ -247,7 +252,8 @@ def _rows_sq(f: Rows) -> tf.Tensor:
 
 
 def _rows_weighted(f: Rows, w: tf.Tensor, variable_shape) -> tf.Tensor:
-    g = f.g * tf.cast(w, f.g.dtype)[:, None, None]
+    w = tf.cast(w, f.g.dtype)
+    g = zero_rows(tf.not_equal(w, 0), f.g) * w[:, None, None]
     d = tf.shape(g)[2]
     out = tf.math.unsorted_segment_sum(
         tf.reshape(g, [-1, d]), tf.reshape(f.ids, [-1]), tf.cast(f.num_rows, tf.int64)

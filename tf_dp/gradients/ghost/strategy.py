@@ -368,6 +368,7 @@ class GhostStrategy(base.GradientStrategy):
         variables = list(variables)
         model = loss_fn.model
         plan = self._plan_for(model, variables)
+        data = base.fill_padding_rows(data)
         x, y, sw = data
 
         with tf.GradientTape() as tape:
@@ -436,7 +437,8 @@ class GhostStrategy(base.GradientStrategy):
             sq, summer = F.squared_norm_and_sum(F.combine(factors, shape), shape)
             squared.append(sq)
             summers.append(summer)
-        weights = query.clip_weights(params, squared)
+        # a record whose loss or norm is not finite gets weight 0 and is selected out of the sums
+        weights, _ = base.record_weights(query, params, squared, losses)
         weights = tf.nest.flatten(weights)
         clipped = [
             tf.cast(summer(w), v.dtype) for summer, w, v in zip(summers, weights, variables)

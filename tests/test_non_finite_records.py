@@ -1,0 +1,128 @@
+"""Non-finite records: a NaN or inf in one example gets clip weight 0 in every gradient mode.
+
+Clipping bounds a record only if its gradient is finite; ``0 * NaN`` is NaN, so a mode that
+multiplies a bad record by 0 instead of selecting it out leaks it into every weight. References:
+the slow per-example loop of ``test_gradients_exact`` over the *other* examples.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dp
+from tf_dp.gradients import MicrobatchStrategy, make_strategy
+from tf_dp.gradients.jl import JLStrategy
+from tests.test_gradients_exact import (
+    HUGE_CLIP,
+    assert_close_list,
+    compiled,
+    conv_model,
+    data,
+    reference_clipped_sum,
+    reference_grads,
+    run,
+    sequential_model,
+    twin_groups,
+)
+
+BAD = {"nan": np.nan, "inf": np.inf}
+
+
+def _poisoned(x, rows, value):
+    x = x.copy()
+    for r in rows:
+        x[r, ...] = 0.0
+        x[r].flat[1] = value  # one feature of the example
+    return x
+
+
+def _strategy(mode, model, seed=0):
+    if mode == "microbatch":
+        return MicrobatchStrategy(4, seed=seed)
+    if mode == "jl":
+        return JLStrategy(jl_projections=2, seed=seed)
+    return make_strategy(mode, model=model)
+
+
+@pytest.mark.parametrize("value", sorted(BAD))
+@pytest.mark.parametrize("mode", ["vectorized", "ghost", "microbatch"])
+@pytest.mark.parametrize("builder", [sequential_model, conv_model])
+def test_a_bad_example_adds_exactly_nothing_to_the_clipped_sum(mode, builder, value):
+    model = compiled(builder())
+    shape = tuple(model.inputs[0].shape[1:])
+    x, y = data(batch=12, shape=shape)
+    bad = [2, 7]
+    xb = _poisoned(x, bad, BAD[value])
+    good = [i for i in range(len(x)) if i not in bad]
+    out = run(_strategy(mode, model, seed=3), model, xb, y, clip=0.3, graph=True)
+    if mode == "microbatch":
+        groups = [[i for i in g if i not in bad] for g in twin_groups(4, len(x), seed=3)]
+        groups = [g for g in groups if g]
+    else:
+        groups = [[i] for i in good]
+    expected, _ = reference_clipped_sum(reference_grads(model, x, y, groups=groups), 0.3)
+    for g in out["clipped_sum"]:
+        assert np.all(np.isfinite(g))
+    assert_close_list(out["clipped_sum"], expected)
+
+
+@pytest.mark.parametrize("value", sorted(BAD))
+def test_jl_gives_a_bad_example_weight_zero(value):
+    # with no clipping, JL's weighted backward pass is the plain sum of the kept examples'
+    # gradients, whatever its norm estimates
+    model = compiled(sequential_model())
+    x, y = data(batch=10)
+    bad = [0, 5]
+    out = run(JLStrategy(jl_projections=2, seed=1), model, _poisoned(x, bad, BAD[value]), y,
+              clip=HUGE_CLIP, graph=True)
+    records = reference_grads(model, x, y, groups=[[i] for i in range(10) if i not in bad])
+    expected = [sum(r[k] for r in records) for k in range(len(records[0]))]
+    assert_close_list(out["clipped_sum"], expected, rtol=1e-4, atol=1e-5)
+    # with clipping, the sum stays finite and bounded by (kept records) * C
+    out = run(JLStrategy(jl_projections=2, seed=1), model, _poisoned(x, bad, BAD[value]), y,
+              clip=0.3, graph=True)
+    total = np.sqrt(sum(float(np.sum(np.square(g))) for g in out["clipped_sum"]))
+    assert np.isfinite(total) and total <= 8 * 0.3 * (1 + 1e-5)
+
+
+@pytest.mark.parametrize(
+    "mode, options",
+    [
+        ("vectorized", {}),
+        ("ghost", {}),
+        ("microbatch", {"num_microbatches": 4}),
+        ("jl", {"jl_projections": 1}),
+        ("auto", {}),
+    ],
+)
+def test_training_on_data_with_a_nan_example_keeps_every_weight_finite(mode, options):
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6)).astype(np.float32)
+    y = rng.integers(0, 3, 64).astype(np.int32)
+    x[5, 2] = np.nan
+    x[40, 0] = np.inf
+    model = tf_dp.keras.make_private(
+        keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                          keras.layers.Dense(3)]))
+    model.compile(
+        optimizer=tf_dp.keras.DPKerasSGDOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=0.1, gradient_mode=mode,
+            **options),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model.fit(tf_dp.data.poisson_batches(x, y, sampling_probability=0.25, seed=0), epochs=2,
+              verbose=0)
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+    opt = model.optimizer
+    assert int(opt.iterations) == len(opt.ledger.samples()) == 8
+    assert int(opt.skipped_steps) == 0  # the step ran without the bad records
+
+
+def test_weighted_sum_selects_rows_out_instead_of_multiplying_by_zero():
+    from tf_dp.gradients.base import weighted_sum
+
+    g = tf.constant([[1.0, 2.0], [np.nan, np.inf], [3.0, 4.0]])
+    out = weighted_sum(tf.constant([0.5, 0.0, 1.0]), g).numpy()
+    np.testing.assert_allclose(out, [3.5, 5.0])
