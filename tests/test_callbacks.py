@@ -209,6 +209,8 @@ def test_ledger_checkpoint_writes_a_ledger_per_epoch(digits, tmp_path):
     [
         (lambda: dpcb.PrivacyReport(delta=0.0), "delta"),
         (lambda: dpcb.PrivacyReport(delta=1e-5, accountant=""), "accountant"),
+        (lambda: dpcb.PrivacyReport(delta=1e-5, accountant="renyi"), "accountant"),
+        (lambda: dpcb.PrivacyBudget(1.0, delta=1e-5, accountant="rpd"), "accountant"),
         (lambda: dpcb.PrivacyBudget(target_epsilon=-1.0, delta=1e-5), "target_epsilon"),
         (lambda: dpcb.PrivacyBudget(target_epsilon=float("inf"), delta=1e-5), "target_epsilon"),
         (lambda: dpcb.LedgerCheckpoint("x.json", save_freq=0), "save_freq"),
@@ -225,3 +227,30 @@ def test_callbacks_refuse_a_non_private_optimizer(digits):
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     with pytest.raises(TypeError, match="DP optimizer"):
         model.fit(x, y, epochs=1, verbose=0, callbacks=[dpcb.PrivacyReport(1e-5)])
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: dpcb.PrivacyReport(1e-5), lambda: dpcb.PrivacyBudget(5.0, 1e-5)]
+)
+def test_an_accountant_that_cannot_analyse_jl_steps_fails_before_the_first_step(digits, make):
+    """rdp has no bound for the JL mechanism: the callback must say so at the start of fit, not
+    after a whole epoch of training (nothing applied, nothing recorded)."""
+    keras.utils.set_random_seed(0)
+    model = tf_dp.keras.make_private(keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)]))
+    model.compile(
+        optimizer=tf_dp.keras.DPKerasSGDOptimizer(
+            l2_norm_clip=CLIP, noise_multiplier=SIGMA, learning_rate=0.5,
+            gradient_mode="jl", jl_projections=2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match="accountant='rdp'.*JL.*pld"):
+        model.fit(_batches(digits), epochs=1, verbose=0, callbacks=[make()])
+    assert int(model.optimizer.iterations) == 0
+    assert len(model.optimizer.ledger.samples()) == 0
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    # the accountant that can analyse JL steps trains and reports
+    history = model.fit(
+        _batches(digits), epochs=1, verbose=0, callbacks=[dpcb.PrivacyReport(1e-5, "pld")])
+    # (JL with r=2 has a heavy tail: no finite epsilon at this delta, never less than exact's)
+    assert history.history["epsilon"][0] >= _eps(STEPS, accountant="pld")

@@ -64,9 +64,24 @@ def _check_delta(delta: Any) -> float:
 
 
 def _check_accountant(accountant: Any) -> str:
-    if not isinstance(accountant, str) or not accountant:
-        raise ValueError(f"accountant must be an accountant name such as 'rdp', got {accountant!r}")
+    from tf_dp.accounting import ACCOUNTANTS  # no TensorFlow import
+
+    if not isinstance(accountant, str) or accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
     return accountant
+
+
+def _check_can_analyse(optimizer, delta: float, accountant: str, who: str) -> None:
+    """Fails at the start of ``fit``, not after an epoch, when ``accountant`` cannot analyse the
+    ledger as it will be after one more step (e.g. JL steps with ``accountant="rdp"``)."""
+    entries = list(optimizer.ledger.samples())
+    upcoming = predicted_next_entry(optimizer)
+    if upcoming is not None:
+        entries.append(upcoming)
+    try:
+        compute_epsilon(entries, delta, accountant)
+    except ValueError as e:
+        raise ValueError(f"{who}(accountant={accountant!r}): {e}") from e
 
 
 def compute_epsilon(entries: Sequence[SampleEntry], delta: float, accountant: str):
@@ -113,7 +128,8 @@ class PrivacyReport(keras.callbacks.Callback):
         self.statements: list[str] = []
 
     def on_train_begin(self, logs=None):
-        _dp_optimizer(self.model, "PrivacyReport")
+        optimizer = _dp_optimizer(self.model, "PrivacyReport")
+        _check_can_analyse(optimizer, self.delta, self.accountant, "PrivacyReport")
 
     def on_epoch_end(self, epoch, logs=None):
         ledger = _dp_optimizer(self.model, "PrivacyReport").ledger
@@ -265,7 +281,8 @@ class PrivacyBudget(keras.callbacks.Callback):
     # -- Keras hooks ---------------------------------------------------------------------------
 
     def on_train_begin(self, logs=None):
-        _dp_optimizer(self.model, "PrivacyBudget")
+        optimizer = _dp_optimizer(self.model, "PrivacyBudget")
+        _check_can_analyse(optimizer, self.delta, self.accountant, "PrivacyBudget")
         self.stopped = False
         self._first_batch = True
         self._reset_plan()  # the ledger may have been restored (BackupAndRestore) since

@@ -237,7 +237,13 @@ class DPOptimizerMixin:
         multiplier = None
         if self._num_microbatches is not None and self._ledger.num_samples == 0:
             multiplier = 2.0
-        return self._dp_query.next_sample_entry(self._dp_global_state, multiplier)
+        # JL steps are a different mechanism: known from the mode before the first step sets it
+        jl = None
+        if self._strategy is not None:
+            jl = int(getattr(self._strategy, "jl_projections", None) or 0)
+        elif self._gradient_mode == "jl":
+            jl = int(self._jl_projections)
+        return self._dp_query.next_sample_entry(self._dp_global_state, multiplier, jl)
 
     @property
     def sampling_configured(self) -> bool:

@@ -162,16 +162,23 @@ class QueryWithLedger(DPQuery):
         return values
 
     def next_sample_entry(
-        self, global_state: Any, sensitivity_multiplier: Optional[float] = None
+        self,
+        global_state: Any,
+        sensitivity_multiplier: Optional[float] = None,
+        jl_projections: Optional[int] = None,
     ) -> SampleEntry:
         """The entry the next ``get_noised_result`` would record, computed eagerly from the current
         sampling parameters, mechanism settings and ``global_state`` (e.g. to check a privacy
-        budget before a step). ``sensitivity_multiplier`` overrides the current multiplier."""
+        budget before a step). ``sensitivity_multiplier`` and ``jl_projections`` (0: exact
+        clipping) override the current settings, e.g. before the first step has set them."""
         entries = []
         for sens, std, mech, jl, seed in self._event_values(
             self._query.sum_query_specs(global_state)
         ):
             name = MECHANISMS[int(mech)]
+            if jl_projections is not None and name != "none":
+                jl = jl_projections
+                name = "jl" if jl_projections > 0 else "gaussian"
             sens = float(sens)
             if sensitivity_multiplier is not None and name != "none":
                 sens = sens / float(self._sensitivity_multiplier.numpy()) * sensitivity_multiplier
