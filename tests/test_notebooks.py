@@ -49,6 +49,12 @@ CHECKS = {
         " 'baseline': float(baseline_accuracy),"
         " 'accountants': {k: [r.epsilon, r.certified] for k, r in results.items()}}))"
     ),
+    "privacy_accounting": (
+        "import json\n"
+        "print(json.dumps({'table': table, 'min_error': min_error, 'curves': curves,"
+        " 'sampling': [{f'{k[0]} {k[1]}': v for k, v in row.items()} for row in sampling_cost],"
+        " 'calibrated': calibrated, 'target': TARGET_EPSILON, 'epochs': EPOCHS}))"
+    ),
 }
 
 
@@ -69,7 +75,39 @@ def _check_classification_privacy(values):
     assert values["baseline"] > 0.2
 
 
-VALIDATORS = {"classification_privacy": _check_classification_privacy}
+def _check_privacy_accounting(values):
+    from scipy import stats
+
+    from tf_dp.accounting import dp_sgd_epsilon
+
+    table = values["table"]
+    assert len(table) == 6
+    for i, row in enumerate(table):
+        # Table 1 of Bu et al. 2019: mu and the CLT epsilon to the printed precision.
+        assert abs(row["mu"] - row["paper_mu"]) <= 0.006
+        assert abs(row["gdp"] - row["paper_clt"]) <= 0.006
+        if i < 3:  # the moments accountant reproduces the first three rows
+            assert abs(row["moments"] - row["paper_ma"]) <= 0.006
+        assert 0 < row["pld"] <= row["rdp"] <= row["moments"] < math.inf
+    for name, curve in values["curves"].items():
+        assert all(b > a for a, b in zip(curve, curve[1:])), name
+    mu = table[1]["mu"]
+    errors = values["min_error"]
+    assert abs(errors["GDP (approximation)"] - 2 * stats.norm.cdf(-mu / 2)) < 2e-3
+    assert 0.7 < errors["PLD bound (certified)"] < 0.8
+    assert 0.05 < errors["moments accountant (eps, delta)"] < 0.15  # the paper's 9.4%
+    for row in values["sampling"]:
+        assert row["shuffle pld"] > 10 * row["poisson pld"]
+        assert row["poisson pld"] <= row["poisson rdp"]
+    for name, sigma in values["calibrated"].items():
+        eps = dp_sgd_epsilon(60000, 256, sigma, 1e-5, epochs=values["epochs"], accountant=name)
+        assert values["target"] * 0.99 <= eps.epsilon <= values["target"]
+
+
+VALIDATORS = {
+    "classification_privacy": _check_classification_privacy,
+    "privacy_accounting": _check_privacy_accounting,
+}
 
 
 def test_every_notebook_has_a_source_and_is_up_to_date():
