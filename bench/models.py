@@ -1,4 +1,6 @@
-"""The reference models of the project (``/work/shared/DESIGN.md``, "How we measure").
+"""The project's reference models: every benchmark and research script times these three, so
+figures are comparable across them and with other libraries (``docs/architecture.md``, "How speed
+is measured").
 
 - ``cnn``: the CNN of Bu et al. 2019 -- Conv 16x8x8 stride 2 same, max-pool 2 stride 1,
   Conv 32x4x4 stride 2 valid, max-pool 2 stride 1, Dense 32, Dense 10; 28x28x1 input.
