@@ -1,7 +1,9 @@
 """JL clipping (``gradient_mode="jl"``): per-example norms estimated from random projections.
 
-This is DP-SGD-JL / DP-Adam-JL of Bu et al. 2020 ("Fast Differentially Private-SGD via JL
-Projections", ``../shared/seeds/001_c7860cdbce90d9c7.txt``), Algorithm 1:
+This is DP-SGD-JL / DP-Adam-JL of Bu, Gopi, Kulkarni, Lee, Shen and Tantipongpipat, "Fast
+Differentially Private-SGD via JL Projections" (2020; section and lemma numbers here are those of
+that version, published in 2021 as "Fast and Memory Efficient Differentially Private-SGD via JL
+Projections", NeurIPS 2021), Algorithm 1:
 
 1. draw ``r`` directions ``v_1..v_r ~ N(0, I_d)`` over all trainable variables (from a Philox
    generator keyed from OS entropy, like the noise: :func:`tf_dp.dp_query.make_generator`);
@@ -294,6 +296,11 @@ def _same_losses(reference: tf.Tensor, replay: tf.Tensor):
     not determine (e.g. ``tf.random`` ops outside Keras seed generators) cannot be replayed.
     """
     ref = tf.cast(reference, tf.float32)
+    rep = tf.cast(replay, tf.float32)
+    # a non-finite loss (a non-finite record, given weight 0 later) must replay as non-finite
+    finite = tf.math.is_finite(ref)
+    ref = tf.where(finite, ref, tf.zeros_like(ref))
+    rep = tf.where(finite, rep, tf.zeros_like(rep))
     tol = 1e-4 * (1.0 + tf.abs(ref))
     message = (
         "gradient_mode='jl' (forward route, r > 1): a replayed forward pass gave different "
@@ -301,10 +308,10 @@ def _same_losses(reference: tf.Tensor, replay: tf.Tensor):
         "JLStrategy(method='double_vjp'), which needs a single forward pass"
     )
     if tf.executing_eagerly():
-        if not bool(tf.reduce_all(tf.abs(tf.cast(replay, tf.float32) - ref) <= tol)):
+        if not bool(tf.reduce_all(tf.abs(rep - ref) <= tol)):
             raise ValueError(message)
         return tf.no_op()
-    return tf.debugging.assert_less_equal(tf.abs(tf.cast(replay, tf.float32) - ref), tol, message)
+    return tf.debugging.assert_less_equal(tf.abs(rep - ref), tol, message)
 
 
 def _dense(g: Any) -> tf.Tensor:
@@ -496,6 +503,7 @@ class JLStrategy(base.GradientStrategy):
     def clipped_sum(self, loss_fn, data, variables, query, params) -> base.ClippedGradients:
         check_query(query)
         tf_vars = base.as_tf_variables(variables)
+        data = base.fill_padding_rows(data)
         method = self._resolve(loss_fn, data, tf_vars)
         directions = self.draw_directions(tf_vars)
         route = self._forward if method == "forward" else self._double_vjp
@@ -503,14 +511,35 @@ class JLStrategy(base.GradientStrategy):
         p = tf.cast(p, tf.float32)
         squared = tf.reduce_mean(tf.square(p), axis=0)  # M_i^2, [B]
         # The query's rule on the estimated total norm: all of it in the first leaf (the rule of
-        # the supported queries depends only on the sum over leaves).
+        # the supported queries depends only on the sum over leaves). A record whose loss or
+        # projections are not finite gets weight 0.
         squared_norms = [squared] + [tf.zeros_like(squared) for _ in tf_vars[1:]]
-        weights = tf.nest.flatten(query.clip_weights(params, squared_norms))[0]
-        weights = tf.stop_gradient(tf.cast(weights, losses.dtype))
+        weights, keep = base.record_weights(query, params, squared_norms, losses)
+        weights = tf.stop_gradient(tf.cast(tf.nest.flatten(weights)[0], losses.dtype))
         grads = tape.gradient(losses, tf_vars, output_gradients=weights, unconnected_gradients=_ZERO)
         del tape
+        grads = [_dense(g) for g in grads]
+
+        def without_bad_records():
+            # The weighted backward pass is shared by the batch: 0 * NaN of a bad record would
+            # reach every parameter. Re-run it with the bad records replaced by copies of a kept
+            # one (weight 0, finite values); with no kept record the sum is 0.
+            (x, y, sw), has_kept = base.fill_rows(data, tf.logical_not(keep), keep)
+            with tf.GradientTape() as again:
+                again.watch(tf_vars)
+                losses_again, _ = loss_fn(x, y, sw)
+            redone = again.gradient(
+                losses_again, tf_vars, output_gradients=weights, unconnected_gradients=_ZERO
+            )
+            return [
+                tf.where(has_kept, _dense(g), tf.zeros_like(g0)) for g, g0 in zip(redone, grads)
+            ]
+
+        grads = tf.cond(
+            tf.reduce_all(keep), lambda: [tf.identity(g) for g in grads], without_bad_records
+        )
         return base.ClippedGradients(
-            clipped_sum=[_dense(g) for g in grads],
+            clipped_sum=grads,
             norms=tf.sqrt(squared),
             num_records=base.batch_size_of(data[0]),
             sensitivity_multiplier=1.0,
