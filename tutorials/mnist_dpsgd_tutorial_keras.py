@@ -125,7 +125,7 @@ def import_tensorflow_quietly() -> str:
 
 
 def build_cnn():
-    """The CNN of Bu et al. 2019 (as in DESIGN.md): 28x28x1 -> 10 logits."""
+    """The reference CNN of Bu et al. 2019 (docs/architecture.md): 28x28x1 -> 10 logits."""
     import keras
 
     return keras.Sequential(

@@ -46,9 +46,10 @@ def make_strategy(
 ) -> GradientStrategy:
     """Builds the strategy for ``gradient_mode``.
 
-    ``"auto"`` picks the fastest exact strategy that supports ``model``: ``ghost`` when it covers
-    every trainable layer (or ghost with per-layer fallback when registered), else
-    ``vectorized``; with ``num_microbatches`` set, ``microbatch``.
+    ``"auto"``: with ``num_microbatches`` set, ``microbatch``; otherwise ``ghost`` when at least
+    one layer of ``model`` has a ghost norm rule (layers without one get per-example gradients of
+    their own variables in the same step: ``ghost`` strategy in mode ``"mixed"``), else
+    ``vectorized``.
     """
     _load_optional()
     if gradient_mode == "auto":
