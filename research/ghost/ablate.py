@@ -35,7 +35,7 @@ def no_noise(generator, values, stddev):
 
 
 def tf_normal(generator, values, stddev):
-    """The sampler before the Box-Muller one: ``Generator.normal`` per leaf."""
+    """TensorFlow's own sampler for comparison: ``Generator.normal`` per leaf."""
     return tf.nest.map_structure(
         lambda v: v + generator.normal(tf.shape(v), stddev=stddev, dtype=v.dtype), values)
 

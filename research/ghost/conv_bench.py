@@ -3,15 +3,16 @@ main cost), by method, and of the layer's forward convolution for scale.
 
     python -m research.ghost.conv_bench
 
-Measured here (2-core shared machine, CPU ms, medians): conv1 (8x8 s2 same, C=1) one-hot conv
-5.5-6, gather 5.8, space-to-depth + one-hot depthwise 4.5, forward conv 2; conv2 (4x4 s2 valid,
-C=16) one-hot conv 10, gather of pixel rows [H*W, B*C] then transpose 3 (the transpose of the
-patches to batch-major is the expensive part), gather along the pixel axis of [B, H*W, C] 1.5,
-forward conv 1.5. ``tf.image.extract_patches`` was 36-47 ms (previous measurement). A gather
-along the pixel axis is slow for C = 1 (15 ms: single-float slices). The rule uses the pixel-axis
-gather for C >= 8, the one-hot convolution below. ``compare_two_stage()``: rows by a one-hot
-conv then columns by a one-hot depthwise conv, 4.8 vs 5.2 ms on conv1 -- too small a gain to
-keep. ``compare_width_then_gather()``: width windows by a 1 x kw one-hot conv, then a gather of
+Measured on a 2-core CPU without GPU (TF 2.21, Keras 3.15; CPU ms, medians): conv1 (8x8 s2
+same, C=1) one-hot conv 5.5-6, gather 5.8, space-to-depth + one-hot depthwise 4.5, forward conv 2;
+conv2 (4x4 s2 valid, C=16) one-hot conv 10, gather of pixel rows [H*W, B*C] then transpose 3 (the
+transpose of the patches to batch-major is the expensive part), gather along the pixel axis of
+[B, H*W, C] 1.5, forward conv 1.5. ``tf.image.extract_patches``, which this script does not time,
+took 36-47 ms in a separate measurement on the same machine. A gather along the pixel axis is slow
+for C = 1 (15 ms: single-float slices). The rule uses the pixel-axis gather for C >= 8, the
+one-hot convolution below. ``compare_two_stage()``: rows by a one-hot conv then columns by a
+one-hot depthwise conv, 4.8 vs 5.2 ms on conv1 -- too small a gain to use.
+``compare_width_then_gather()``: width windows by a 1 x kw one-hot conv, then a gather of
 kw*C-float slices: 5-9 vs 5.4-8 ms on conv1, 2.8 vs 1.5 ms on conv2 -- no gain.
 """
 import os

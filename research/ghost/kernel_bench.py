@@ -3,11 +3,11 @@ gradients, their squared norms), by formulation.
 
     python -m research.ghost.kernel_bench
 
-Findings (2-core shared machine): ``g^T a`` beats ``a^T g`` by ~1.5x (used); squared norms by
-``reduce_sum(square)`` beat einsum/bmm forms; on conv2 the Gram route and the materialised
-route cost the same (the Gram route is used: less memory). ``compare_grouped()``: per-example
-kernel gradients by one backprop-filter with the batch as channel groups are exact but no
-faster (conv1 6-8 vs 6-7 ms; conv2 8-9 vs 3-4 ms), and in the full step they raised the CNN's
+Findings (2-core CPU without GPU, TF 2.21, Keras 3.15): ``g^T a`` beats ``a^T g`` by ~1.5x (used);
+squared norms by ``reduce_sum(square)`` beat einsum/bmm forms; on conv2 the Gram route and the
+materialised route cost the same (the Gram route is used: less memory). ``compare_grouped()``:
+per-example kernel gradients by one backprop-filter with the batch as channel groups are exact but
+no faster (conv1 6-8 vs 6-7 ms; conv2 8-9 vs 3-4 ms), and in the full step they raised the CNN's
 peak memory from ~78 to ~98 MB, so they are not used.
 """
 import os

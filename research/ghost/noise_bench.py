@@ -2,11 +2,12 @@
 
     python -m research.ghost.noise_bench
 
-Quiet machine, 2026-11-22 (median wall ms per draw of all 670k, noise added to the leaves): the
-dense three-word Box-Muller of session 1 (``bm96``, one flat draw split per leaf) 5.4 ms; the
-library's sampler now (``tf_dp_sampler``: the low word of ``u1`` drawn only for the 1/256 of pairs
-whose high word is below 2^24, two separate word draws, one draw per large leaf, no split copy)
-2.9 ms, with the same values bit for bit on the same words (``tests/test_noise.py``).
+Measured on a 2-core CPU without GPU (TF 2.21, Keras 3.15, other processes paused; median wall
+ms per draw of all 670k, noise added to the leaves): a dense three-word Box-Muller (``bm96``, one
+flat draw split per leaf) 5.4 ms; the library's sampler (``tf_dp_sampler``: the low word of ``u1``
+drawn only for the 1/256 of pairs whose high word is below 2^24, two separate word draws, one
+draw per large leaf, no split copy) 2.9 ms, with the same values bit for bit on the same words as
+``bm96`` (``tests/test_noise.py``).
 """
 import os
 import statistics

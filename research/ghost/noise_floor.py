@@ -12,7 +12,8 @@ Every function returns its full output, so XLA cannot drop work.
 ``step``: non-private, ghost, and ghost with the query's noise replaced by nothing (patched, for
 measurement only), interleaved in one process like ``bench.step_time``.
 
-Measured here (session 3, other processes paused; CPU is summed over threads), MLP sizes:
+Measured on a 2-core CPU without GPU (TF 2.21, Keras 3.15, other processes paused; CPU time is
+summed over threads), MLP sizes:
 
 - Philox words (670k): 3.2-3.5 ms CPU, 2.1-2.4 ms wall; under XLA 8.5 ms CPU.
 - Box-Muller transform (335k pairs) in TF graph ops: 4.8-4.9 ms CPU; under XLA 7.4-12.3 ms

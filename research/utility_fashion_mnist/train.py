@@ -1,8 +1,8 @@
-"""Utility check: DP-SGD on Fashion-MNIST at epsilon <= 3, delta = 1e-5 (issue 4's utility target).
+"""Utility check: DP-SGD on Fashion-MNIST at epsilon <= 3, delta = 1e-5; target >= 84% accuracy.
 
 Not part of CI. Trains the CNN of Bu et al. 2019 with tanh activations (the "tempered sigmoid"
 variant of Papernot et al. 2020) with DP-SGD (momentum) on Poisson-sampled batches, calibrates the
-noise multiplier so that the RDP accountant gives exactly ``--target_epsilon`` for the planned run,
+noise multiplier so that the RDP accountant gives at most ``--target_epsilon`` for the planned run,
 then reports test accuracy and the guarantee computed from the run's saved ledger (RDP and PLD,
 both certified upper bounds).
 
