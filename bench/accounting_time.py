@@ -2,7 +2,7 @@
 
 Run: ``python bench/accounting_time.py [--steps 100000] [--q 0.01] [--sigma 1.0] [--delta 1e-5]``
 
-Each accountant is timed from a fresh cache (first call), in this process.  Targets (issue 3):
+Each accountant is timed from a fresh cache (first call), in this process. Goals:
 RDP < 1 s, PLD < 10 s on the 2-core reference machine.
 """
 

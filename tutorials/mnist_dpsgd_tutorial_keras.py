@@ -72,7 +72,10 @@ flags.DEFINE_string(
     "gradient_mode", "auto", "Per-example gradient strategy: auto, vectorized, microbatch, ..."
 )
 flags.DEFINE_integer(
-    "num_microbatches", None, "Microbatches (gradient_mode=microbatch only); None: per example."
+    "num_microbatches",
+    None,
+    "Microbatches of randomly assigned examples, sensitivity 2C (gradient_mode microbatch or "
+    "auto); None: clip each example.",
 )
 flags.DEFINE_string(
     "data_dir", None, "Directory with Fashion-MNIST IDX files (skips the MNIST download)."
