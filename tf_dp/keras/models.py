@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import types
 from typing import Any
@@ -38,6 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp.gradients.base import as_tf_variables
+from tf_dp.keras import multi_worker
 from tf_dp.keras.losses import PerExampleLoss
 
 _logger = logging.getLogger("tf_dp")
@@ -118,6 +120,7 @@ def dp_train_step(model: keras.Model, data: Any) -> dict[str, Any]:
     strategy = optimizer.strategy_for(model)
     variables = list(model.trainable_variables)
     query = optimizer.dp_query
+    optimizer.update_dp_schedules()  # this step's clip and noise, before clipping and recording
     params = query.derive_sample_params(optimizer._dp_global_state)
     loss_fn = PerExampleLoss(model)
     clipped = strategy.clipped_sum(loss_fn, (x, y, sample_weight), variables, query, params)
@@ -222,13 +225,6 @@ def _with_class_weight(dataset: tf.data.Dataset, class_weight: dict) -> tf.data.
     return dataset.map(weigh)
 
 
-def _num_workers(strategy: Any) -> int:
-    """Worker processes of a (multi-worker) ``tf.distribute`` strategy; 1 for all others."""
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is None:
-        return 1
-    spec = resolver.cluster_spec().as_dict()
-    return max(1, len(spec.get("worker", [])) + len(spec.get("chief", [])))
 
 
 def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -245,7 +241,7 @@ def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, d
         n, q = sampling
         if kwargs.get("batch_size") is not None:
             raise ValueError("batch_size must be None when x is tf_dp.data.poisson_batches(...)")
-        workers = _num_workers(model.distribute_strategy)
+        workers = multi_worker.num_workers(model.distribute_strategy)
         shards = getattr(x, "num_shards", 1)
         if shards != workers:
             raise ValueError(
@@ -258,6 +254,10 @@ def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, d
         class_weight = kwargs.pop("class_weight", None)
         if class_weight is not None:
             dataset = _with_class_weight(dataset, class_weight)
+        if workers > 1:  # one element per worker and global step (see multi_worker.py)
+            dataset = multi_worker.distribute_poisson_batches(
+                model.distribute_strategy, dataset, x.max_batch_size
+            )
         optimizer._declare_fit_sampling(n, q, "poisson")
         kwargs.setdefault("shuffle", False)  # the Poisson sampler draws its own batches
         if args:
@@ -298,8 +298,14 @@ def private_fit(model: keras.Model, fit: Any, args: tuple, kwargs: dict) -> Any:
     optimizer = _dp_optimizer_of(model)
     optimizer.check_ledger_covers_steps()
     args, kwargs = prepare_fit(model, args, kwargs)
+    fixes = (
+        multi_worker.keras_multi_worker_fixes(model)
+        if multi_worker.num_workers(model.distribute_strategy) > 1
+        else contextlib.nullcontext()
+    )
     try:
-        return fit(*args, **kwargs)
+        with fixes:
+            return fit(*args, **kwargs)
     finally:
         optimizer._end_fit()
 
@@ -357,6 +363,7 @@ def private_train_function(model: keras.Model) -> None:
     optimizer.ledger.reserve(steps, len(specs))
 
     def train_function(*a, **k):
+        optimizer.check_dp_schedules(steps)  # bad schedule values fail before the call runs
         out = fn(*a, **k)
         optimizer.after_compiled_call()
         return out

@@ -1,0 +1,100 @@
+"""One worker of a 2-worker MultiWorkerMirroredStrategy cluster on localhost; prints a JSON report.
+
+Usage: multi_worker_run.py INDEX PORT0,PORT1 OUT.json [MODE SIGMA]. Each worker trains the same
+private model with ``fit`` on its own shard's seeded Poisson batches; the report holds the
+sampler's first two passes drawn outside fit, the batches fit drew, the weights before and after,
+and the ledger.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+
+index, ports, out_path = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3]
+mode = sys.argv[4] if len(sys.argv) > 4 else "vectorized"
+sigma = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
+os.environ["TF_CONFIG"] = json.dumps({
+    "cluster": {"worker": [f"localhost:{p}" for p in ports]},
+    "task": {"type": "worker", "index": index},
+})
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+
+import keras  # noqa: E402
+
+import tf_dp  # noqa: E402
+
+N, Q, STEPS, CLIP, SEED = 200, 0.05, 3, 0.3, 11
+
+
+def data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(N, 12)).astype("float32"), rng.integers(0, 3, N).astype("int32")
+
+
+def batches(x, y):
+    return tf_dp.data.poisson_batches(
+        x, y, sampling_probability=Q, steps_per_epoch=STEPS, seed=SEED + index, num_shards=2,
+        shard_index=index)
+
+
+def main():
+    x, y = data()
+    keras.utils.set_random_seed(0)  # before any sampling: the samplers then draw as in fit
+    sampler = batches(x, y)
+    drawn = [[t.numpy().tolist() for t in b] for b in sampler.dataset]
+    second = [[t.numpy().tolist() for t in b] for b in sampler.dataset]
+    again = [[t.numpy().tolist() for t in b] for b in batches(x, y).dataset]
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = tf_dp.keras.make_private(keras.Sequential([
+            keras.Input((12,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)]))
+        model.compile(
+            optimizer=tf_dp.keras.DPKerasSGDOptimizer(
+                l2_norm_clip=CLIP, noise_multiplier=sigma, learning_rate=0.5,
+                gradient_mode=mode),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"])
+    before = [v.numpy().tolist() for v in model.trainable_variables]
+    # Every batch the sampler produces during fit, in order (Keras draws one pass to build the
+    # model before training, then iterates again).
+    seen = []
+
+    def record(bx, by, bw):
+        def append(a, b, c):
+            seen.append([a.numpy().tolist(), b.numpy().tolist(), c.numpy().tolist()])
+            return 0
+
+        done = tf.py_function(append, [bx, by, bw], tf.int32)
+        with tf.control_dependencies([done]):
+            return tf.identity(bx), by, bw
+
+    fit_batches = batches(x, y)
+    fit_batches = dataclasses.replace(fit_batches, dataset=fit_batches.dataset.map(record))
+    history = model.fit(fit_batches, epochs=1, verbose=0)
+    after = [v.numpy().tolist() for v in model.trainable_variables]
+    entries = model.optimizer.ledger.samples()
+    report = {
+        "index": index,
+        "batches": drawn,
+        "second_pass": second,
+        "seen": seen,
+        "same_batches_when_redrawn": drawn == again,
+        "before": before,
+        "after": after,
+        "loss": history.history["loss"],
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "ledger": [[e.sampling.population_size, e.sampling.selection_probability,
+                    e.sampling.policy, e.queries[0].l2_sensitivity, e.queries[0].noise_stddev]
+                   for e in entries],
+    }
+    with open(out_path, "w") as f:
+        json.dump(report, f)
+
+
+main()

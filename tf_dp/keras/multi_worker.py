@@ -1,0 +1,113 @@
+"""``model.fit`` of a private model under ``tf.distribute.MultiWorkerMirroredStrategy``.
+
+Two things differ from one worker:
+
+- **Input.** Each worker Poisson-samples its own shard (``tf_dp.data.poisson_batches(...,
+  num_shards=W, shard_index=w)``), and the global step must process exactly the union of the
+  workers' samples. ``strategy.experimental_distribute_dataset`` (what Keras does with a
+  ``tf.data.Dataset``) treats every element as a *global* batch and splits it into one piece per
+  replica in the cluster, each worker running all its pieces as separate steps: a worker's sample
+  would be spread over several global steps, and a step would no longer hold one Poisson sample.
+  :func:`distribute_poisson_batches` hands Keras a dataset distributed by
+  ``strategy.distribute_datasets_from_function`` instead: each worker's element is its own
+  sample, split between its local replicas only.
+- **Keras 3 (3.10-3.15) under multi-worker strategies.** Its ``fit`` reduces the first data batch
+  with ``strategy.reduce("MEAN", ...)`` before building (which fails on a ``PerReplica`` batch in
+  eager mode), and reduces scalar step outputs with ``axis=0`` (which fails on rank-0 tensors).
+  :func:`keras_multi_worker_fixes` replaces both, for the duration of one ``fit`` of a private
+  model: the build uses the first local replica's batch (only shapes matter), and scalar outputs
+  are averaged over replicas with ``axis=None``. Both replaced paths raise in the unpatched code,
+  so no working behaviour changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Any
+
+import tensorflow as tf
+
+
+def num_workers(strategy: Any) -> int:
+    """Worker processes of a (multi-worker) ``tf.distribute`` strategy; 1 for all others."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return 1
+    spec = resolver.cluster_spec().as_dict()
+    return max(1, len(spec.get("worker", [])) + len(spec.get("chief", [])))
+
+
+def distribute_poisson_batches(strategy: Any, dataset: tf.data.Dataset, max_batch_size: int):
+    """This worker's Poisson batches as one global step's share, split between local replicas.
+
+    Every element of ``dataset`` is this worker's whole sample of a step, padded to
+    ``max_batch_size`` rows. With ``L`` local replicas it is cut into ``L`` consecutive pieces
+    (``max_batch_size`` must then be a multiple of ``L``), which
+    ``distribute_datasets_from_function`` deals to the local replicas in turn: one element per
+    global step, whatever the number of workers.
+    """
+
+    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        local = context.num_replicas_in_sync // max(1, context.num_input_pipelines)
+        if local <= 1:
+            return dataset
+        if max_batch_size % local:
+            raise ValueError(
+                f"poisson_batches(max_batch_size={max_batch_size}) must be a multiple of the "
+                f"{local} replicas of each worker, so that each replica gets an equal piece"
+            )
+        return dataset.rebatch(max_batch_size // local, drop_remainder=True)
+
+    options = tf.distribute.InputOptions(experimental_fetch_to_device=True)
+    return strategy.distribute_datasets_from_function(dataset_fn, options)
+
+
+def _first_local_batch(model: Any, iterator: Any = None, data_batch: Any = None) -> None:
+    """Keras's ``_maybe_symbolic_build`` without the cross-worker reduction of the data."""
+    strategy = model.distribute_strategy
+    if iterator is not None:
+        for _, _, it in iterator:
+            batch = next(it)
+            data_batch = tf.nest.map_structure(
+                lambda v: strategy.experimental_local_results(v)[0]
+                if isinstance(v, tf.distribute.DistributedValues)
+                else v,
+                batch,
+            )
+            break
+    with strategy.scope():
+        model._symbolic_build(data_batch=data_batch)
+
+
+@contextlib.contextmanager
+def keras_multi_worker_fixes(model: Any):
+    """While active (one ``fit``), the two Keras multi-worker failures above are avoided."""
+    from keras.src.backend.tensorflow import trainer as keras_trainer
+
+    original_reduce = keras_trainer.reduce_per_replica
+    multi_worker = keras_trainer._collective_all_reduce_multi_worker
+
+    def reduce_per_replica(values, strategy, reduction):
+        if multi_worker(strategy) and reduction in ("auto", "mean"):
+
+            def mean(v):
+                if isinstance(v, tf.distribute.DistributedValues) or tf.is_tensor(v):
+                    return strategy.reduce("MEAN", v, axis=None)
+                return v
+
+            return tf.nest.map_structure(mean, values)
+        return original_reduce(values, strategy, reduction)
+
+    had_own = "_maybe_symbolic_build" in vars(model)
+    own = vars(model).get("_maybe_symbolic_build")
+    keras_trainer.reduce_per_replica = reduce_per_replica
+    model._maybe_symbolic_build = types.MethodType(_first_local_batch, model)
+    try:
+        yield
+    finally:
+        keras_trainer.reduce_per_replica = original_reduce
+        if had_own:
+            model._maybe_symbolic_build = own
+        else:
+            del model._maybe_symbolic_build
