@@ -23,6 +23,8 @@ nbclient = pytest.importorskip("nbclient")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TUTORIALS = os.path.join(ROOT, "tutorials")
 DEBIAN_FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
+# Text notebooks' offline corpus (IMDb needs a download): Debian's fortunes, installed by .ci/run.
+DEBIAN_FORTUNES = "/usr/share/games/fortunes"
 
 
 def _load(name):
@@ -54,6 +56,18 @@ CHECKS = {
         "print(json.dumps({'table': table, 'min_error': min_error, 'curves': curves,"
         " 'sampling': [{f'{k[0]} {k[1]}': v for k, v in row.items()} for row in sampling_cost],"
         " 'calibrated': calibrated, 'target': TARGET_EPSILON, 'epochs': EPOCHS}))"
+    ),
+    "text_classification": (
+        "import json\n"
+        "print(json.dumps({'data': data_name, 'n': int(n), 'batch': BATCH_SIZE,"
+        " 'sigma': NOISE_MULTIPLIER, 'delta': DELTA, 'r': JL_PROJECTIONS,"
+        " 'steps': [exact_ledger.num_samples, jl_ledger.num_samples],"
+        " 'ledger_eps': [exact_result.epsilon, jl_result.epsilon], 'exact_eps': exact_epsilon,"
+        " 'eps_vs_r': {str(k): v for k, v in epsilon_vs_r.items()},"
+        " 'history_eps': exact_history.history['epsilon'],"
+        " 'accuracy': [float(exact_accuracy), float(jl_accuracy), float(baseline_accuracy)],"
+        " 'majority': majority, 'classes': len(class_names),"
+        " 'test_labels': [int(v) for v in y_test]}))"
     ),
 }
 
@@ -104,9 +118,46 @@ def _check_privacy_accounting(values):
         assert values["target"] * 0.99 <= eps.epsilon <= values["target"]
 
 
+def _check_text_classification(values):
+    from tf_dp.accounting import dp_sgd_epsilon, jl_epsilon
+
+    # The test points the notebook at Debian's fortunes: the output must say it is the fallback.
+    assert values["data"].startswith("fortunes") and "FALLBACK" in values["data"]
+    labels = values["test_labels"]
+    shares = [labels.count(c) / len(labels) for c in range(values["classes"])]
+    assert abs(values["majority"] - max(shares)) < 1e-9
+    n, batch, sigma, delta = values["n"], values["batch"], values["sigma"], values["delta"]
+    steps_exact, steps_jl = values["steps"]
+    assert steps_exact == steps_jl and steps_exact >= 1
+    # The ledger of the exact run gives what the accountant gives from the hyperparameters.
+    independent = dp_sgd_epsilon(n, batch, sigma, delta, steps=steps_exact, accountant="pld")
+    assert math.isclose(values["ledger_eps"][0], independent.epsilon, rel_tol=1e-3)
+    assert math.isclose(values["exact_eps"], independent.epsilon, rel_tol=1e-3)
+    eps = values["history_eps"]
+    assert all(b > a for a, b in zip(eps, eps[1:])) and math.isclose(eps[-1], independent.epsilon,
+                                                                     rel_tol=1e-3)
+    # JL run: the ledger's epsilon is the JL accountant's for (q, sigma, steps, r).
+    jl_direct = jl_epsilon(batch / n, sigma, steps_jl, delta, values["r"])
+    if math.isinf(jl_direct):
+        assert math.isinf(values["ledger_eps"][1])
+    else:
+        assert math.isclose(values["ledger_eps"][1], jl_direct, rel_tol=0.05)
+    # Epsilon vs r: never better than exact clipping (an exact-norm step is the r -> inf limit),
+    # not increasing in r; heavy tail P(Z_r > z) ~ z^-r: r <= 2 has no finite bound at 1e-5;
+    # by r = 64 the norm estimate's relative spread is ~1/sqrt(128) and epsilon is near exact.
+    curve = {int(r): e for r, e in values["eps_vs_r"].items()}
+    rs = sorted(curve)
+    assert all(curve[b] <= curve[a] for a, b in zip(rs, rs[1:]))
+    assert all(e >= values["exact_eps"] * (1 - 1e-3) for e in curve.values())
+    assert math.isinf(curve[1]) and math.isinf(curve[2])
+    assert math.isfinite(curve[64]) and curve[64] < 1.5 * values["exact_eps"]
+    assert all(0.0 <= a <= 1.0 for a in values["accuracy"])
+
+
 VALIDATORS = {
     "classification_privacy": _check_classification_privacy,
     "privacy_accounting": _check_privacy_accounting,
+    "text_classification": _check_text_classification,
 }
 
 
@@ -171,6 +222,10 @@ def test_notebook_runs_top_to_bottom_in_small_mode(name, data_dir, tmp_path, mon
         nb.cells.append(nbformat.v4.new_code_cell(check))
     monkeypatch.setenv("TF_DP_TUTORIAL_SMALL", "1")
     monkeypatch.setenv("TF_DP_TUTORIAL_DATA_DIR", data_dir)
+    if name == "text_classification":
+        if not os.path.isfile(os.path.join(DEBIAN_FORTUNES, "computers")):
+            pytest.skip(f"no text corpus: {DEBIAN_FORTUNES} (apt-get install fortunes)")
+        monkeypatch.setenv("TF_DP_TUTORIAL_TEXT_DATA_DIR", DEBIAN_FORTUNES)
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
     monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
