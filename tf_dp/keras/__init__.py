@@ -1,6 +1,6 @@
 """Keras 3 integration: DP optimizers, private models, callbacks."""
 
-from tf_dp.keras import callbacks
+from tf_dp.keras import callbacks, schedules
 from tf_dp.keras.callbacks import (
     BackupAndRestore,
     BudgetExhaustedError,
@@ -10,6 +10,7 @@ from tf_dp.keras.callbacks import (
 )
 from tf_dp.keras.losses import PerExampleLoss
 from tf_dp.keras.models import DPModel, DPSequential, is_private, make_private
+from tf_dp.keras.schedules import DecreasingClip
 from tf_dp.keras.optimizers import (
     DPKerasAdagradOptimizer,
     DPKerasAdamOptimizer,
@@ -25,6 +26,8 @@ __all__ = [
     "PrivacyBudget",
     "PrivacyReport",
     "callbacks",
+    "schedules",
+    "DecreasingClip",
     "DPKerasAdagradOptimizer",
     "DPKerasAdamOptimizer",
     "DPKerasSGDOptimizer",

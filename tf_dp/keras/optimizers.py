@@ -30,8 +30,9 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp.dp_query.dp_query import DPQuery
-from tf_dp.dp_query.gaussian_query import GaussianSumQuery
+from tf_dp.dp_query.gaussian_query import GaussianGlobalState, GaussianSumQuery
 from tf_dp.dp_query.normalized_query import NormalizedQuery
+from tf_dp.dp_query.xla import in_xla_context
 from tf_dp.gradients import ClippedGradients, GradientStrategy, gradient_modes, make_strategy
 from tf_dp.gradients.jl import METHODS as JL_METHODS
 from tf_dp.ledger.privacy_ledger import PrivacyLedger
@@ -58,22 +59,63 @@ class DPOptimizerMixin:
         dp_sum_query: Optional[DPQuery],
         noise_seed: Optional[int],
         jl_method: str = "auto",
+        noise_stddev: Any = None,
     ) -> None:
+        self._dp_schedules: Optional[tuple[tf.Variable, tf.Variable]] = None
         if dp_sum_query is None:
-            if l2_norm_clip is None or noise_multiplier is None:
+            if l2_norm_clip is None:
                 raise ValueError(
-                    "pass l2_norm_clip (a finite number > 0) and noise_multiplier (a finite "
-                    "number >= 0), or an explicit dp_sum_query"
+                    "pass l2_norm_clip (a finite number > 0 or a schedule) with exactly one of "
+                    "noise_multiplier and noise_stddev, or an explicit dp_sum_query"
                 )
-            _check_number("l2_norm_clip", l2_norm_clip, positive=True)
-            _check_number("noise_multiplier", noise_multiplier, positive=False)
-            query: DPQuery = GaussianSumQuery(
-                l2_norm_clip, float(noise_multiplier) * float(l2_norm_clip), seed=noise_seed
-            )
-        else:
-            if l2_norm_clip is not None or noise_multiplier is not None:
+            if noise_multiplier is None and noise_stddev is None:
                 raise ValueError(
-                    "pass either dp_sum_query or (l2_norm_clip, noise_multiplier), not both"
+                    "pass exactly one of noise_multiplier (noise stddev relative to the clip: "
+                    "noise_multiplier * l2_norm_clip) and noise_stddev (absolute noise stddev); "
+                    "got neither"
+                )
+            if noise_multiplier is not None and noise_stddev is not None:
+                raise ValueError(
+                    "pass exactly one of noise_multiplier (noise stddev relative to the clip: "
+                    "noise_multiplier * l2_norm_clip) and noise_stddev (absolute noise stddev), "
+                    "not both"
+                )
+            noise_name = "noise_multiplier" if noise_stddev is None else "noise_stddev"
+            noise = noise_multiplier if noise_stddev is None else noise_stddev
+            if _is_schedule(l2_norm_clip) or _is_schedule(noise):
+                _check_schedule_arg("l2_norm_clip", l2_norm_clip, positive=True)
+                _check_schedule_arg(noise_name, noise, positive=False)
+                # Evaluated now at step 0: a schedule that fails or is out of range fails here
+                clip0, z0, std0 = _schedule_tensors(
+                    l2_norm_clip, noise_multiplier, noise_stddev, tf.constant(0, tf.int64)
+                )
+                _raise_if_invalid(noise_name, 0, clip0, z0, std0)
+                with tf.init_scope():
+                    clip_var, std_var = (
+                        tf.Variable(
+                            tf.constant(v, tf.float32), trainable=False, name=name,
+                            synchronization=tf.VariableSynchronization.ON_WRITE,
+                            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                        )
+                        for v, name in ((clip0, "dp_l2_norm_clip"), (std0, "dp_noise_stddev"))
+                    )
+                self._dp_schedules = (clip_var, std_var)
+                query: DPQuery = GaussianSumQuery(clip_var, std_var, seed=noise_seed)
+            else:
+                _check_number("l2_norm_clip", l2_norm_clip, positive=True)
+                _check_number(noise_name, noise, positive=False)
+                stddev = (
+                    float(noise_multiplier) * float(l2_norm_clip)
+                    if noise_stddev is None else float(noise_stddev)
+                )
+                query = GaussianSumQuery(l2_norm_clip, stddev, seed=noise_seed)
+        else:
+            if l2_norm_clip is not None or noise_multiplier is not None or (
+                noise_stddev is not None
+            ):
+                raise ValueError(
+                    "pass either dp_sum_query or (l2_norm_clip, noise_multiplier or "
+                    "noise_stddev), not both"
                 )
             if not isinstance(dp_sum_query, DPQuery):
                 raise TypeError(
@@ -119,8 +161,9 @@ class DPOptimizerMixin:
             raise ValueError("jl_projections is only used with gradient_mode='jl'")
         elif jl_method != "auto":
             raise ValueError("jl_method is only used with gradient_mode='jl'")
-        self._l2_norm_clip = None if l2_norm_clip is None else float(l2_norm_clip)
-        self._noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
+        self._l2_norm_clip = _number_or_schedule(l2_norm_clip)
+        self._noise_multiplier = _number_or_schedule(noise_multiplier)
+        self._noise_stddev = _number_or_schedule(noise_stddev)
         self._num_microbatches = num_microbatches
         self._gradient_mode = gradient_mode
         self._jl_projections = jl_projections
@@ -161,12 +204,87 @@ class DPOptimizerMixin:
         return self._gradient_mode
 
     @property
-    def noise_multiplier(self) -> Optional[float]:
+    def noise_multiplier(self) -> Any:
+        """The ``noise_multiplier`` given (a number or a schedule), or None."""
         return self._noise_multiplier
 
     @property
-    def l2_norm_clip(self) -> Optional[float]:
+    def noise_stddev(self) -> Any:
+        """The absolute ``noise_stddev`` given (a number or a schedule), or None."""
+        return self._noise_stddev
+
+    @property
+    def l2_norm_clip(self) -> Any:
+        """The ``l2_norm_clip`` given (a number or a schedule), or None (explicit query)."""
         return self._l2_norm_clip
+
+    @property
+    def has_dp_schedules(self) -> bool:
+        """True when the clip or the noise is a schedule (values set at every step)."""
+        return self._dp_schedules is not None
+
+    def dp_values_at(self, step: int) -> tuple[float, float]:
+        """``(clip, noise stddev)`` that the step numbered ``step`` (``optimizer.iterations`` when
+        it runs) uses, as float32 values, computed eagerly. Raises ValueError naming the argument
+        when a schedule gives a value out of range; TypeError when it cannot be evaluated."""
+        if self._custom_query:
+            raise ValueError("the optimizer was built from an explicit dp_sum_query")
+        clip, noise, std = _schedule_tensors(
+            self._l2_norm_clip, self._noise_multiplier, self._noise_stddev,
+            tf.constant(int(step), tf.int64),
+        )
+        _raise_if_invalid(self._noise_name(), int(step), clip, noise, std)
+        return float(clip.numpy()), float(std.numpy())
+
+    def _noise_name(self) -> str:
+        return "noise_multiplier" if self._noise_stddev is None else "noise_stddev"
+
+    def update_dp_schedules(self) -> None:
+        """Sets the query's clip and noise stddev to the schedules' values at this step.
+
+        Called by the DP train step before clipping (so clipping, noise and the ledger all use
+        the step's values); the step is ``self.iterations``, as for Keras learning-rate schedules.
+        Graph- and XLA-safe: the values are computed with TensorFlow ops and assigned to the
+        query's variables. A value out of range raises ValueError (eager) or fails the step with
+        ``InvalidArgumentError`` before anything is recorded (graph); under XLA, where assertions
+        do not run, the step gets NaN values instead, so its update is withheld and the ledger
+        cannot be analysed (Keras ``fit`` checks the values eagerly before each compiled call,
+        see :meth:`check_dp_schedules`). Does nothing without schedules.
+        """
+        if self._dp_schedules is None:
+            return
+        clip_var, std_var = self._dp_schedules
+        step = tf.cast(tf.convert_to_tensor(self.iterations), tf.int64)  # type: ignore[attr-defined]
+        clip, noise, std = _schedule_tensors(
+            self._l2_norm_clip, self._noise_multiplier, self._noise_stddev, step
+        )
+        if tf.executing_eagerly():
+            _raise_if_invalid(self._noise_name(), int(step.numpy()), clip, noise, std)
+            clip_var.assign(clip)
+            std_var.assign(std)
+            return
+        ok = _valid(clip, noise, std)
+        checks = []
+        if not in_xla_context():
+            checks.append(tf.debugging.Assert(ok, [
+                f"tf_dp: a clip or noise schedule gave a value out of range (l2_norm_clip must be "
+                f"a finite number > 0, {self._noise_name()} a finite number >= 0) at step", step,
+                "l2_norm_clip:", clip, f"{self._noise_name()}:", noise,
+            ]))
+        with tf.control_dependencies(checks):
+            nan = tf.constant(float("nan"), tf.float32)
+            clip_var.assign(tf.where(ok, clip, nan))
+            std_var.assign(tf.where(ok, std, nan))
+
+    def check_dp_schedules(self, steps: int = 1) -> None:
+        """Eagerly checks the schedules' values for the next ``steps`` steps (raises ValueError
+        naming the argument and the step). ``fit`` calls it before every compiled call, so that
+        a bad value fails before anything runs or is recorded, also under XLA."""
+        if self._dp_schedules is None:
+            return
+        first = int(self.iterations.numpy())  # type: ignore[attr-defined]
+        for step in range(first, first + max(1, int(steps))):
+            self.dp_values_at(step)
 
     @property
     def num_microbatches(self) -> Optional[int]:
@@ -226,12 +344,14 @@ class DPOptimizerMixin:
         """The explicit noise seed (tests and debugging; it voids the guarantee), or None."""
         return self._noise_seed
 
-    def next_sample_entry(self):
+    def next_sample_entry(self, steps_ahead: int = 0):
         """The :class:`~tf_dp.ledger.events.SampleEntry` the next DP step will record.
 
         Computed from the declared sampling, the query's clip and noise and the current
         sensitivity multiplier. Before the first step of a microbatched run the multiplier is not
         known yet (it depends on the microbatch size); it is then taken as 2, the worst case.
+        With clip or noise schedules, the clip and noise are the schedules' values at the next
+        step (``iterations``), or ``steps_ahead`` steps after it.
         Used by :class:`tf_dp.keras.PrivacyBudget` to stop before a step that would overspend.
         """
         multiplier = None
@@ -243,7 +363,11 @@ class DPOptimizerMixin:
             jl = int(getattr(self._strategy, "jl_projections", None) or 0)
         elif self._gradient_mode == "jl":
             jl = int(self._jl_projections)
-        return self._dp_query.next_sample_entry(self._dp_global_state, multiplier, jl)
+        state = self._dp_global_state
+        if self._dp_schedules is not None:
+            step = int(self.iterations.numpy()) + int(steps_ahead)  # type: ignore[attr-defined]
+            state = GaussianGlobalState(*self.dp_values_at(step))
+        return self._dp_query.next_sample_entry(state, multiplier, jl)
 
     @property
     def sampling_configured(self) -> bool:
@@ -466,8 +590,9 @@ class DPOptimizerMixin:
         config = super().get_config()  # type: ignore[misc]
         config.update(
             {
-                "l2_norm_clip": self._l2_norm_clip,
-                "noise_multiplier": self._noise_multiplier,
+                "l2_norm_clip": _serialize_value(self._l2_norm_clip),
+                "noise_multiplier": _serialize_value(self._noise_multiplier),
+                "noise_stddev": _serialize_value(self._noise_stddev),
                 "num_microbatches": self._num_microbatches,
                 "gradient_mode": self._gradient_mode,
                 "jl_projections": self._jl_projections,
@@ -475,6 +600,18 @@ class DPOptimizerMixin:
             }
         )
         return config
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None):
+        """Rebuilds the optimizer; clip and noise schedules are deserialised like Keras's
+        learning-rate schedules."""
+        config = dict(config)
+        for key in ("l2_norm_clip", "noise_multiplier", "noise_stddev"):
+            if isinstance(config.get(key), dict):
+                config[key] = keras.saving.deserialize_keras_object(
+                    config[key], custom_objects=custom_objects
+                )
+        return super().from_config(config, custom_objects=custom_objects)  # type: ignore[misc]
 
 
 def _replicas_in_sync() -> int:
@@ -524,6 +661,90 @@ def _check_number(name: str, value: Any, positive: bool) -> None:
         raise ValueError(f"{name} must be {accepted}, got {value}")
 
 
+def _is_schedule(value: Any) -> bool:
+    return callable(value) and not isinstance(value, type)
+
+
+def _number_or_schedule(value: Any) -> Any:
+    if value is None or _is_schedule(value):
+        return value
+    return float(value)
+
+
+def _check_schedule_arg(name: str, value: Any, positive: bool) -> None:
+    """A number in range, or a schedule (a callable ``step -> value``)."""
+    if _is_schedule(value):
+        return
+    accepted = "a finite number > 0" if positive else "a finite number >= 0"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{name} must be {accepted} or a schedule (a callable step -> value, e.g. a "
+            f"keras.optimizers.schedules.LearningRateSchedule), got {type(value).__name__}"
+        )
+    _check_number(name, value, positive)
+
+
+def _evaluate(name: str, value: Any, step: tf.Tensor) -> tf.Tensor:
+    """A number or a schedule's value at ``step``, as a float32 scalar tensor."""
+    if not _is_schedule(value):
+        return tf.constant(float(value), tf.float32)
+    try:
+        out = tf.convert_to_tensor(value(step))
+    except Exception as e:  # noqa: BLE001 -- name the argument, keep the cause
+        raise TypeError(
+            f"the {name} schedule {value!r} could not be evaluated at a step (it is called with "
+            f"the step count, a scalar int64 tensor, and must use TensorFlow ops): {e}"
+        ) from e
+    if out.shape.rank not in (0, None):
+        raise ValueError(f"the {name} schedule must return a scalar, got shape {out.shape}")
+    if not (out.dtype.is_floating or out.dtype.is_integer):
+        raise TypeError(f"the {name} schedule must return a number, got dtype {out.dtype.name}")
+    return tf.reshape(tf.cast(out, tf.float32), [])
+
+
+def _schedule_tensors(clip: Any, noise_multiplier: Any, noise_stddev: Any, step: tf.Tensor):
+    """``(clip, noise argument, noise stddev)`` at ``step`` as float32 tensors; the stddev is
+    ``noise_multiplier * clip`` or ``noise_stddev``."""
+    c = _evaluate("l2_norm_clip", clip, step)
+    if noise_stddev is None:
+        noise = _evaluate("noise_multiplier", noise_multiplier, step)
+        return c, noise, noise * c
+    noise = _evaluate("noise_stddev", noise_stddev, step)
+    return c, noise, noise
+
+
+def _valid(clip: tf.Tensor, noise: tf.Tensor, std: tf.Tensor) -> tf.Tensor:
+    finite = tf.logical_and(tf.math.is_finite(clip), tf.math.is_finite(noise))
+    finite = tf.logical_and(finite, tf.math.is_finite(std))
+    return tf.logical_and(finite, tf.logical_and(clip > 0, tf.logical_and(noise >= 0, std >= 0)))
+
+
+def _raise_if_invalid(noise_name: str, step: int, clip, noise, std) -> None:
+    c, z, s = float(clip.numpy()), float(noise.numpy()), float(std.numpy())
+    if not (math.isfinite(c) and c > 0):
+        raise ValueError(
+            f"the l2_norm_clip schedule gave {c} at step {step}; the clip must be a finite "
+            "number > 0"
+        )
+    if not (math.isfinite(z) and z >= 0):
+        raise ValueError(
+            f"the {noise_name} schedule gave {z} at step {step}; {noise_name} must be a finite "
+            "number >= 0"
+        )
+    if not (math.isfinite(s) and s >= 0):
+        raise ValueError(
+            f"the noise stddev at step {step} ({noise_name} {z} x clip {c}) is {s}; it must be "
+            "a finite number >= 0"
+        )
+
+
+def _serialize_value(value: Any) -> Any:
+    """Numbers as they are; schedules as Keras serialises learning-rate schedules."""
+    if value is None or not _is_schedule(value):
+        return value
+    return keras.saving.serialize_keras_object(value)
+
+
 _CLASS_CACHE: dict[type, type] = {}
 
 
@@ -531,7 +752,7 @@ def make_dp_optimizer_class(optimizer_class: type) -> type:
     """Returns the DP version of a Keras 3 optimizer class.
 
     The returned class takes the base class's arguments plus ``l2_norm_clip``,
-    ``noise_multiplier``, ``num_microbatches=None``, ``gradient_mode="auto"``,
+    ``noise_multiplier`` or ``noise_stddev`` (each a number or a schedule), ``num_microbatches=None``, ``gradient_mode="auto"``,
     ``jl_projections=None``, ``dp_sum_query=None`` and ``noise_seed=None`` (tests only).
 
     Example::
@@ -559,6 +780,7 @@ def make_dp_optimizer_class(optimizer_class: type) -> type:
         dp_sum_query: Optional[DPQuery] = None,
         noise_seed: Optional[int] = None,
         jl_method: str = "auto",
+        noise_stddev: Any = None,
         **kwargs: Any,
     ) -> None:
         optimizer_class.__init__(self, *args, **kwargs)
@@ -571,6 +793,7 @@ def make_dp_optimizer_class(optimizer_class: type) -> type:
             dp_sum_query,
             noise_seed,
             jl_method,
+            noise_stddev,
         )
 
     name = f"DPKeras{optimizer_class.__name__}"
@@ -582,8 +805,13 @@ def make_dp_optimizer_class(optimizer_class: type) -> type:
         "gradients clipped per example and noised by a Gaussian sum query, every step recorded in "
         "``self.ledger``. Use with a model made private by ``tf_dp.keras.make_private``.\n\n"
         "Args (in addition to the base optimizer's):\n"
-        "  l2_norm_clip: per-example L2 clip ``C`` (finite, > 0).\n"
-        "  noise_multiplier: ``sigma``; noise stddev is ``sigma * C`` (finite, >= 0).\n"
+        "  l2_norm_clip: per-example L2 clip ``C`` (finite, > 0), or a schedule: a callable\n"
+        "    ``step -> C_t`` such as ``tf_dp.keras.schedules.DecreasingClip`` or any\n"
+        "    ``keras.optimizers.schedules.LearningRateSchedule`` (evaluated at every step).\n"
+        "  noise_multiplier: ``z``; noise stddev is ``z * C_t`` (finite, >= 0; or a schedule).\n"
+        "  noise_stddev: instead of noise_multiplier (exactly one of the two): the absolute\n"
+        "    noise stddev (finite, >= 0; or a schedule). With a decreasing clip, the effective\n"
+        "    noise multiplier ``noise_stddev / C_t`` grows and later steps cost less privacy.\n"
         "  num_microbatches: None for per-example clipping, else the number of microbatches.\n"
         "  gradient_mode: one of 'auto', 'vectorized', 'microbatch', 'ghost', 'jl'.\n"
         "  jl_projections: JL dimension r for gradient_mode='jl'.\n"
