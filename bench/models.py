@@ -1,4 +1,4 @@
-"""The project's reference models: every benchmark and research script times these three, so
+"""The project's reference models: every benchmark and research script times these, so
 figures are comparable across them and with other libraries (``docs/architecture.md``, "How speed
 is measured").
 
@@ -7,6 +7,10 @@ is measured").
 - ``mlp``: 784-512-512-10.
 - ``lstm``: Embedding 8000x64 on sequences of 150 tokens, bidirectional LSTM 64, Dense 64,
   Dense 2.
+- ``transformer``: token + position embeddings (vocabulary 8000, width 128, sequences of 128),
+  2 encoder blocks (MultiHeadAttention with 4 heads of 32, residual + LayerNormalization,
+  feed-forward 256 relu -> 128, residual + LayerNormalization; post-norm as in Vaswani et al.
+  2017, no dropout), mean pool over positions, Dense 2.
 
 Each entry builds a fresh (unbuilt-weight-identical for a given seed) ``keras.Sequential`` and a
 synthetic batch of the right shapes. Losses are logits + sparse categorical cross-entropy.
@@ -23,10 +27,69 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-MODELS = ("cnn", "mlp", "lstm")
-DEFAULT_BATCH = {"cnn": 256, "mlp": 256, "lstm": 64}
+MODELS = ("cnn", "mlp", "lstm", "transformer")
+DEFAULT_BATCH = {"cnn": 256, "mlp": 256, "lstm": 64, "transformer": 64}
 LSTM_VOCAB = 8000
 LSTM_SEQ = 150
+TRANSFORMER_VOCAB = 8000
+TRANSFORMER_SEQ = 128
+TRANSFORMER_DIM = 128
+
+
+class TokenAndPositionEmbedding(keras.layers.Layer):
+    """``token_embedding(ids) + position_embedding(0..T-1)``; both are ``Embedding`` layers (the
+    positions are looked up with ids ``[B, T]`` so that each example's rows are its own)."""
+
+    def __init__(self, vocab: int, seq_len: int, dim: int, **kwargs):
+        super().__init__(**kwargs)
+        self.vocab, self.seq_len, self.dim = vocab, seq_len, dim
+        self.token = keras.layers.Embedding(vocab, dim)
+        self.position = keras.layers.Embedding(seq_len, dim)
+
+    def build(self, input_shape):
+        self.token.build(input_shape)
+        self.position.build(input_shape)
+
+    def call(self, ids):
+        steps = keras.ops.shape(ids)[-1]
+        positions = keras.ops.broadcast_to(keras.ops.arange(steps), keras.ops.shape(ids))
+        return self.token(ids) + self.position(positions)
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape) + (self.dim,)
+
+    def get_config(self):
+        return {**super().get_config(), "vocab": self.vocab, "seq_len": self.seq_len, "dim": self.dim}
+
+
+class TransformerBlock(keras.layers.Layer):
+    """Post-norm encoder block: ``x = LN(x + MHA(x, x)); x = LN(x + FFN(x))``."""
+
+    def __init__(self, dim: int, heads: int, ffn: int, **kwargs):
+        super().__init__(**kwargs)
+        self.dim, self.heads, self.ffn = dim, heads, ffn
+        self.attention = keras.layers.MultiHeadAttention(heads, dim // heads)
+        self.norm1 = keras.layers.LayerNormalization(epsilon=1e-6)
+        self.ffn_in = keras.layers.Dense(ffn, activation="relu")
+        self.ffn_out = keras.layers.Dense(dim)
+        self.norm2 = keras.layers.LayerNormalization(epsilon=1e-6)
+
+    def build(self, input_shape):
+        self.attention.build(input_shape, input_shape)
+        self.norm1.build(input_shape)
+        self.ffn_in.build(input_shape)
+        self.ffn_out.build(tuple(input_shape[:-1]) + (self.ffn,))
+        self.norm2.build(input_shape)
+
+    def call(self, x):
+        x = self.norm1(x + self.attention(x, x))
+        return self.norm2(x + self.ffn_out(self.ffn_in(x)))
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        return {**super().get_config(), "dim": self.dim, "heads": self.heads, "ffn": self.ffn}
 
 
 def build_model(name: str, seed: int = 0) -> keras.Sequential:
@@ -68,6 +131,18 @@ def build_model(name: str, seed: int = 0) -> keras.Sequential:
             ],
             name="bilstm",
         )
+    if name == "transformer":
+        return keras.Sequential(
+            [
+                keras.Input((TRANSFORMER_SEQ,), dtype="int32"),
+                TokenAndPositionEmbedding(TRANSFORMER_VOCAB, TRANSFORMER_SEQ, TRANSFORMER_DIM),
+                TransformerBlock(TRANSFORMER_DIM, 4, 256),
+                TransformerBlock(TRANSFORMER_DIM, 4, 256),
+                layers.GlobalAveragePooling1D(),
+                layers.Dense(2),
+            ],
+            name="transformer",
+        )
     raise ValueError(f"model must be one of {MODELS}, got {name!r}")
 
 
@@ -82,6 +157,9 @@ def make_batch(name: str, batch_size: int, seed: int = 0) -> tuple[np.ndarray, n
         y = rng.integers(0, 10, batch_size)
     elif name == "lstm":
         x = rng.integers(0, LSTM_VOCAB, (batch_size, LSTM_SEQ)).astype(np.int32)
+        y = rng.integers(0, 2, batch_size)
+    elif name == "transformer":
+        x = rng.integers(0, TRANSFORMER_VOCAB, (batch_size, TRANSFORMER_SEQ)).astype(np.int32)
         y = rng.integers(0, 2, batch_size)
     else:
         raise ValueError(f"model must be one of {MODELS}, got {name!r}")

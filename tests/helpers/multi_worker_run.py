@@ -14,6 +14,7 @@ import sys
 index, ports, out_path = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3]
 mode = sys.argv[4] if len(sys.argv) > 4 else "vectorized"
 sigma = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
+phase = sys.argv[6] if len(sys.argv) > 6 else "train"
 os.environ["TF_CONFIG"] = json.dumps({
     "cluster": {"worker": [f"localhost:{p}" for p in ports]},
     "task": {"type": "worker", "index": index},
@@ -41,6 +42,52 @@ def batches(x, y):
     return tf_dp.data.poisson_batches(
         x, y, sampling_probability=Q, steps_per_epoch=STEPS, seed=SEED + index, num_shards=2,
         shard_index=index)
+
+
+def build():
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = tf_dp.keras.make_private(keras.Sequential([
+            keras.Input((12,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)]))
+        model.compile(
+            optimizer=tf_dp.keras.DPKerasSGDOptimizer(
+                l2_norm_clip=CLIP, noise_multiplier=sigma, learning_rate=0.5,
+                gradient_mode=mode),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+class Crash(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            raise RuntimeError("simulated crash")
+
+
+def backup_and_restore():
+    """Two epochs with tf_dp's BackupAndRestore, killed before the second, then resumed."""
+    x, y = data()
+    backup = os.path.join(os.path.dirname(out_path), f"backup{index}")
+    model = build()
+    try:
+        model.fit(batches(x, y), epochs=2, verbose=0,
+                  callbacks=[tf_dp.keras.callbacks.BackupAndRestore(backup), Crash()])
+    except RuntimeError:
+        pass
+    crashed_at = int(model.optimizer.iterations.numpy())
+    resumed = build()  # a new process would start from scratch like this
+    resumed.fit(batches(x, y), epochs=2, verbose=0,
+                callbacks=[tf_dp.keras.callbacks.BackupAndRestore(backup)])
+    entries = resumed.optimizer.ledger.samples()
+    report = {
+        "index": index,
+        "crashed_at": crashed_at,
+        "iterations": int(resumed.optimizer.iterations.numpy()),
+        "after": [v.numpy().tolist() for v in resumed.trainable_variables],
+        "ledger": [[e.sampling.population_size, e.sampling.selection_probability,
+                    e.sampling.policy] for e in entries],
+    }
+    with open(out_path, "w") as f:
+        json.dump(report, f)
 
 
 def main():
@@ -97,4 +144,4 @@ def main():
         json.dump(report, f)
 
 
-main()
+backup_and_restore() if phase == "backup" else main()

@@ -57,6 +57,15 @@ class RuleEntry:
     rule: NormRule
     supports: Optional[Callable[[Any], Optional[str]]] = None
     split_activation: bool = False
+    #: optional ``forward(layer, call, args, kwargs, watch) -> (outputs, context)``: runs the
+    #: layer's forward pass in place of ``call`` during the recorded pass, passing every tensor
+    #: whose gradient the rule needs through ``watch`` (which returns it) right after creating it;
+    #: the rule then receives ``context`` as ``inputs`` and the list of those tensors' gradients
+    #: as ``grad_output`` (in ``watch`` order). Used by the recurrent rules.
+    forward: Optional[Callable[..., Any]] = None
+    #: optional ``variables(layer) -> [variable]``: the variables the rule covers when they are
+    #: owned by sublayers (an LSTM's cell owns its kernels); default: the layer's own variables.
+    variables: Optional[Callable[[Any], list]] = None
 
 
 _RULES: dict[type, RuleEntry] = {}
@@ -68,6 +77,8 @@ def register_layer_norm_rule(
     *,
     supports: Optional[Callable[[Any], Optional[str]]] = None,
     split_activation: bool = False,
+    forward: Optional[Callable[..., Any]] = None,
+    variables: Optional[Callable[[Any], list]] = None,
 ) -> None:
     """Registers ``rule`` (see the module docstring) for ``layer_class``.
 
@@ -80,12 +91,18 @@ def register_layer_norm_rule(
       split_activation: the layer has an ``activation`` attribute applied last in ``call``; the
         strategy runs ``call`` with ``activation=None`` and applies the activation itself, so
         ``grad_output`` is the gradient before the activation.
+      forward: optional replacement forward pass for the recorded pass (see ``RuleEntry``); the
+        rule is then called with the context it returns and the gradients of what it watched.
+      variables: optional ``variables(layer)`` listing the variables the rule covers, for layers
+        whose variables are owned by sublayers (recurrent layers and their cells).
     """
     if not (isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)):
         raise TypeError(f"layer_class must be a keras.layers.Layer subclass, got {layer_class!r}")
     if not callable(rule):
         raise TypeError(f"rule must be callable, got {rule!r}")
-    _RULES[layer_class] = RuleEntry(layer_class, rule, supports, bool(split_activation))
+    _RULES[layer_class] = RuleEntry(
+        layer_class, rule, supports, bool(split_activation), forward, variables
+    )
 
 
 def unregister_layer_norm_rule(layer_class: type) -> None:
@@ -390,6 +407,9 @@ def _register_builtins() -> None:
     register_layer_norm_rule(L.Embedding, embedding_rule, supports=_plain)
     register_layer_norm_rule(L.LayerNormalization, layer_norm_rule)
     register_layer_norm_rule(L.GroupNormalization, group_norm_rule)
+    from tf_dp.gradients.ghost import recurrent
+
+    recurrent.register()
 
 
 _register_builtins()

@@ -51,6 +51,13 @@ def _own_trainable(layer) -> list:
     return list(own)
 
 
+def _rule_variables(layer, entry) -> list:
+    """The trainable variables a rule covers: the layer's own, or ``entry.variables(layer)``."""
+    if entry is not None and entry.variables is not None:
+        return [v for v in entry.variables(layer) if getattr(v, "trainable", True)]
+    return _own_trainable(layer)
+
+
 def _all_layers(model) -> list:
     flatten = getattr(model, "_flatten_layers", None)
     layers = list(flatten(include_self=True, recursive=True)) if flatten else [model]
@@ -77,12 +84,14 @@ class Plan:
 
     @property
     def description(self) -> str:
+        recurrent = [layer.name for layer, entry in self.ghost if entry.forward is not None]
+        suffix = f" (recurrent rule: {', '.join(recurrent)})" if recurrent else ""
         if self.mode == "ghost":
-            return "ghost"
+            return "ghost" + suffix
         parts = [layer.name for layer, _, _ in self.local]
         if self.model_level_names:
             parts.append("model-level variables: " + ", ".join(self.model_level_names))
-        return "ghost+vectorized (layers: " + ", ".join(parts) + ")"
+        return "ghost+vectorized (layers: " + ", ".join(parts) + ")" + suffix
 
 
 def _parents(model) -> tuple[dict, dict]:
@@ -147,9 +156,25 @@ def make_plan(model, variables) -> Plan:
                 if layer not in owners[k]:
                     owners[k].append(layer)
     ghost, local, model_level, names = [], [], [], []
+    # rules that cover their sublayers' variables (a recurrent layer and its cell): the layer is
+    # recorded, and the variables are not planned again at their owners
+    covered: set = set()
+    for layer in layers:
+        if layer is model:
+            continue
+        entry, _ = find_rule(layer)
+        if entry is None or entry.variables is None:
+            continue
+        vs = [v for v in _rule_variables(layer, entry) if _key(v) in var_keys]
+        if not vs or any(_key(v) in covered for v in vs):
+            continue
+        if any(len(owners.get(_key(v), [])) > 1 for v in vs):
+            continue
+        ghost.append((layer, entry))
+        covered.update(_key(v) for v in vs)
     units: dict[int, list] = {}  # fallback unit -> [variables]
     for layer in layers:
-        own = [v for v in _own_trainable(layer) if _key(v) in var_keys]
+        own = [v for v in _own_trainable(layer) if _key(v) in var_keys and _key(v) not in covered]
         if not own:
             continue
         tied = [v for v in own if len(owners[_key(v)]) > 1 or _maybe_tied(layer, every)]
@@ -160,9 +185,11 @@ def make_plan(model, variables) -> Plan:
                     names.append(getattr(v, "path", None) or v.name)
             continue
         entry, reason = find_rule(layer) if layer is not model else (None, "the model itself")
-        if entry is not None:
+        if entry is not None and entry.variables is None:
             ghost.append((layer, entry))
             continue
+        if entry is not None:  # covers sublayers only; its own remaining variables fall back
+            reason = f"{layer.name}: variables outside the rule's coverage"
         unit = layer if layer is model else _fallback_unit(layer, model, parents)
         if id(unit) not in units:
             units[id(unit)] = []
@@ -236,13 +263,25 @@ class _Capture:
             act = layer.activation if split else None
             if split:
                 object.__setattr__(layer, "activation", None)
+            nested = tf.compat.v1.get_default_graph() is not self._graph
+            watched: list = []
+
+            def watch(t):
+                t = tf.convert_to_tensor(t)
+                self._tape.watch(t)
+                watched.append(t)
+                return t
+
             try:
-                z = orig(*args, **kwargs)
+                if entry is not None and entry.forward is not None and not nested:
+                    z, inputs = entry.forward(layer, orig, args, kwargs, watch)
+                else:
+                    z = orig(*args, **kwargs)
             finally:
                 if split:
                     object.__setattr__(layer, "activation", act)
-            leaves = _float_leaves(z)
-            if tf.compat.v1.get_default_graph() is not self._graph:
+            leaves = watched if watched else _float_leaves(z)
+            if nested:
                 # called inside control flow (a loop body or cond branch): the outer tape cannot
                 # give gradients for these tensors; the strategy falls back for this layer
                 self.nested.add(id(layer))
@@ -386,9 +425,11 @@ class GhostStrategy(base.GradientStrategy):
         index = {_key(v): i for i, v in enumerate(variables)}
         unit_vars = {id(layer): vs for layer, _, vs in plan.local}
         model_level = set(plan.model_level)
-        for layer, _ in plan.ghost:
+        for layer, entry in plan.ghost:
             if id(layer) in capture.nested:
-                model_level.update(_key(v) for v in _own_trainable(layer) if _key(v) in index)
+                model_level.update(
+                    _key(v) for v in _rule_variables(layer, entry) if _key(v) in index
+                )
         for layer, _, vs in plan.local:
             if id(layer) in capture.nested:
                 model_level.update(_key(v) for v in vs)
@@ -399,8 +440,8 @@ class GhostStrategy(base.GradientStrategy):
             grads = out_grads[pos : pos + len(rec.outputs)]
             pos += len(rec.outputs)
             if rec.entry is not None:
-                own = [v for v in _own_trainable(rec.layer) if _key(v) in index]
-                g = grads[0] if len(grads) == 1 else grads
+                own = [v for v in _rule_variables(rec.layer, rec.entry) if _key(v) in index]
+                g = grads[0] if len(grads) == 1 and rec.entry.forward is None else grads
                 pairs = list(rec.entry.rule(rec.layer, rec.inputs, g))
                 got = {_key(v) for v, _ in pairs}
                 missing = [v for v in own if _key(v) not in got]
