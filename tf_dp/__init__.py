@@ -5,7 +5,8 @@ loading TensorFlow):
 
 - Queries (``tf_dp.dp_query``): ``GaussianSumQuery``, ``NestedQuery``, ``NormalizedQuery``,
   ``JointClipGaussianSumQuery``, ``NoPrivacySumQuery``, ``NoPrivacyAverageQuery``,
-  ``proportional_noise_allocation``, ``dimension_adjusted_noise_allocation``.
+  ``proportional_noise_allocation``, ``dimension_adjusted_noise_allocation``,
+  ``TreeCumulativeSumQuery``, ``TreeResidualSumQuery`` (tree aggregation, DP-FTRL).
 - Ledger (``tf_dp.ledger``): ``PrivacyLedger``, ``QueryWithLedger``.
 - Keras (``tf_dp.keras``): DP optimizers and models.
 - Accounting (``tf_dp.accounting``).
@@ -28,6 +29,8 @@ _EXPORTS = {
     "NormalizedQuery": "tf_dp.dp_query",
     "JointClipGaussianSumQuery": "tf_dp.dp_query",
     "NoPrivacySumQuery": "tf_dp.dp_query",
+    "TreeCumulativeSumQuery": "tf_dp.dp_query",
+    "TreeResidualSumQuery": "tf_dp.dp_query",
     "NoPrivacyAverageQuery": "tf_dp.dp_query",
     "proportional_noise_allocation": "tf_dp.dp_query",
     "dimension_adjusted_noise_allocation": "tf_dp.dp_query",

@@ -39,6 +39,7 @@ from tf_dp.accounting import gdp as _gdp
 from tf_dp.accounting import jl as _jl
 from tf_dp.accounting import pld as _pld
 from tf_dp.accounting import rdp as _rdp
+from tf_dp.accounting import tree as _tree
 from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent, compress
 from tf_dp.ledger.ledger_file import as_entries
 
@@ -185,6 +186,17 @@ def _units(runs: Sequence[tuple[SampleEntry, int]]) -> tuple[list[_Unit], bool, 
     units: list[_Unit] = []
     non_private = False
     policies = set()
+    # Tree aggregation (Kairouz et al. 2021): each tree / epoch window is a full-batch Gaussian
+    # mechanism (tf_dp.accounting.tree); Poisson-sampled tree steps are refused there.
+    runs, tree_mechanisms = _tree.split_runs(runs, shuffle_steps_per_epoch)
+    for z, count in tree_mechanisms:
+        policies.add("tree")
+        if math.isinf(z):
+            continue
+        if z == 0:
+            non_private = True
+            continue
+        units.append(_Unit(1.0, z, None, count, "shuffle"))
     for entry, count in runs:
         q = float(entry.sampling.selection_probability)
         policy = entry.sampling.policy
@@ -210,7 +222,7 @@ def _units(runs: Sequence[tuple[SampleEntry, int]]) -> tuple[list[_Unit], bool, 
 
 def _assumptions(accountant: str, policies: set, has_jl: bool, extra: str = "") -> str:
     parts = []
-    if policies != {"shuffle"}:
+    if not policies or policies - {"shuffle", "tree"}:
         parts.append("add/remove-one adjacency (both directions)")
     if "poisson" in policies:
         parts.append("Poisson sampling with the recorded rate q (amplification by subsampling "
@@ -222,6 +234,13 @@ def _assumptions(accountant: str, policies: set, has_jl: bool, extra: str = "") 
                      "full-batch Gaussian mechanism with half the effective noise multiplier "
                      "(an epoch is ceil(n/b) steps, its last batch partial; a partial epoch "
                      "counts as a full one)")
+    if "tree" in policies:
+        parts.append("tree-aggregation steps (Kairouz et al. 2021, Appendix D) accounted without "
+                     "amplification: replace-one adjacency (leaf sensitivity 2C), each record in "
+                     "at most one leaf per epoch; per epoch window the worst tree counts as one "
+                     "Gaussian mechanism with noise multiplier z / (2 sqrt(ceil(log2(T + 1)))) "
+                     "for a tree of T steps, and a tree spanning several epochs counts with the "
+                     "sensitivity of all the record's leaves in it")
     if has_jl:
         parts.append("JL clipping steps accounted as the mixture mechanism of Bu et al. 2020 "
                      "(Lemma 4.3 / Thm 4.1), heavy tail of the norm estimate included; privacy "

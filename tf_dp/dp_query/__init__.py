@@ -11,6 +11,7 @@ from tf_dp.dp_query.noise_allocation import (
     proportional_noise_allocation,
 )
 from tf_dp.dp_query.normalized_query import NormalizedQuery
+from tf_dp.dp_query.tree_aggregation import TreeCumulativeSumQuery, TreeResidualSumQuery
 
 __all__ = [
     "DPQuery",
@@ -22,6 +23,8 @@ __all__ = [
     "NoPrivacySumQuery",
     "NoPrivacyAverageQuery",
     "NormalizedQuery",
+    "TreeCumulativeSumQuery",
+    "TreeResidualSumQuery",
     "make_generator",
     "proportional_noise_allocation",
     "dimension_adjusted_noise_allocation",

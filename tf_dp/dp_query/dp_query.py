@@ -55,6 +55,9 @@ class SumQuerySpec(NamedTuple):
     #: the explicit seed of the noise generator, if the user gave one (recorded in the ledger:
     #: seeded noise is predictable, so no guarantee holds)
     noise_seed: Optional[int] = None
+    #: tree aggregation (``TreeCumulativeSumQuery``): the 0-based index in its tree of the leaf
+    #: this step adds (an int64 tensor); recorded as a ``tree`` event. None for other queries.
+    tree_step: Any = None
 
 
 class DPQuery(abc.ABC):

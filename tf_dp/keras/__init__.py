@@ -8,6 +8,7 @@ from tf_dp.keras.callbacks import (
     PrivacyBudget,
     PrivacyReport,
 )
+from tf_dp.keras.ftrl import DPKerasFTRLOptimizer
 from tf_dp.keras.losses import PerExampleLoss
 from tf_dp.keras.models import DPModel, DPSequential, is_private, make_private
 from tf_dp.keras.schedules import DecreasingClip
@@ -30,6 +31,7 @@ __all__ = [
     "DecreasingClip",
     "DPKerasAdagradOptimizer",
     "DPKerasAdamOptimizer",
+    "DPKerasFTRLOptimizer",
     "DPKerasSGDOptimizer",
     "DPModel",
     "DPOptimizerMixin",

@@ -39,8 +39,12 @@ SAMPLING_POLICIES = ("poisson", "shuffle")
 #: Sum-query mechanisms. ``gaussian``: exact clipping plus Gaussian noise. ``jl``: clipping weights
 #: from Johnson-Lindenstrauss norm estimates (Bu et al. 2020) plus Gaussian noise; the event carries
 #: ``jl_projections``. ``none``: no noise (a non-private query); any sample that contains one has
-#: infinite epsilon.
-MECHANISMS = ("gaussian", "jl", "none")
+#: infinite epsilon. ``tree``: one leaf of a tree-aggregation (binary tree mechanism) release,
+#: Kairouz et al. 2021: ``noise_stddev`` is the stddev of every tree node and the event carries
+#: ``tree_step``, the leaf's 0-based index in its tree (0: first step after a (re)start), from
+#: which the accountants rebuild the trees (``tf_dp.accounting.tree``). Codes are the positions in
+#: this tuple: new mechanisms are appended, so older ledgers keep their meaning.
+MECHANISMS = ("gaussian", "jl", "none", "tree")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +90,9 @@ class SumQueryEvent:
       noise_seed: the explicit seed of the noise generator when the user gave one (tests and
         debugging): the noise is then predictable, and no privacy guarantee holds for the run.
         ``None`` (noise keyed from OS entropy) for real training.
+      tree_step: for ``mechanism == "tree"``, the 0-based index of this step's leaf in its tree
+        (an integer >= 0; 0 starts a new tree); else None. ``noise_stddev`` is then the stddev of
+        each tree node.
     """
 
     l2_sensitivity: float
@@ -93,6 +100,7 @@ class SumQueryEvent:
     mechanism: str = "gaussian"
     jl_projections: Optional[int] = None
     noise_seed: Optional[int] = None
+    tree_step: Optional[int] = None
 
     def __post_init__(self):
         seed = self.noise_seed
@@ -113,6 +121,12 @@ class SumQueryEvent:
                 raise ValueError(f"jl_projections must be an integer >= 1 for a jl event, got {r!r}")
         elif self.jl_projections is not None:
             raise ValueError("jl_projections is only allowed for mechanism='jl'")
+        if self.mechanism == "tree":
+            t = self.tree_step
+            if isinstance(t, bool) or not (isinstance(t, int) and t >= 0):
+                raise ValueError(f"tree_step must be an integer >= 0 for a tree event, got {t!r}")
+        elif self.tree_step is not None:
+            raise ValueError("tree_step is only allowed for mechanism='tree'")
 
     @property
     def private(self) -> bool:
@@ -159,6 +173,25 @@ class SampleEntry:
                 "the accountants support one JL dimension per sample"
             )
         return rs.pop()
+
+    @property
+    def tree_step(self) -> Optional[int]:
+        """The tree-aggregation leaf index of this sample, or None when it has no tree query.
+
+        Raises ValueError when a sample mixes tree queries with other private queries or tree
+        queries at different leaves (no accountant handles it).
+        """
+        steps = {q.tree_step for q in self.queries if q.mechanism == "tree"}
+        if not steps:
+            return None
+        others = [q for q in self.queries if q.mechanism != "tree" and q.l2_sensitivity > 0]
+        if len(steps) > 1 or others:
+            raise ValueError(
+                f"a sample mixes tree-aggregation leaves {sorted(steps)} or tree aggregation with "
+                "other sum queries; the accountants support one tree leaf index per sample and "
+                "only tree queries in it"
+            )
+        return steps.pop()
 
     @property
     def private(self) -> bool:

@@ -17,6 +17,12 @@ Format (version 1)::
       "sha256": "<hex digest of the canonical JSON of every other key>"
     }
 
+Optional query keys (still version 1: files without them read as before, and files written
+without them are byte for byte what earlier versions wrote): ``noise_seed`` (seeded test/debug
+runs only) and ``tree_step`` (``"mechanism": "tree"`` queries only: the leaf's 0-based index in
+its tree-aggregation tree). A reader that predates a mechanism rejects the file as a malformed
+event naming the mechanism, never misreads it.
+
 Files are written atomically (temporary file in the same directory, fsync, rename), so a reader
 never sees half a file. A rewritten file keeps the permission bits of the file it replaces; a new
 file gets ``0666`` less the process's umask (``0644`` with the usual umask ``022``), like any file
@@ -66,6 +72,8 @@ def _query_payload(q: SumQueryEvent) -> dict[str, Any]:
     }
     if q.noise_seed is not None:  # only seeded (test/debug) runs carry the key
         out["noise_seed"] = q.noise_seed
+    if q.tree_step is not None:  # only tree-aggregation queries carry the key
+        out["tree_step"] = q.tree_step
     return out
 
 
@@ -137,6 +145,7 @@ def payload_to_entries(payload: Any) -> list[SampleEntry]:
                         mechanism=q["mechanism"],
                         jl_projections=q["jl_projections"],
                         noise_seed=q.get("noise_seed"),
+                        tree_step=q.get("tree_step"),
                     )
                     for q in run["queries"]
                 ),

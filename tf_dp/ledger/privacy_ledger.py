@@ -45,7 +45,8 @@ from tf_dp.ledger.ledger_file import LedgerFileError, read_ledger_file, write_le
 
 # Column layouts of the two buffers.
 _SAMPLE_COLS = 3  # population_size, selection_probability, policy code
-# sample index, l2_sensitivity, noise_stddev, mechanism code, jl_projections, noise seed (NaN: none)
+# sample index, l2_sensitivity, noise_stddev, mechanism code, jl_projections (jl) or tree_step
+# (tree), noise seed (NaN: none)
 _QUERY_COLS = 6
 _INITIAL_CAPACITY = 64
 
@@ -308,6 +309,9 @@ class PrivacyLedger(tf.Module):
     ) -> tf.Tensor:
         """Records one sum query of the current sample (values as used at run time).
 
+        ``jl_projections`` holds the leaf index ``tree_step`` for a ``tree`` query (one column
+        serves both: a query is never both).
+
         ``noise_seed`` is the explicit seed of the noise generator, if the user gave one (the
         noise is then predictable and the run has no privacy guarantee; statements say so)."""
         if isinstance(mechanism, str):
@@ -356,6 +360,7 @@ class PrivacyLedger(tf.Module):
                     mechanism=mech_name,
                     jl_projections=int(r) if mech_name == "jl" else None,
                     noise_seed=None if np.isnan(seed) else int(seed),
+                    tree_step=int(r) if mech_name == "tree" else None,
                 )
             )
         return [
@@ -401,7 +406,7 @@ class PrivacyLedger(tf.Module):
         queries = np.array(
             [
                 [i, q.l2_sensitivity, q.noise_stddev, mechanism_code(q.mechanism),
-                 q.jl_projections or 0,
+                 q.jl_projections or q.tree_step or 0,
                  float("nan") if q.noise_seed is None else float(q.noise_seed)]
                 for i, e in enumerate(entries)
                 for q in e.queries

@@ -152,6 +152,16 @@ class QueryWithLedger(DPQuery):
         jl = self._jl_projections.read_value()
         values = []
         for spec in specs:
+            tree_step = getattr(spec, "tree_step", None)
+            if spec.private and tree_step is not None:
+                # one leaf of a tree-aggregation release: column 4 holds the leaf index. JL's
+                # estimated clipping weights have no tree analysis: refuse rather than mislabel.
+                check = _refuse_tree_with_jl(jl)
+                with tf.control_dependencies(check):
+                    sens = tf.cast(spec.l2_sensitivity, tf.float32) * self._sensitivity_multiplier
+                values.append((sens, spec.noise_stddev, tf.constant(mechanism_code("tree")),
+                               tree_step, spec.noise_seed))
+                continue
             if spec.private:
                 mech = tf.where(jl > 0, mechanism_code("jl"), mechanism_code("gaussian"))
                 sens = tf.cast(spec.l2_sensitivity, tf.float32) * self._sensitivity_multiplier
@@ -176,7 +186,9 @@ class QueryWithLedger(DPQuery):
             self._query.sum_query_specs(global_state)
         ):
             name = MECHANISMS[int(mech)]
-            if jl_projections is not None and name != "none":
+            if name == "tree" and jl_projections:
+                _refuse_tree_with_jl(jl_projections)
+            if jl_projections is not None and name not in ("none", "tree"):
                 jl = jl_projections
                 name = "jl" if jl_projections > 0 else "gaussian"
             sens = float(sens)
@@ -189,6 +201,7 @@ class QueryWithLedger(DPQuery):
                     mechanism=name,
                     jl_projections=int(jl) if name == "jl" else None,
                     noise_seed=seed,
+                    tree_step=int(jl) if name == "tree" else None,
                 )
             )
         sampling = SamplingEvent(
@@ -226,6 +239,19 @@ class QueryWithLedger(DPQuery):
                 lambda t: _where(room, t), result
             )
         return result, new_state
+
+
+def _refuse_tree_with_jl(jl: Any) -> list[Any]:
+    """Tree aggregation with JL clipping (estimated norms) has no privacy analysis: raises
+    eagerly, or returns an assertion op that fails the step in a graph."""
+    message = ("tree aggregation (TreeCumulativeSumQuery / TreeResidualSumQuery) cannot be used "
+               "with gradient_mode='jl': no accountant analyses tree aggregation with JL clipping; "
+               "use an exact gradient mode")
+    if tf.executing_eagerly() or isinstance(jl, int):
+        if int(jl) > 0:
+            raise ValueError(message)
+        return []
+    return [tf.debugging.assert_equal(jl, tf.zeros_like(jl), message=message)]
 
 
 def _where(keep: tf.Tensor, t: Any) -> Any:
