@@ -57,6 +57,17 @@ CHECKS = {
         " 'sampling': [{f'{k[0]} {k[1]}': v for k, v in row.items()} for row in sampling_cost],"
         " 'calibrated': calibrated, 'target': TARGET_EPSILON, 'epochs': EPOCHS}))"
     ),
+    "custom_layers_and_ghost_clipping": (
+        "import json\n"
+        "print(json.dumps({'choices': choices, 'rule': list(rule_errors),"
+        " 'mistaken': list(mistaken_errors), 'check_batch': CHECK_BATCH,"
+        " 'per_layer_error': per_layer_check_error, 'clips': [float(c) for c in clips],"
+        " 'stddevs': [float(s) for s in stddevs], 'z': NOISE_MULTIPLIER,"
+        " 'effective': [float(e) for e in effective], 'epsilon': per_layer_epsilon,"
+        " 'n': int(n), 'batch': BATCH_SIZE, 'delta': DELTA, 'steps': ledger.num_samples,"
+        " 'strategy': custom_strategy.name,"
+        " 'accuracy': [float(custom_accuracy), float(per_layer_accuracy)]}))"
+    ),
     "text_classification": (
         "import json\n"
         "print(json.dumps({'data': data_name, 'n': int(n), 'batch': BATCH_SIZE,"
@@ -118,6 +129,31 @@ def _check_privacy_accounting(values):
         assert values["target"] * 0.99 <= eps.epsilon <= values["target"]
 
 
+def _check_custom_layers_and_ghost_clipping(values):
+    from tf_dp.accounting import dp_sgd_epsilon
+
+    choices = values["choices"]
+    assert choices["plain_model"].startswith("ghost") and "vectorized" not in choices["plain_model"]
+    assert "ghost+vectorized (layers: low_rank_dense" in choices["mixed_model"]
+    assert choices["custom_only_model"] == "vectorized"
+    # The registered rule is exact (float32 rounding) against the per-example loop.
+    assert max(values["rule"]) < 1e-4 and values["per_layer_error"] < 1e-4
+    # Dividing grad_output by B scales every norm of the custom layer by 1/B: relative error
+    # 1 - 1/B on those variables (the Dense layer's norms are untouched).
+    assert abs(values["mistaken"][0] - (1 - 1 / values["check_batch"])) < 1e-3
+    assert values["mistaken"][1] > 1e-2
+    assert values["strategy"] == "ghost"
+    # Eq. (1) of McMahan et al. 2018, from the clips and stddevs the notebook chose.
+    z = sum((c / s) ** 2 for c, s in zip(values["clips"], values["stddevs"])) ** -0.5
+    assert math.isclose(z, values["z"], rel_tol=1e-6)
+    assert all(math.isclose(e, z, rel_tol=1e-5) for e in values["effective"])
+    assert len(values["effective"]) == values["steps"]
+    flat = dp_sgd_epsilon(values["n"], values["batch"], z, values["delta"], steps=values["steps"],
+                          accountant="pld")
+    assert math.isclose(values["epsilon"], flat.epsilon, rel_tol=1e-3)
+    assert all(0.2 < a <= 1.0 for a in values["accuracy"])  # 10 classes: chance is 0.1
+
+
 def _check_text_classification(values):
     from tf_dp.accounting import dp_sgd_epsilon, jl_epsilon
 
@@ -157,6 +193,7 @@ def _check_text_classification(values):
 VALIDATORS = {
     "classification_privacy": _check_classification_privacy,
     "privacy_accounting": _check_privacy_accounting,
+    "custom_layers_and_ghost_clipping": _check_custom_layers_and_ghost_clipping,
     "text_classification": _check_text_classification,
 }
 
