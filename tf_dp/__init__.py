@@ -4,7 +4,8 @@ Public API (imported lazily, so that ``tf_dp.accounting`` and the command-line t
 loading TensorFlow):
 
 - Queries (``tf_dp.dp_query``): ``GaussianSumQuery``, ``NestedQuery``, ``NormalizedQuery``,
-  ``JointClipGaussianSumQuery``, ``NoPrivacySumQuery``, ``NoPrivacyAverageQuery``,
+  ``JointClipGaussianSumQuery``, ``AutomaticClipSumQuery``, ``QuantileAdaptiveClipSumQuery``,
+  ``QuantileAdaptiveClipAverageQuery``, ``NoPrivacySumQuery``, ``NoPrivacyAverageQuery``,
   ``proportional_noise_allocation``, ``dimension_adjusted_noise_allocation``,
   ``TreeCumulativeSumQuery``, ``TreeResidualSumQuery`` (tree aggregation, DP-FTRL).
 - Ledger (``tf_dp.ledger``): ``PrivacyLedger``, ``QueryWithLedger``.
@@ -28,6 +29,9 @@ _EXPORTS = {
     "NestedQuery": "tf_dp.dp_query",
     "NormalizedQuery": "tf_dp.dp_query",
     "JointClipGaussianSumQuery": "tf_dp.dp_query",
+    "AutomaticClipSumQuery": "tf_dp.dp_query",
+    "QuantileAdaptiveClipSumQuery": "tf_dp.dp_query",
+    "QuantileAdaptiveClipAverageQuery": "tf_dp.dp_query",
     "NoPrivacySumQuery": "tf_dp.dp_query",
     "TreeCumulativeSumQuery": "tf_dp.dp_query",
     "TreeResidualSumQuery": "tf_dp.dp_query",

@@ -1,5 +1,6 @@
 """DP aggregate queries (McMahan et al. 2018): clip, accumulate, noise. See ``dp_query.py``."""
 
+from tf_dp.dp_query.automatic_clip_query import AutomaticClipSumQuery
 from tf_dp.dp_query.dp_query import DPQuery, SumAggregationDPQuery, SumQuerySpec
 from tf_dp.dp_query.gaussian_query import GaussianSumQuery
 from tf_dp.dp_query.joint_clip_query import JointClipGaussianSumQuery
@@ -12,6 +13,11 @@ from tf_dp.dp_query.noise_allocation import (
 )
 from tf_dp.dp_query.normalized_query import NormalizedQuery
 from tf_dp.dp_query.tree_aggregation import TreeCumulativeSumQuery, TreeResidualSumQuery
+from tf_dp.dp_query.quantile_adaptive_clip_query import (
+    QuantileAdaptiveClipAverageQuery,
+    QuantileAdaptiveClipSumQuery,
+    sum_noise_multiplier_for,
+)
 
 __all__ = [
     "DPQuery",
@@ -25,6 +31,10 @@ __all__ = [
     "NormalizedQuery",
     "TreeCumulativeSumQuery",
     "TreeResidualSumQuery",
+    "AutomaticClipSumQuery",
+    "QuantileAdaptiveClipSumQuery",
+    "QuantileAdaptiveClipAverageQuery",
+    "sum_noise_multiplier_for",
     "make_generator",
     "proportional_noise_allocation",
     "dimension_adjusted_noise_allocation",

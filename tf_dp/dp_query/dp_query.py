@@ -58,6 +58,10 @@ class SumQuerySpec(NamedTuple):
     #: tree aggregation (``TreeCumulativeSumQuery``): the 0-based index in its tree of the leaf
     #: this step adds (an int64 tensor); recorded as a ``tree`` event. None for other queries.
     tree_step: Any = None
+    #: the query is an exact Gaussian mechanism whatever the gradient mode (e.g. the count of
+    #: unclipped records of ``QuantileAdaptiveClipSumQuery``): recorded as ``gaussian`` even in a
+    #: JL step, where the sum query itself is recorded as ``jl``
+    exact_gaussian: bool = False
 
 
 class DPQuery(abc.ABC):
@@ -112,6 +116,21 @@ class DPQuery(abc.ABC):
     def supports_norm_clipping(self) -> bool:
         """Whether :meth:`clip_weights` is available (needed by the ghost and JL strategies)."""
         return False
+
+    def accumulate_norms(
+        self, params: Any, sample_state: Any, norms: Any, record_mask: Any = None
+    ) -> Any:
+        """Completes a sample state that a gradient strategy built from the clipping rule.
+
+        Strategies sum the clipped records themselves (:meth:`clip_weights`); a query whose sample
+        state holds more than that sum (``QuantileAdaptiveClipSumQuery``: the count of records
+        the clip did not bind) adds it here from the per-record norms ``[B]`` the rule saw and
+        ``record_mask`` (``[B]`` bool: the records of the sample, e.g. not Poisson padding;
+        ``None``: all). The DP optimizers call it before :meth:`get_noised_result`. Default:
+        ``sample_state`` unchanged.
+        """
+        del params, norms, record_mask
+        return sample_state
 
     def clip_weights(self, params: Any, squared_norms: Any) -> Any:
         """Norm-based clipping rule; see :meth:`SumAggregationDPQuery.clip_weights`."""

@@ -86,3 +86,8 @@ class NormalizedQuery(dp_query.DPQuery):
 
     def clip_weights(self, params: Any, squared_norms: Any) -> Any:
         return self._numerator.clip_weights(params, squared_norms)
+
+    def accumulate_norms(
+        self, params: Any, sample_state: Any, norms: Any, record_mask: Any = None
+    ) -> Any:
+        return self._numerator.accumulate_norms(params, sample_state, norms, record_mask)

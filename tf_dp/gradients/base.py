@@ -51,6 +51,11 @@ class ClippedGradients:
     #: dependency). By default the executor may draw it early, next to the forward and backward
     #: pass (faster on a free core, but the noise is then held through the step's peak).
     noise_after_sum: bool = False
+    #: ``[B]`` bool, the records of the sample (``None``: every record): False for the
+    #: zero-weight padding rows of Poisson batches and for empty microbatches. Queries that count
+    #: records (adaptive clipping) leave the others out, since their number depends on the
+    #: sample's size.
+    record_mask: Any = None
 
 
 LossFn = Callable[[Any, Any, Any], tuple[tf.Tensor, Any]]
@@ -192,6 +197,19 @@ def fill_padding_rows(data: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
     source = tf.logical_and(tf.logical_not(pad), finite_rows(x))
     (x, y), _ = fill_rows((x, y), pad, source)
     return x, y, sw
+
+
+def real_records(sample_weight: Any, batch: Any) -> tf.Tensor:
+    """``[B]`` bool: rows with a non-zero sample weight (every weight, for per-output weights);
+    all rows when ``sample_weight`` is None."""
+    leaves = [tf.convert_to_tensor(w) for w in tf.nest.flatten(sample_weight) if w is not None]
+    if not leaves:
+        return tf.ones([batch], tf.bool)
+    real = None
+    for w in leaves:
+        nz = tf.reduce_any(tf.not_equal(tf.reshape(w, [tf.shape(w)[0], -1]), 0), axis=1)
+        real = nz if real is None else tf.logical_or(real, nz)
+    return real
 
 
 def global_norms(squared_norms: Sequence[tf.Tensor]) -> tf.Tensor:

@@ -117,7 +117,18 @@ def _unwrap_query(query: Any) -> Any:
 def check_query(query: Any) -> None:
     """Raises TypeError unless JL clipping (one total norm per example) is valid for ``query``."""
     inner = _unwrap_query(query)
-    if isinstance(inner, (GaussianSumQuery, NoPrivacySumQuery)):
+    # Late import: these modules import this layer's dependencies, not the other way round.
+    from tf_dp.dp_query.automatic_clip_query import AutomaticClipSumQuery
+    from tf_dp.dp_query.quantile_adaptive_clip_query import QuantileAdaptiveClipSumQuery
+
+    # Automatic clipping's weight C / (M + gamma) of an estimated norm M gives a clipped record
+    # of norm ||g|| C / (M + gamma) <= C ||g|| / M, within the JL analysis's bound (Lemma 4.3:
+    # the worst case is the ratio ||g|| / M); adaptive clipping's sum clips like GaussianSumQuery
+    # (its count is an exact Gaussian query, recorded as such).
+    if isinstance(
+        inner,
+        (GaussianSumQuery, NoPrivacySumQuery, AutomaticClipSumQuery, QuantileAdaptiveClipSumQuery),
+    ):
         return
     if isinstance(inner, NestedQuery):
         n = len(tf.nest.flatten(inner.queries))
@@ -543,6 +554,7 @@ class JLStrategy(base.GradientStrategy):
             norms=tf.sqrt(squared),
             num_records=base.batch_size_of(data[0]),
             sensitivity_multiplier=1.0,
+            record_mask=base.real_records(data[2], base.batch_size_of(data[0])),
             y_pred=y_pred,
             losses=losses,
             jl_projections=self.jl_projections,

@@ -176,6 +176,7 @@ class MicrobatchStrategy(base.GradientStrategy):
             norms=base.global_norms(sq),
             num_records=tf.constant(m),
             sensitivity_multiplier=multiplier,
+            record_mask=tf.greater(counts, 0),  # empty microbatches are not records
             y_pred=y_pred,
             losses=losses,
         )

@@ -331,6 +331,7 @@ class VectorizedStrategy(base.GradientStrategy):
                 norms=base.global_norms(sq),
                 num_records=b,
                 sensitivity_multiplier=1.0,
+                record_mask=base.real_records(sw, b),
                 y_pred=y_pred,
                 losses=losses,
             )
@@ -401,6 +402,7 @@ class VectorizedStrategy(base.GradientStrategy):
             norms=norms,
             num_records=b,
             sensitivity_multiplier=1.0,
+            record_mask=base.real_records(sw, b),
             y_pred=y_pred,
             losses=losses,
         )

@@ -414,10 +414,18 @@ class DPOptimizerMixin:
         q.sensitivity_multiplier.assign(tf.cast(clipped.sensitivity_multiplier, tf.float32))
         q._jl_projections.assign(int(clipped.jl_projections))
         after = clipped.noise_after_sum and not tf.executing_eagerly()
+        # A query whose sample state holds more than the clipped sum (adaptive clipping's count
+        # of unclipped records) completes it from the per-record norms; others return it as is.
+        state = q.accumulate_norms(
+            q.derive_sample_params(self._dp_global_state),
+            clipped.clipped_sum,
+            clipped.norms,
+            getattr(clipped, "record_mask", None),
+        )
         with tf.control_dependencies(
             tf.nest.flatten(clipped.clipped_sum, expand_composites=True) if after else []
         ):
-            noised, _ = q.get_noised_result(clipped.clipped_sum, self._dp_global_state)
+            noised, _ = q.get_noised_result(state, self._dp_global_state)
         records = tf.cast(clipped.num_records, tf.float32)
         replicas = _replicas_in_sync()
         if replicas > 1:

@@ -145,6 +145,11 @@ class QueryWithLedger(DPQuery):
     def clip_weights(self, params: Any, squared_norms: Any) -> Any:
         return self._query.clip_weights(params, squared_norms)
 
+    def accumulate_norms(
+        self, params: Any, sample_state: Any, norms: Any, record_mask: Any = None
+    ) -> Any:
+        return self._query.accumulate_norms(params, sample_state, norms, record_mask)
+
     def _event_values(self, specs: list[SumQuerySpec]) -> list[tuple[Any, Any, Any, Any, Any]]:
         """(l2_sensitivity, noise_stddev, mechanism code, jl_projections, noise_seed) of each sum
         query, as the
@@ -162,7 +167,11 @@ class QueryWithLedger(DPQuery):
                 values.append((sens, spec.noise_stddev, tf.constant(mechanism_code("tree")),
                                tree_step, spec.noise_seed))
                 continue
-            if spec.private:
+            if spec.private and getattr(spec, "exact_gaussian", False):
+                # e.g. a count of unclipped records: Gaussian whatever the gradient mode
+                mech = tf.constant(mechanism_code("gaussian"))
+                sens = tf.cast(spec.l2_sensitivity, tf.float32) * self._sensitivity_multiplier
+            elif spec.private:
                 mech = tf.where(jl > 0, mechanism_code("jl"), mechanism_code("gaussian"))
                 sens = tf.cast(spec.l2_sensitivity, tf.float32) * self._sensitivity_multiplier
             else:
@@ -182,13 +191,13 @@ class QueryWithLedger(DPQuery):
         budget before a step). ``sensitivity_multiplier`` and ``jl_projections`` (0: exact
         clipping) override the current settings, e.g. before the first step has set them."""
         entries = []
-        for sens, std, mech, jl, seed in self._event_values(
-            self._query.sum_query_specs(global_state)
-        ):
+        spec_list = self._query.sum_query_specs(global_state)
+        for sens, std, mech, jl, seed in self._event_values(spec_list):
             name = MECHANISMS[int(mech)]
+            exact = bool(getattr(spec_list[len(entries)], "exact_gaussian", False))
             if name == "tree" and jl_projections:
                 _refuse_tree_with_jl(jl_projections)
-            if jl_projections is not None and name not in ("none", "tree"):
+            if jl_projections is not None and name not in ("none", "tree") and not exact:
                 jl = jl_projections
                 name = "jl" if jl_projections > 0 else "gaussian"
             sens = float(sens)

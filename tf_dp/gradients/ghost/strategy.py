@@ -489,6 +489,7 @@ class GhostStrategy(base.GradientStrategy):
             norms=base.global_norms(squared),
             num_records=base.batch_size_of(x),
             sensitivity_multiplier=1.0,
+            record_mask=base.real_records(sw, base.batch_size_of(x)),
             y_pred=y_pred,
             losses=losses,
         )
