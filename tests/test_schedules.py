@@ -375,3 +375,27 @@ def test_privacy_budget_uses_the_schedule_and_spends_the_budget():
     constant = run(1.0)
     decreasing = run(DecreasingClip(1.0, decay_steps=30))
     assert decreasing > constant * 1.2  # later steps cost less: more of them fit
+
+
+def test_privacy_budget_checks_every_step_of_a_call_with_a_rising_cost():
+    """steps_per_execution=4 and a clip that grows (fixed stddev: each step costs more than the
+    one before): the budget checks the next call's four scheduled steps, never overspends."""
+    n, q, target = 100, 0.1, 2.0
+    x, y = _data(n)
+    opt = tf_dp.keras.DPKerasSGDOptimizer(
+        l2_norm_clip=lambda t: 0.5 + 0.02 * tf.cast(t, tf.float32), noise_stddev=1.0,
+        learning_rate=0.05)
+    keras.utils.set_random_seed(0)
+    model = tf_dp.keras.make_private(keras.Sequential([
+        keras.Input((5,)), keras.layers.Dense(2)]))
+    model.compile(optimizer=opt, loss=LOSS, steps_per_execution=4)
+    budget = tf_dp.keras.PrivacyBudget(target, 1e-5, verbose=False)
+    batches = tf_dp.data.poisson_batches(x, y, sampling_probability=q, seed=7)
+    model.fit(batches, epochs=100, verbose=0, callbacks=[budget])
+    assert budget.stopped
+    entries = opt.ledger.samples()
+    assert compute_epsilon(entries, 1e-5).epsilon <= target
+    upcoming = [opt.next_sample_entry(i) for i in range(4)]
+    assert compute_epsilon(entries + upcoming, 1e-5).epsilon > target
+    sens = [e.queries[0].l2_sensitivity for e in entries]
+    assert sens == pytest.approx([0.5 + 0.02 * t for t in range(len(entries))], rel=1e-5)

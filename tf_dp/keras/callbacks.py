@@ -169,8 +169,12 @@ class PrivacyBudget(keras.callbacks.Callback):
     Cost: the number of further steps of one kind that the budget allows is computed once (a
     search over step counts, each an accountant call on the run-length-compressed ledger) and then
     counted down, so a batch costs a few variable reads. It is recomputed when the kind of step
-    changes (e.g. a clip schedule) or when the ledger, checked at each epoch end, holds a step of
-    another kind. With ``steps_per_execution = s > 1`` Keras runs ``s`` steps between two checks,
+    changes or when the ledger, checked at each epoch end, holds a step of another kind. With
+    clip or noise schedules (each step possibly of another kind, e.g.
+    :class:`~tf_dp.keras.schedules.DecreasingClip` with a fixed ``noise_stddev``, where later
+    steps cost less), the next call's steps are predicted from the schedules
+    (``optimizer.next_sample_entry(i)``) and checked with one accountant call per batch, so
+    training goes on exactly until the budget is spent. With ``steps_per_execution = s > 1`` Keras runs ``s`` steps between two checks,
     so training stops once fewer than ``s`` steps are left (the budget is never exceeded).
 
     If ``fit`` starts with not even one step left, it raises :class:`BudgetExhaustedError` from
@@ -260,8 +264,30 @@ class PrivacyBudget(keras.callbacks.Callback):
             return None
         return max(0, self._plan_headroom - (optimizer.ledger.num_samples - self._plan_base))
 
+    def _next_call_fits_schedule(self, optimizer, needed: int) -> Optional[bool]:
+        """With clip or noise schedules every step may be of another kind: check the next
+        ``needed`` steps exactly as the schedules give them (one accountant call), or None when
+        they cannot be predicted."""
+        try:
+            upcoming = [optimizer.next_sample_entry(i) for i in range(needed)]
+        except Exception as e:  # noqa: BLE001 -- fall back to the general rule
+            _logger.debug("tf_dp: cannot predict the next scheduled steps: %s", e)
+            return None
+        entries = optimizer.ledger.samples()
+        fits = self._epsilon(entries + upcoming) <= self.target_epsilon
+        self._plan_kind = upcoming[0]
+        self._plan_base = len(entries)
+        self._plan_headroom = needed if fits else 0
+        return fits
+
     def _next_step_allowed(self) -> bool:
         optimizer = _dp_optimizer(self.model, "PrivacyBudget")
+        # Keras runs steps_per_execution steps per call between two callback hooks.
+        needed = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        if getattr(optimizer, "has_dp_schedules", False):
+            fits = self._next_call_fits_schedule(optimizer, needed)
+            if fits is not None:
+                return fits
         kind = predicted_next_entry(optimizer)
         if kind is None:
             entries = optimizer.ledger.samples()
@@ -274,8 +300,6 @@ class PrivacyBudget(keras.callbacks.Callback):
         n = optimizer.ledger.num_samples
         if kind != self._plan_kind or n < self._plan_base:
             self._plan(optimizer, kind)
-        # Keras runs steps_per_execution steps per call between two callback hooks.
-        needed = int(getattr(self.model, "steps_per_execution", 1) or 1)
         return self._plan_headroom - (n - self._plan_base) >= needed
 
     # -- Keras hooks ---------------------------------------------------------------------------
@@ -315,6 +339,11 @@ class PrivacyBudget(keras.callbacks.Callback):
         # made must be of the planned kind; otherwise plan again from the real entries.
         optimizer = _dp_optimizer(self.model, "PrivacyBudget")
         if self._plan_kind is None:
+            return
+        if getattr(optimizer, "has_dp_schedules", False):
+            # every batch checks the recorded ledger plus the scheduled next steps
+            if not self.stopped and not self._next_step_allowed():
+                self._stop()
             return
         entries = optimizer.ledger.samples()
         recent = entries[self._plan_base :]
