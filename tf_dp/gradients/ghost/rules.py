@@ -24,7 +24,9 @@ factors into things the forward and backward passes already computed. Signature:
 Register with :func:`register_layer_norm_rule`; the built-in rules for ``Dense``, ``EinsumDense``,
 ``Conv1D``, ``Conv2D``, ``Embedding``, ``LayerNormalization`` and ``GroupNormalization`` are
 registered the same way (``MultiHeadAttention`` owns no variables itself: its four projections are
-``EinsumDense`` layers).
+``EinsumDense`` layers), and so are the rules for ``LSTM``, ``GRU`` and ``SimpleRNN``
+(:mod:`tf_dp.gradients.ghost.recurrent`), which use the optional ``forward`` and ``variables``
+hooks of :func:`register_layer_norm_rule`.
 
 Example (a layer computing ``x * scale`` elementwise, ``scale`` of shape ``[d]``)::
 
