@@ -260,7 +260,10 @@ class TreeCumulativeSumQuery(dp_query.SumAggregationDPQuery):
 
     def restart(self, global_state: TreeState) -> TreeState:
         """The state with a fresh tree: the next step is leaf 1 of a new tree."""
-        return global_state._replace(step=tf.zeros_like(global_state.step))
+        return global_state._replace(
+            step=tf.zeros_like(global_state.step),
+            prefix=tf.nest.map_structure(tf.zeros_like, global_state.prefix),
+        )
 
     def derive_sample_params(self, global_state: TreeState) -> Any:
         return tf.convert_to_tensor(global_state.l2_norm_clip, tf.float32)
