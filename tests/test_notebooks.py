@@ -68,6 +68,14 @@ CHECKS = {
         " 'strategy': custom_strategy.name,"
         " 'accuracy': [float(custom_accuracy), float(per_layer_accuracy)]}))"
     ),
+    "migrating_from_tf_privacy": (
+        "import json\n"
+        "print(json.dumps({'n': int(n), 'batch': BATCH_SIZE, 'sigma': NOISE_MULTIPLIER,"
+        " 'epochs': EPOCHS, 'delta': DELTA, 'cli': cli_poisson, 'poisson': ledger_poisson,"
+        " 'shuffle': ledger_shuffled, 'microbatch': cli_microbatch,"
+        " 'steps': [shuffled.optimizer.ledger.num_samples, poisson.optimizer.ledger.num_samples],"
+        " 'accuracy': [float(shuffled_accuracy), float(poisson_accuracy)]}))"
+    ),
     "text_classification": (
         "import json\n"
         "print(json.dumps({'data': data_name, 'n': int(n), 'batch': BATCH_SIZE,"
@@ -154,6 +162,40 @@ def _check_custom_layers_and_ghost_clipping(values):
     assert all(0.2 < a <= 1.0 for a in values["accuracy"])  # 10 classes: chance is 0.1
 
 
+def _check_migrating_from_tf_privacy(values):
+    from scipy import optimize, stats
+
+    from tf_dp.accounting import dp_sgd_epsilon
+
+    n, batch, sigma, epochs, delta = (values[k] for k in ("n", "batch", "sigma", "epochs", "delta"))
+    assert values["steps"] == [epochs * math.ceil(n / batch), epochs * round(n / batch)]
+    for name in ("rdp", "pld"):
+        independent = dp_sgd_epsilon(n, batch, sigma, delta, epochs=epochs, accountant=name)
+        assert math.isclose(values["cli"][name]["epsilon"], independent.epsilon, rel_tol=1e-6)
+        # The Poisson run's ledger gives what the hyperparameters give.
+        assert math.isclose(values["poisson"][name]["epsilon"], independent.epsilon, rel_tol=1e-3)
+    for out in (values["cli"], values["poisson"], values["shuffle"]):
+        assert out["rdp"]["certified"] and out["pld"]["certified"]
+    assert values["cli"]["gdp"]["certified"] is False
+    assert values["poisson"]["gdp"]["certified"] is False
+    # Shuffle without amplification: E epochs of a full-batch Gaussian with noise sigma/2
+    # (replace-one, sensitivity 2C) is exactly mu-GDP with mu = 2 sqrt(E) / sigma (Dong, Roth, Su).
+    mu = 2 * math.sqrt(epochs) / sigma
+
+    def gdp_delta(eps):
+        return stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * stats.norm.cdf(-eps / mu - mu / 2)
+
+    exact = optimize.brentq(lambda e: gdp_delta(e) - delta, 1e-6, 200, xtol=1e-10)
+    assert math.isclose(values["shuffle"]["gdp"]["epsilon"], exact, rel_tol=1e-4)
+    assert values["shuffle"]["gdp"]["certified"] is True
+    assert exact * (1 - 1e-4) <= values["shuffle"]["pld"]["epsilon"] <= exact * 1.02
+    assert values["shuffle"]["pld"]["epsilon"] > 5 * values["poisson"]["pld"]["epsilon"]
+    # Microbatches: sensitivity 2C, i.e. the effective noise multiplier is halved.
+    halved = dp_sgd_epsilon(n, batch, sigma / 2, delta, epochs=epochs, accountant="rdp")
+    assert math.isclose(values["microbatch"]["rdp"]["epsilon"], halved.epsilon, rel_tol=1e-6)
+    assert all(0.2 < a <= 1.0 for a in values["accuracy"])  # 10 classes: chance is 0.1
+
+
 def _check_text_classification(values):
     from tf_dp.accounting import dp_sgd_epsilon, jl_epsilon
 
@@ -194,6 +236,7 @@ VALIDATORS = {
     "classification_privacy": _check_classification_privacy,
     "privacy_accounting": _check_privacy_accounting,
     "custom_layers_and_ghost_clipping": _check_custom_layers_and_ghost_clipping,
+    "migrating_from_tf_privacy": _check_migrating_from_tf_privacy,
     "text_classification": _check_text_classification,
 }
 
