@@ -210,7 +210,7 @@ def low_rank_dense_rule(layer, inputs, grad_output):
 # its training step) on a batch of `CHECK_BATCH` real images.
 
 # %%
-from tf_dp.gradients.ghost import GhostStrategy, unregister_layer_norm_rule
+from tf_dp.gradients.ghost import GhostStrategy
 
 
 class RecordingQuery(tf_dp.GaussianSumQuery):
