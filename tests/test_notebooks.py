@@ -303,8 +303,11 @@ def test_notebook_runs_top_to_bottom_in_small_mode(name, data_dir, tmp_path, mon
     monkeypatch.setenv("TF_DP_TUTORIAL_SMALL", "1")
     monkeypatch.setenv("TF_DP_TUTORIAL_DATA_DIR", data_dir)
     if name == "text_classification":
-        if not os.path.isfile(os.path.join(DEBIAN_FORTUNES, "computers")):
-            pytest.skip(f"no text corpus: {DEBIAN_FORTUNES} (apt-get install fortunes)")
+        # README's test command installs Debian's fortunes (the offline text corpus)
+        assert os.path.isfile(os.path.join(DEBIAN_FORTUNES, "computers")), (
+            f"no text corpus in {DEBIAN_FORTUNES}: run README's test command, which installs "
+            "Debian's fortunes package"
+        )
         monkeypatch.setenv("TF_DP_TUTORIAL_TEXT_DATA_DIR", DEBIAN_FORTUNES)
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
