@@ -406,9 +406,10 @@ class DPOptimizerMixin:
         """Noises the clipped sum through the query (recording the step in the ledger) and
         normalises it to an average gradient.
 
-        The denominator is public: the expected batch size ``q * n`` under Poisson sampling, the
-        number of records (examples or microbatches) of the batch for shuffled batches, and 1 when
-        the query is a ``NormalizedQuery`` (it divides by its own denominator).
+        The denominator is public: with microbatches, the number of microbatches ``M`` (under
+        any sampling); otherwise the expected batch size ``q * n`` under Poisson sampling and the
+        number of examples of the batch for shuffled batches; and 1 when the query is a
+        ``NormalizedQuery`` (it divides by its own denominator).
         """
         q = self._dp_query
         q.sensitivity_multiplier.assign(tf.cast(clipped.sensitivity_multiplier, tf.float32))
