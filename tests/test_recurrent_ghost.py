@@ -259,3 +259,35 @@ def test_transformer_block_matches_the_per_example_loop():
     )
     s = check(model, x, y)
     assert s.description == "ghost"
+
+
+def test_xla_and_mixed_precision():
+    r = rng(11)
+    x, y = tokens(r)
+    model = compiled(seq_model(L.Bidirectional(L.LSTM(3)), L.Dense(2)))
+    ref = [g.sum(0) for g in loop_reference(model, x, y)]
+    loss_fn = PerExampleLoss(model)
+    query = RecordingQuery(1e9, 0.0)  # no clipping: the sum of the per-example gradients
+    params = query.derive_sample_params(query.initial_global_state())
+    data = (tf.constant(x), tf.constant(y), None)
+    strategy = GhostStrategy()
+    xla = tf.function(
+        lambda: strategy.clipped_sum(loss_fn, data, model.trainable_variables, query, params).clipped_sum,
+        jit_compile=True,
+    )()
+    scale = max(np.abs(g).max() for g in ref)
+    for got, want in zip(xla, ref):
+        np.testing.assert_allclose(np.asarray(got) / scale, want / scale, rtol=0, atol=RTOL)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        half = compiled(seq_model(L.Bidirectional(L.LSTM(3)), L.Dense(2, dtype="float32")))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    half.set_weights(model.get_weights())
+    strategy = GhostStrategy()
+    out = strategy.clipped_sum(
+        PerExampleLoss(half), data, half.trainable_variables, RecordingQuery(1e9, 0.0), params
+    )
+    assert "recurrent rule" in strategy.description
+    for got, want in zip(out.clipped_sum, ref):  # float16 activations: 1e-2 of the scale
+        np.testing.assert_allclose(np.asarray(got) / scale, want / scale, rtol=0, atol=1e-2)
