@@ -114,3 +114,12 @@ def test_epoch_longer_than_the_built_tree_is_refused_and_config_round_trips():
     assert config["restart_every"] == "epoch" and config["max_epoch_steps"] == 4
     again = DPKerasFTRLOptimizer.from_config(config)
     assert again.get_config() == config
+
+
+def test_tree_query_as_dp_sum_query_of_another_optimizer_is_refused():
+    from tf_dp.dp_query.tree_aggregation import TreeResidualSumQuery
+    from tf_dp.keras import DPKerasSGDOptimizer
+
+    q = TreeResidualSumQuery(1.0, 1.0, record_specs=tf.TensorSpec([2]), restart_every=4)
+    with pytest.raises(TypeError, match="use tf_dp.keras.DPKerasFTRLOptimizer"):
+        DPKerasSGDOptimizer(dp_sum_query=q, learning_rate=0.1)

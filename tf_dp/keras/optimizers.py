@@ -126,6 +126,14 @@ class DPOptimizerMixin:
                     "pass the bare query as dp_sum_query; the optimizer wraps it with its own "
                     "ledger (available as optimizer.ledger)"
                 )
+            from tf_dp.dp_query.tree_aggregation import TreeCumulativeSumQuery
+
+            if isinstance(dp_sum_query, TreeCumulativeSumQuery):
+                raise TypeError(
+                    "a tree-aggregation query must carry its tree from step to step, which "
+                    f"{type(self).__name__} does not do: use tf_dp.keras.DPKerasFTRLOptimizer "
+                    "(DP-FTRL: SGD or momentum on a TreeResidualSumQuery)"
+                )
             query = dp_sum_query
         if num_microbatches is not None and (
             isinstance(num_microbatches, bool)
