@@ -9,6 +9,9 @@ Pure numpy/scipy (no TensorFlow).  Which accountant to use (see docs/accounting.
   and the tightest; the only accountant for JL steps.
 * ``gdp``: mu-GDP via the privacy CLT (Bu et al. 2019); an approximation, labelled as such.
 
+Tradeoff curves (f-DP) of a run: ``pld_tradeoff`` (certified) and ``gaussian_tradeoff`` (mu-GDP),
+see ``tf_dp.accounting.tradeoff``.
+
 Example::
 
     from tf_dp.accounting import compute_epsilon, dp_sgd_epsilon
@@ -50,6 +53,12 @@ from tf_dp.accounting.strong_composition import (
     dp_sgd_strong_composition_epsilon,
     strong_composition,
 )
+from tf_dp.accounting.tradeoff import (
+    gaussian_tradeoff,
+    pld_delta_curve,
+    pld_tradeoff,
+    tradeoff_from_epsilon_delta,
+)
 
 __all__ = [
     "ACCOUNTANTS",
@@ -71,16 +80,20 @@ __all__ = [
     "effective_noise_multipliers",
     "epsilon_from_mu",
     "epsilon_from_rdp",
+    "gaussian_tradeoff",
     "jl_delta",
     "jl_epsilon",
     "jl_mechanism",
     "mu_poisson",
     "mu_uniform",
     "pld_delta",
+    "pld_delta_curve",
     "pld_epsilon",
+    "pld_tradeoff",
     "rdp_poisson_gaussian",
     "reduced_noise",
     "shuffle_epochs",
     "shuffle_steps_per_epoch",
     "strong_composition",
+    "tradeoff_from_epsilon_delta",
 ]
