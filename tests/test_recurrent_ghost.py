@@ -291,3 +291,13 @@ def test_xla_and_mixed_precision():
     assert "recurrent rule" in strategy.description
     for got, want in zip(out.clipped_sum, ref):  # float16 activations: 1e-2 of the scale
         np.testing.assert_allclose(np.asarray(got) / scale, want / scale, rtol=0, atol=1e-2)
+
+
+def test_unknown_sequence_length_and_bidirectional_states():
+    r = rng(12)
+    x, y = tokens(r)
+    inp = keras.Input((None,), dtype="int32")
+    e = L.Embedding(9, 4, mask_zero=True)(inp)
+    out, fh, fc, bh, bc = L.Bidirectional(L.LSTM(3, return_state=True))(e)
+    z = L.Concatenate()([out, fh, bc])
+    check(keras.Model(inp, L.Dense(2)(z)), x, y, graph=True)
