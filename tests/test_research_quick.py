@@ -1,0 +1,107 @@
+"""The quick modes of the research reproductions (research/abadi_2016, research/gdp_2019,
+research/momentum_clip_2019) run and give the papers' numbers.
+
+The accounting scripts are loaded in-process (pure numpy/scipy); the training scripts run in a
+subprocess (TensorFlow, fixed small sizes) that prints what the test checks as JSON.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(relpath):
+    path = os.path.join(ROOT, relpath)
+    name = "research_" + relpath.replace("/", "_").replace(".py", "")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_json(code, timeout=240):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TF_CPP_MIN_LOG_LEVEL="3")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env=env, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_abadi_2016_quick_reproduces_1_26_and_9_34():
+    mod = _load("research/abadi_2016/epsilon_vs_epochs.py")
+    rows = mod.main(["--quick"])
+    last = rows[-1]
+    assert last["steps"] == 10000
+    assert round(last["moments"], 2) == 1.26  # the paper's moments accountant
+    assert abs(last["strong_composition"] - 9.34) < 0.02  # paper 9.34, tf_dp 9.35
+    for key in ("moments", "rdp", "pld", "gdp", "strong_composition"):
+        values = [r[key] for r in rows]
+        assert all(b > a for a, b in zip(values, values[1:])), key  # epsilon grows with epochs
+    for r in rows:  # certified accountants ordered by tightness, strong composition far above
+        assert r["pld"] <= r["rdp"] <= r["moments"] < r["strong_composition"]
+
+
+def test_abadi_2016_pca_quick_trains_and_accounts():
+    res = _run_json(
+        "import json, importlib.util as u\n"
+        "s = u.spec_from_file_location('m', 'research/abadi_2016/train_pca.py')\n"
+        "m = u.module_from_spec(s); s.loader.exec_module(m)\n"
+        "rows, curves = m.main(['--quick'])\n"
+        "print(json.dumps(rows))\n")
+    (row,) = res
+    assert row["sigma"] == 8.0 and row["steps"] == 100  # 1 epoch of round(1/q) = 100 lots
+    assert row["test_accuracy"] > 0.3  # well above chance (0.1) after one noisy epoch
+    assert 0 < row["eps_pld"] <= row["eps_rdp"] <= row["eps_moments"]
+
+
+def test_gdp_2019_quick_matches_table_1():
+    mod = _load("research/gdp_2019/accounting.py")
+    res = mod.main(["--quick"])
+    for i, r in enumerate(res["table1"]):
+        assert round(r["mu"], 2) == r["paper_mu"]
+        assert round(r["eps_clt"], 2) == r["paper_eps_clt"]
+        if i < 3:
+            assert round(r["eps_ma"], 2) == r["paper_eps_ma"]
+        else:  # tf_dp is slightly above the printed values (README: unexplained, conservative)
+            assert r["paper_eps_ma"] <= r["eps_ma"] <= 1.02 * r["paper_eps_ma"]
+        assert r["eps_clt"] < r["eps_ma"]
+    nr = res["noise_reduction"]
+    assert round(nr["sigma_tilde"], 2) == 1.06
+    assert nr["eps_gdp_sigma_tilde"] == pytest.approx(nr["eps_moments_sigma"], rel=1e-6)
+    assert nr["eps_moments_sigma_tilde"] > nr["eps_moments_sigma"]  # less noise: MA pays more
+
+
+def test_momentum_clip_2019_quick_budget_stops_at_the_right_step():
+    res = _run_json(
+        "import json, importlib.util as u\n"
+        "from tf_dp.accounting import compute_epsilon\n"
+        "s = u.spec_from_file_location('m', 'research/momentum_clip_2019/train.py')\n"
+        "m = u.module_from_spec(s); s.loader.exec_module(m)\n"
+        "r = m.main(['--quick'])\n"
+        "out = []\n"
+        "for x in r['summaries']:\n"
+        "    entries = x['ledger'].samples()\n"
+        "    clips = sorted({e.queries[0].l2_sensitivity for e in entries})\n"
+        "    out.append(dict(run=x['run'], steps=x['steps'], eps=x['epsilon'],\n"
+        "        eps_next=compute_epsilon(entries + [x['next_entry']], 1e-5,\n"
+        "                                 accountant='moments').epsilon,\n"
+        "        stopped=x['budget_stopped'], clips=[clips[0], clips[-1]],\n"
+        "        acc=x['final_val_accuracy'], target=r['target_steps']))\n"
+        "print(json.dumps(out))\n")
+    runs = {r["run"]: r for r in res}
+    assert set(runs) == {"sgd", "both"}
+    for r in res:
+        assert r["stopped"]
+        assert r["eps"] <= 2.0 < r["eps_next"]  # stopped exactly when one more step overspends
+    sgd, both = runs["sgd"], runs["both"]
+    assert sgd["steps"] >= sgd["target"]  # sigma~ calibrated for the target steps
+    assert sgd["clips"] == [12.0, 12.0]
+    assert both["clips"][0] == pytest.approx(6.0) and both["clips"][1] == pytest.approx(12.0)
+    assert both["steps"] > 2 * sgd["steps"]  # the decreasing clip buys many more steps
