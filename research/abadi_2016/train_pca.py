@@ -42,7 +42,6 @@ def pca_features(x_train, x_test, dims):
 
 def train_level(name, sigma, feats, args):
     import keras
-    import numpy as np
 
     import tf_dp
     from tf_dp.accounting import compute_epsilon

@@ -93,14 +93,12 @@ def calibrate(n, batch, target_steps, epsilon, delta, accountant):
 
 def train_one(name, data, args, sigma_tilde, seed):
     import keras
-    import numpy as np
 
     import tf_dp
     from tf_dp.accounting import compute_epsilon
 
     momentum, decreasing = RUNS[name]
     (x, y), (xv, yv) = data
-    n = len(x)
     q = args.q
     target_steps = int(round(args.target_epochs / q))
     keras.utils.set_random_seed(seed)  # same initial weights for every run of one seed
