@@ -487,3 +487,31 @@ def test_optimizer_passes_jl_method_and_round_trips_config():
         )
     with pytest.raises(ValueError, match="jl_method"):
         dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, jl_method="forward")
+
+
+def test_auto_never_chooses_jl():
+    """JL gives no finite epsilon for small r and is slower than exact clipping at a usable r
+    (docs/jl.md, "When JL is worth it"): auto picks an exact strategy for every kind of model."""
+    import keras
+
+    from tf_dp.gradients import make_strategy
+
+    class Custom(keras.layers.Layer):  # no ghost rule: a per-example fallback, never JL
+        def build(self, shape):
+            self.w = self.add_weight(shape=(shape[-1], 3))
+
+        def call(self, x):
+            return keras.ops.tanh(x @ self.w)
+
+    models = [
+        keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)]),
+        keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(2, 3), keras.layers.Flatten(),
+                          keras.layers.Dense(2)]),
+        keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(10, 4),
+                          keras.layers.Bidirectional(keras.layers.LSTM(3)),
+                          keras.layers.Dense(2)]),
+        keras.Sequential([keras.Input((5,)), Custom()]),
+    ]
+    for model in models:
+        strategy = make_strategy("auto", model=model)
+        assert strategy.name != "jl" and strategy.exact, (model, strategy.name)
