@@ -78,7 +78,7 @@ def sum_noise_multiplier_for(
 
     Example::
 
-        z = sum_noise_multiplier_for(1.1, clipped_count_stddev=0.05 * 256)  # about 1.1006
+        z = sum_noise_multiplier_for(1.1, clipped_count_stddev=0.05 * 256)  # about 1.1010
     """
     z_eff = _check_number("total_noise_multiplier", total_noise_multiplier, positive=True)
     sb = _check_number("clipped_count_stddev", clipped_count_stddev, positive=True)
