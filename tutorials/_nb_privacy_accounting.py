@@ -205,43 +205,29 @@ plt.show()
 # loss distribution of the run once for each direction (adding or removing a record) and reading
 # the whole curve off it.
 #
-# (tf_dp has no function that returns a tradeoff curve yet: the few lines below build it from the
-# PLD accountant's public pieces, `SubsampledGaussian` and `pld.compose_mechanisms`.)
+# `tf_dp.accounting` draws these curves: `pld_tradeoff` (the certified envelope from the PLD
+# accountant), `gaussian_tradeoff` (mu-GDP) and `tradeoff_from_epsilon_delta` (one or more
+# `(epsilon, delta)` pairs).
 
 # %%
 import math
 
-from scipy import stats
-
-from tf_dp.accounting import SubsampledGaussian, pld
+from tf_dp.accounting import (
+    SubsampledGaussian,
+    gaussian_tradeoff,
+    pld_tradeoff,
+    tradeoff_from_epsilon_delta,
+)
 
 q, sigma, epochs = 256 / 60000, 1.1, 60  # Table 1, second row
 steps = math.ceil(epochs / q)
 mu = table[1]["mu"]
 
-# The run's privacy loss distribution, composed once per direction.
-composed = [
-    pld.compose_mechanisms([(SubsampledGaussian(q, sigma), steps)], direction, h=PLD_GRID)
-    for direction in pld.DIRECTIONS
-]
-eps_grid = np.linspace(0.0, 12.0, 481)
-delta_of_eps = np.array([max(d.delta(float(e)) for d in composed) for e in eps_grid])
-
 alpha = np.linspace(0.0, 1.0, 1001)
-
-
-def tradeoff_from_eps_delta(epsilons, deltas):
-    """Upper envelope of the (epsilon, delta)-DP tradeoff lines: a lower bound on beta."""
-    e = np.asarray(epsilons)[:, None]
-    d = np.asarray(deltas)[:, None]
-    lines = np.maximum(1 - d - np.exp(e) * alpha, np.exp(-e) * (1 - d - alpha))
-    return np.clip(lines.max(axis=0), 0.0, 1.0)
-
-
-f_pld = tradeoff_from_eps_delta(eps_grid, delta_of_eps)
-f_gdp = stats.norm.cdf(stats.norm.ppf(1 - alpha) - mu)
+f_pld = pld_tradeoff([(SubsampledGaussian(q, sigma), steps)], alpha, h=PLD_GRID)
+f_gdp = gaussian_tradeoff(alpha, mu)
 eps_moments = table[1]["moments"]
-f_moments = tradeoff_from_eps_delta([eps_moments], [DELTA])
+f_moments = tradeoff_from_epsilon_delta(alpha, [eps_moments], [DELTA])
 
 fig, ax = plt.subplots(figsize=(5.5, 5.5))
 ax.plot(alpha, 1 - alpha, color="gray", linestyle=":", label="perfect privacy")
