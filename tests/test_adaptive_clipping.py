@@ -296,7 +296,7 @@ def test_keras_fit_records_both_queries_and_epsilon_is_the_composed_mechanism(
                            capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr
         assert json.loads(p.stdout)["rdp"]["epsilon"] == pytest.approx(ledger_eps, rel=1e-9)
-    dp_accounting = pytest.importorskip("dp_accounting")
+    import dp_accounting  # test dependency (setup.py extras "test")
     acc = dp_accounting.rdp.RdpAccountant(list(orders))
     acc.compose(dp_accounting.PoissonSampledDpEvent(
         Q, dp_accounting.GaussianDpEvent(z_eff)), steps)

@@ -13,12 +13,12 @@ import json
 import math
 import os
 
+import nbclient  # test dependencies (setup.py extras "test")
+import nbformat
 import pytest
 
 from tests.idx_fixtures import write_digits_idx
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TUTORIALS = os.path.join(ROOT, "tutorials")
