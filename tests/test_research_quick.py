@@ -78,6 +78,27 @@ def test_gdp_2019_quick_matches_table_1():
     assert nr["eps_moments_sigma_tilde"] > nr["eps_moments_sigma"]  # less noise: MA pays more
 
 
+def test_gdp_2019_training_quick_runs_and_accounts_from_the_ledger():
+    res = _run_json(
+        "import json, importlib.util as u\n"
+        "s = u.spec_from_file_location('m', 'research/gdp_2019/train.py')\n"
+        "m = u.module_from_spec(s); s.loader.exec_module(m)\n"
+        "r = m.main(['--quick'])\n"
+        "print(json.dumps(r))\n")
+    (row,) = res["table1"]
+    (noise,) = res["noise"]
+    assert (row["sigma"], row["clip"], row["eta"]) == (1.3, 1.5, 0.25)  # Table 1, row 1
+    # one epoch of round(1/q) Poisson samples, q = 256/3000
+    assert row["steps"] == noise["steps"] == round(3000 / 256)
+    assert row["test_accuracy"] > 0.2  # 10 classes: chance is 0.1
+    from tf_dp.accounting import dp_sgd_epsilon
+    for name in ("gdp", "moments", "rdp", "pld"):  # the ledger's epsilon is the run's
+        direct = dp_sgd_epsilon(3000, 256, 1.3, 1e-5, steps=row["steps"], accountant=name)
+        assert row[f"eps_{name}"] == pytest.approx(direct.epsilon, rel=1e-6), name
+    assert row["eps_pld"] <= row["eps_rdp"] <= row["eps_moments"]
+    # the noise experiment's target is the moments accountant at 20 epochs of the full data
+    assert round(noise["target_eps_ma"], 2) == 1.35 and noise["sigma"] == 1.3
+
 def test_momentum_clip_2019_quick_budget_stops_at_the_right_step():
     res = _run_json(
         "import json, importlib.util as u\n"
