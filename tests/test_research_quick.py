@@ -7,6 +7,7 @@ subprocess (TensorFlow, fixed small sizes) that prints what the test checks as J
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -98,6 +99,30 @@ def test_gdp_2019_training_quick_runs_and_accounts_from_the_ledger():
     assert row["eps_pld"] <= row["eps_rdp"] <= row["eps_moments"]
     # the noise experiment's target is the moments accountant at 20 epochs of the full data
     assert round(noise["target_eps_ma"], 2) == 1.35 and noise["sigma"] == 1.3
+
+def test_clipping_choices_quick_runs_every_choice_at_equal_privacy():
+    rows = _run_json(
+        "import json, importlib.util as u\n"
+        "s = u.spec_from_file_location('m', 'research/clipping_choices/compare.py')\n"
+        "m = u.module_from_spec(s); s.loader.exec_module(m)\n"
+        "print(json.dumps(m.main(['--quick'])))\n")
+    by_run = {r["run"]: r for r in rows}
+    assert set(by_run) == {"fixed C=0.1", "fixed C=1.5", "fixed C=10",
+                           "adaptive (q=0.5, C0=0.1)", "automatic (C=1)"}
+    from tf_dp.accounting import dp_sgd_epsilon
+    steps = round(3000 / 256)
+    for name in ("rdp", "pld"):
+        # every run is z_eff = 1.1 per step: the adaptive run's two queries compose to it
+        direct = dp_sgd_epsilon(3000, 256, 1.1, 1e-5, steps=steps, accountant=name).epsilon
+        for r in rows:
+            assert r["steps"] == steps
+            assert r[f"eps_{name}"] == pytest.approx(direct, rel=1e-3), (r["run"], name)
+    assert by_run["adaptive (q=0.5, C0=0.1)"]["final_clip"] != 0.1  # the clip moved
+    # geometric update C_{t+1} = C_t exp(-eta (b_hat_t - 1/2)), eta = 0.2: |b_hat_t - 1/2| <= 1/2
+    # plus the count noise (stddev sigma_b / m = 1/20; 6 stddevs: 0.3)
+    bound = math.exp(0.2 * (0.5 + 0.3) * steps)
+    assert 0.1 / bound < by_run["adaptive (q=0.5, C0=0.1)"]["final_clip"] < 0.1 * bound
+    assert all(0.0 <= r["test_accuracy"] <= 1.0 for r in rows)
 
 def test_momentum_clip_2019_quick_budget_stops_at_the_right_step():
     res = _run_json(
