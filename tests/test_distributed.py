@@ -41,3 +41,18 @@ def test_mirrored_strategy_noises_once_per_global_step(mode):
     assert r["poisson_recorded"] == r["poisson_steps"] == 40
     assert r["poisson_ledger"] == [[400, 0.05, "poisson"]]
 
+
+
+def test_mirrored_adaptive_clipping_counts_across_replicas_and_noises_the_count_once():
+    r = _run("mirrored_run.py", "adaptive")
+    # the clip of every step (from the ledger) and the weights equal the one-device run's
+    assert r["clips"]["mirrored"] == pytest.approx(r["clips"]["one"], rel=1e-5)
+    assert len(set(round(c, 6) for c in r["clips"]["one"])) == 4  # the clip moved at every step
+    assert r["weights_diff"] < 1e-5
+    assert r["clip_replicas_equal"]
+    assert r["steps"] == 300 and r["count_queries"] == [[0.5, 2.0]]
+    # one draw of N(0, sigma_b^2 = 4) per step: not 8 (a draw per replica) nor 16 (one draw
+    # counted twice); tolerance 5 standard errors of a sample variance, sqrt(2 / steps)
+    noise = r["count_noise"]
+    var = sum(v * v for v in noise) / len(noise)
+    assert abs(var / 4.0 - 1.0) < 5 * math.sqrt(2.0 / len(noise))

@@ -88,5 +88,58 @@ def main(mode):
     print("REPORT " + json.dumps(report))
 
 
+def build_adaptive(strategy, sigma, count_stddev):
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = tf_dp.keras.make_private(keras.Sequential([
+            keras.Input((64,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(4)]))
+        query = tf_dp.QuantileAdaptiveClipSumQuery(
+            initial_l2_norm_clip=0.05, noise_multiplier=sigma, target_unclipped_quantile=0.5,
+            learning_rate=0.1, clipped_count_stddev=count_stddev, expected_num_records=32)
+        model.compile(optimizer=tf_dp.keras.DPKerasSGDOptimizer(dp_sum_query=query,
+                                                                learning_rate=1.0), loss=LOSS)
+    return model, query
+
+
+def main_adaptive():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32 * 3, 64)).astype("float32")
+    y = rng.integers(0, 4, 32 * 3)
+    mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    one = tf.distribute.OneDeviceStrategy("/cpu:0")
+    report = {}
+    # 1. (Almost) no noise: 3 steps on 2 replicas give the one-device weights and clips, so the
+    # count was all-reduced before the clip update (16 records a replica against m = 32 would
+    # move the clip differently).
+    runs = {}
+    for name, strategy in (("one", one), ("mirrored", mirrored)):
+        model, query = build_adaptive(strategy, 0.0, 1e-6)
+        model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+        runs[name] = ([w.numpy() for w in model.trainable_weights],
+                      [e.queries[0].l2_sensitivity for e in model.optimizer.ledger.samples()]
+                      + [float(query.l2_norm_clip.numpy())])
+    report["weights_diff"] = max(float(np.max(np.abs(a - b)))
+                                 for a, b in zip(runs["one"][0], runs["mirrored"][0]))
+    report["clips"] = {k: v[1] for k, v in runs.items()}
+    # 2. Zero-weight rows only: no record counts, so b_hat = noise / m + 1/2 and the clip moves by
+    # exp(-eta * noise / m): the count noise of each step is read back from the ledger's clips.
+    steps = 300
+    xs = np.tile(x[:32], (steps, 1))
+    ys = np.tile(y[:32], steps)
+    model, query = build_adaptive(mirrored, 0.0, 2.0)
+    model.fit(xs, ys, batch_size=32, shuffle=False, verbose=0,
+              sample_weight=np.zeros(len(xs), np.float32))
+    entries = model.optimizer.ledger.samples()
+    clips = [e.queries[0].l2_sensitivity for e in entries] + [float(query.l2_norm_clip.numpy())]
+    report["count_noise"] = [-32 / 0.1 * float(np.log(b / a)) for a, b in zip(clips, clips[1:])]
+    report["count_queries"] = sorted({(e.queries[1].l2_sensitivity, e.queries[1].noise_stddev)
+                                      for e in entries})
+    report["steps"] = len(entries)
+    replicas = query.l2_norm_clip.values if hasattr(query.l2_norm_clip, "values") else None
+    report["clip_replicas_equal"] = (
+        replicas is None or len({float(v.numpy()) for v in replicas}) == 1)
+    print("REPORT " + json.dumps(report))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main_adaptive() if sys.argv[1] == "adaptive" else main(sys.argv[1])
