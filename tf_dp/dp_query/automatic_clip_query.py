@@ -88,6 +88,18 @@ class AutomaticClipSumQuery(dp_query.SumAggregationDPQuery):
     def l2_norm_clip(self) -> Any:
         return self._l2_norm_clip
 
+    def get_config(self) -> dict[str, Any]:
+        """Constructor arguments (Python numbers); see ``tf_dp.dp_query.serialize_query``."""
+        from tf_dp.dp_query.serialization import plain_number
+
+        return {"l2_norm_clip": plain_number("l2_norm_clip", self._l2_norm_clip, self),
+                "stddev": plain_number("stddev", self._stddev, self),
+                "gamma": float(self._gamma), "seed": self._seed}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "AutomaticClipSumQuery":
+        return cls(**config)
+
     @property
     def stddev(self) -> Any:
         return self._stddev

@@ -68,6 +68,17 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     def stddev(self) -> Any:
         return self._stddev
 
+    def get_config(self) -> dict[str, Any]:
+        """Constructor arguments (Python numbers); see ``tf_dp.dp_query.serialize_query``."""
+        from tf_dp.dp_query.serialization import plain_number
+
+        return {"l2_norm_clip": plain_number("l2_norm_clip", self._l2_norm_clip, self),
+                "stddev": plain_number("stddev", self._stddev, self), "seed": self._seed}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "GaussianSumQuery":
+        return cls(**config)
+
     def initial_global_state(self) -> GaussianGlobalState:
         return GaussianGlobalState(self._l2_norm_clip, self._stddev)
 

@@ -48,6 +48,18 @@ class NestedQuery(dp_query.DPQuery):
     def queries(self) -> Any:
         return self._queries
 
+    def get_config(self) -> dict[str, Any]:
+        """The structure and every leaf query's config; see ``tf_dp.dp_query.serialize_query``."""
+        from tf_dp.dp_query.serialization import serialize_structure
+
+        return {"queries": serialize_structure(self._queries)}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "NestedQuery":
+        from tf_dp.dp_query.serialization import deserialize_structure
+
+        return cls(deserialize_structure(config["queries"]))
+
     def _map(self, fn, *structures):
         columns = [flatten_up_to(self._queries, s) for s in structures]
         leaves = [fn(q, *parts) for q, *parts in zip(tf.nest.flatten(self._queries), *columns)]

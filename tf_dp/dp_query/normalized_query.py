@@ -44,6 +44,19 @@ class NormalizedQuery(dp_query.DPQuery):
     def numerator_query(self) -> dp_query.DPQuery:
         return self._numerator
 
+    def get_config(self) -> dict[str, Any]:
+        """The numerator's config and the denominator; see ``tf_dp.dp_query.serialize_query``."""
+        from tf_dp.dp_query.serialization import plain_number, serialize_query
+
+        return {"numerator_query": serialize_query(self._numerator),
+                "denominator": plain_number("denominator", self._denominator, self)}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "NormalizedQuery":
+        from tf_dp.dp_query.serialization import deserialize_query
+
+        return cls(deserialize_query(config["numerator_query"]), config["denominator"])
+
     def initial_global_state(self) -> NormalizedGlobalState:
         return NormalizedGlobalState(self._numerator.initial_global_state(), self._denominator)
 

@@ -182,6 +182,21 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
         """The current clip (updated after every sample)."""
         return self._clip
 
+    def get_config(self) -> dict[str, Any]:
+        """Constructor arguments, with the *current* clip as ``initial_l2_norm_clip`` (a rebuilt
+        query resumes from it); see ``tf_dp.dp_query.serialize_query``."""
+        return {"initial_l2_norm_clip": float(self._clip.numpy()),
+                "noise_multiplier": self._noise_multiplier,
+                "target_unclipped_quantile": self._target,
+                "learning_rate": self._learning_rate,
+                "clipped_count_stddev": self._count_stddev,
+                "expected_num_records": self._expected,
+                "geometric_update": self._geometric, "seed": self._seed}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "QuantileAdaptiveClipSumQuery":
+        return cls(**config)
+
     @property
     def noise_multiplier(self) -> float:
         return self._noise_multiplier
@@ -356,6 +371,14 @@ class QuantileAdaptiveClipAverageQuery(NormalizedQuery):
     @property
     def l2_norm_clip(self) -> tf.Variable:
         return self.numerator_query.l2_norm_clip
+
+    def get_config(self) -> dict[str, Any]:
+        """As :meth:`QuantileAdaptiveClipSumQuery.get_config` (current clip included)."""
+        return self.numerator_query.get_config()
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "QuantileAdaptiveClipAverageQuery":
+        return cls(**config)
 
 
 def _centered_indicator(norm: tf.Tensor, clip: Any) -> tf.Tensor:

@@ -32,6 +32,7 @@ import tensorflow as tf
 from tf_dp.dp_query.dp_query import DPQuery
 from tf_dp.dp_query.gaussian_query import GaussianGlobalState, GaussianSumQuery
 from tf_dp.dp_query.normalized_query import NormalizedQuery
+from tf_dp.dp_query.serialization import deserialize_query, serialize_query
 from tf_dp.dp_query.xla import in_xla_context
 from tf_dp.gradients import ClippedGradients, GradientStrategy, gradient_modes, make_strategy
 from tf_dp.gradients.jl import METHODS as JL_METHODS
@@ -599,12 +600,12 @@ class DPOptimizerMixin:
     # -- serialisation -------------------------------------------------------------------------
 
     def get_config(self) -> dict[str, Any]:
-        if self._custom_query:
-            raise NotImplementedError(
-                f"{type(self).__name__} built from an explicit dp_sum_query cannot be serialised; "
-                "build it from l2_norm_clip and noise_multiplier to save it in a .keras file"
-            )
+        """Keras config. With ``dp_sum_query``, the query's config (``serialize_query``: the
+        Gaussian, automatic, adaptive, nested and normalized queries; an adaptive query's current
+        clip included); NotImplementedError naming the query class for the others."""
         config = super().get_config()  # type: ignore[misc]
+        if self._custom_query:
+            config["dp_sum_query"] = serialize_query(self._dp_query.query)
         config.update(
             {
                 "l2_norm_clip": _serialize_value(self._l2_norm_clip),
@@ -623,6 +624,8 @@ class DPOptimizerMixin:
         """Rebuilds the optimizer; clip and noise schedules are deserialised like Keras's
         learning-rate schedules."""
         config = dict(config)
+        if isinstance(config.get("dp_sum_query"), dict):
+            config["dp_sum_query"] = deserialize_query(config["dp_sum_query"])
         for key in ("l2_norm_clip", "noise_multiplier", "noise_stddev"):
             if isinstance(config.get(key), dict):
                 config[key] = keras.saving.deserialize_keras_object(

@@ -1,0 +1,119 @@
+"""Query configurations: what a ``.keras`` file stores for an optimizer built from ``dp_sum_query``.
+
+``serialize_query(query)`` gives ``{"class_name": ..., "config": ...}`` (JSON-compatible) for the
+queries a user hands to a DP optimizer, and ``deserialize_query`` rebuilds the query. A query's
+state that changes during training is stored as of the call: an adaptive query's *current* clip
+becomes the rebuilt query's ``initial_l2_norm_clip``, so a reloaded model resumes from the clip it
+reached. Seeds are stored as given (``None``, the default, keys the rebuilt query's noise from OS
+entropy again).
+
+Example::
+
+    query = tf_dp.QuantileAdaptiveClipSumQuery(0.1, 1.1, 0.5, 0.2, 256 / 20, 256)
+    config = tf_dp.dp_query.serialize_query(query)
+    same = tf_dp.dp_query.deserialize_query(config)
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tf_dp.dp_query.dp_query import DPQuery
+
+
+def _classes() -> dict[str, type]:
+    from tf_dp.dp_query.automatic_clip_query import AutomaticClipSumQuery
+    from tf_dp.dp_query.gaussian_query import GaussianSumQuery
+    from tf_dp.dp_query.nested_query import NestedQuery
+    from tf_dp.dp_query.normalized_query import NormalizedQuery
+    from tf_dp.dp_query.quantile_adaptive_clip_query import (
+        QuantileAdaptiveClipAverageQuery,
+        QuantileAdaptiveClipSumQuery,
+    )
+
+    return {c.__name__: c for c in (
+        GaussianSumQuery, AutomaticClipSumQuery, QuantileAdaptiveClipSumQuery,
+        QuantileAdaptiveClipAverageQuery, NestedQuery, NormalizedQuery)}
+
+
+def plain_number(name: str, value: Any, query: DPQuery) -> float:
+    """``value`` as a Python float, or NotImplementedError when it is a tensor/variable (a value
+    that changes at run time has no fixed configuration)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+        return float(value)
+    raise NotImplementedError(
+        f"{type(query).__name__} with {name} of type {type(value).__name__} cannot be serialised: "
+        "only Python or numpy numbers can (use a clip or noise schedule through l2_norm_clip= / "
+        "noise_multiplier= instead of a variable in the query)"
+    )
+
+
+def serialize_query(query: DPQuery) -> dict[str, Any]:
+    """``{"class_name", "config"}`` of ``query``; NotImplementedError for a query class that
+    cannot be serialised (it names the class and the ones that can)."""
+    classes = _classes()
+    name = type(query).__name__
+    if classes.get(name) is not type(query):
+        raise NotImplementedError(
+            f"{name} cannot be serialised; optimizers built from dp_sum_query can be saved with "
+            f"one of {sorted(classes)}"
+        )
+    return {"class_name": name, "config": query.get_config()}
+
+
+def deserialize_query(config: dict[str, Any]) -> DPQuery:
+    """The query ``serialize_query`` described. ValueError for an unknown class name."""
+    if not isinstance(config, dict) or set(config) != {"class_name", "config"}:
+        raise ValueError(
+            "config must be a dict with keys 'class_name' and 'config' (from serialize_query), "
+            f"got {config!r}"
+        )
+    classes = _classes()
+    cls = classes.get(config["class_name"])
+    if cls is None:
+        raise ValueError(
+            f"class_name must be one of {sorted(classes)}, got {config['class_name']!r}"
+        )
+    return cls.from_config(config["config"])
+
+
+def serialize_structure(queries: Any) -> dict[str, Any]:
+    """A ``tf.nest`` structure of queries as JSON: the serialised leaves, and the structure with
+    each leaf replaced by its index (lists, tuples and dicts with string keys)."""
+    leaves = tf.nest.flatten(queries)
+    indices = tf.nest.pack_sequence_as(queries, list(range(len(leaves))))
+    return {"leaves": [serialize_query(q) for q in leaves], "structure": _to_json(indices)}
+
+
+def deserialize_structure(config: dict[str, Any]) -> Any:
+    leaves = [deserialize_query(c) for c in config["leaves"]]
+    return _from_json(config["structure"], leaves)
+
+
+def _to_json(structure: Any) -> Any:
+    if isinstance(structure, int):
+        return structure
+    if isinstance(structure, dict):
+        if not all(isinstance(k, str) for k in structure):
+            raise NotImplementedError("NestedQuery with non-string dict keys cannot be serialised")
+        return {"dict": {k: _to_json(v) for k, v in structure.items()}}
+    if isinstance(structure, (list, tuple)) and type(structure) in (list, tuple):
+        return {type(structure).__name__: [_to_json(v) for v in structure]}
+    raise NotImplementedError(
+        f"NestedQuery with a {type(structure).__name__} structure cannot be serialised (lists, "
+        "tuples and dicts can)"
+    )
+
+
+def _from_json(structure: Any, leaves: list[DPQuery]) -> Any:
+    if isinstance(structure, int):
+        return leaves[structure]
+    ((kind, items),) = structure.items()
+    if kind == "dict":
+        return {k: _from_json(v, leaves) for k, v in items.items()}
+    seq = [_from_json(v, leaves) for v in items]
+    return tuple(seq) if kind == "tuple" else seq
