@@ -124,6 +124,47 @@ def test_clipping_choices_quick_runs_every_choice_at_equal_privacy():
     assert 0.1 / bound < by_run["adaptive (q=0.5, C0=0.1)"]["final_clip"] < 0.1 * bound
     assert all(0.0 <= r["test_accuracy"] <= 1.0 for r in rows)
 
+def test_scattering_filters_and_features():
+    sc = _load("research/utility_fashion_mnist/scattering.py")
+    import numpy as np
+
+    phi, psi = sc.filter_bank(44)
+    assert phi[0, 0] == pytest.approx(1.0, abs=1e-6)  # the low-pass keeps the mean
+    assert all(abs(p[0, 0]) < 1e-9 for row in psi for p in row)  # wavelets have zero mean
+    rng = np.random.default_rng(0)
+    img = rng.uniform(size=(2, 28, 28)).astype("float32")
+    f = sc.scattering_features(img)
+    assert f.shape == (2, 81, 7, 7) and np.all(np.isfinite(f))
+    # order 0 is the low-passed image: a constant image gives its constant, orders 1-2 ~ 0
+    const = sc.scattering_features(np.full((1, 28, 28), 0.5, np.float32))
+    np.testing.assert_allclose(const[0, 0], 0.5, rtol=1e-4)
+    assert np.max(np.abs(const[0, 1:])) < 1e-4
+    # one image's features do not depend on the others in the batch (no privacy cost)
+    np.testing.assert_allclose(sc.scattering_features(img[:1]), f[:1], rtol=1e-5, atol=1e-6)
+    g = sc.group_normalize(f, eps=1e-5)
+    groups, raw = g.reshape(2, 27, -1), f.reshape(2, 27, -1).astype(np.float64)
+    np.testing.assert_allclose(groups.mean(axis=2), 0.0, atol=1e-4)
+    v = raw.var(axis=2)  # each group of 3 channels x 7 x 7 scaled to variance v / (v + eps)
+    np.testing.assert_allclose(groups.var(axis=2), v / (v + 1e-5), rtol=1e-3)
+
+
+def test_utility_scatternet_quick_runs_at_the_budget():
+    rows = _run_json(
+        "import json, importlib.util as u\n"
+        "s = u.spec_from_file_location('m', 'research/utility_fashion_mnist/train_scatternet.py')\n"
+        "m = u.module_from_spec(s); s.loader.exec_module(m)\n"
+        "print(json.dumps(m.main(['--quick'])))\n")
+    from tf_dp.accounting import dp_sgd_epsilon
+    assert [r["run"] for r in rows] == ["scatter_linear", "scatter_gn_linear",
+                                        "scatter_gn_linear_ema"]
+    for r in rows:
+        assert r["steps"] == 3 * 6  # 3 epochs of round(3000 / 500) Poisson steps
+        assert r["eps_rdp"] <= 3.0 and r["eps_pld"] <= r["eps_rdp"]
+        direct = dp_sgd_epsilon(3000, 500, r["noise_multiplier"], 1e-5, steps=r["steps"])
+        assert r["eps_rdp"] == pytest.approx(direct.epsilon, rel=1e-6)  # float32 ledger
+        assert r["eps_rdp"] > 2.9  # calibrated to the budget, not far below it
+    assert rows[1]["test_accuracy"] > 0.3  # 10 classes: chance is 0.1
+
 def test_momentum_clip_2019_quick_budget_stops_at_the_right_step():
     res = _run_json(
         "import json, importlib.util as u\n"
