@@ -22,7 +22,8 @@ searched over.
 
 Writes, beside this file, ``train_table1.csv`` (one row per Table 1 row), ``train_noise.csv``
 (one row per noise level), ``train_curves.csv`` (test accuracy after every epoch of every run) and
-``train_noise.png``. Rows are appended as runs finish, so a partial run leaves its finished rows.
+``train_noise.png``. The noise experiment runs first, then the Table 1 rows; rows are appended as runs finish, so a
+partial run leaves its finished rows.
 """
 
 from __future__ import annotations
@@ -179,17 +180,6 @@ def main(argv=None):
     data = load_data(3000, 1000) if args.quick else load_data()
     results = {"table1": [], "noise": []}
     curves_path = os.path.join(args.out_dir, "train_curves.csv")
-    if args.part in ("table1", "all"):
-        rows = [1] if args.quick else [int(r) for r in args.rows.split(",")]
-        for i in rows:
-            eta, clip, sigma, epochs, acc, _, p_clt, p_ma = table[i - 1]
-            row, curve = train_run(f"table1_row{i}", data, eta, clip, sigma,
-                                   1 if args.quick else epochs, args.seed)
-            row.update(paper_mnist_accuracy=acc, paper_eps_clt=p_clt, paper_eps_ma=p_ma)
-            results["table1"].append(row)
-            if not args.quick:
-                _append(os.path.join(args.out_dir, "train_table1.csv"), [row])
-                _append(curves_path, curve)
     if args.part in ("noise", "all"):
         epochs = 20
         eps_ma, levels = noise_levels(epochs)
@@ -205,6 +195,17 @@ def main(argv=None):
                 _append(curves_path, curve)
         if not args.quick:
             plot_noise(curves, results["noise"], os.path.join(args.out_dir, "train_noise.png"))
+    if args.part in ("table1", "all"):
+        rows = [1] if args.quick else [int(r) for r in args.rows.split(",")]
+        for i in rows:
+            eta, clip, sigma, epochs, acc, _, p_clt, p_ma = table[i - 1]
+            row, curve = train_run(f"table1_row{i}", data, eta, clip, sigma,
+                                   1 if args.quick else epochs, args.seed)
+            row.update(paper_mnist_accuracy=acc, paper_eps_clt=p_clt, paper_eps_ma=p_ma)
+            results["table1"].append(row)
+            if not args.quick:
+                _append(os.path.join(args.out_dir, "train_table1.csv"), [row])
+                _append(curves_path, curve)
     return results
 
 
