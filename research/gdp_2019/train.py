@@ -53,27 +53,12 @@ def _accounting_module():
 
 
 @functools.lru_cache(maxsize=None)
-def _tutorial():
-    # loaded once: the script defines its absl flags at import
+def _shared():  # once: the tutorial it loads defines absl flags
     spec = importlib.util.spec_from_file_location(
-        "mnist_dpsgd_tutorial", os.path.join(ROOT, "tutorials", "mnist_dpsgd_tutorial_keras.py"))
+        "research_fashion_mnist", os.path.join(ROOT, "research", "fashion_mnist.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def load_data(train_size=None, test_size=None):
-    import numpy as np
-
-    from tf_dp.data import DEBIAN_FASHION_MNIST_DIR, load_fashion_mnist_idx
-
-    (x, y), (xt, yt) = load_fashion_mnist_idx(DEBIAN_FASHION_MNIST_DIR)
-    if train_size:
-        x, y = x[:train_size], y[:train_size]
-    if test_size:
-        xt, yt = xt[:test_size], yt[:test_size]
-    prep = lambda a: (a.astype(np.float32) / 255.0)[..., None]  # noqa: E731
-    return (prep(x), y.astype(np.int32)), (prep(xt), yt.astype(np.int32))
 
 
 def train_run(label, data, eta, clip, sigma, epochs, seed):
@@ -87,7 +72,7 @@ def train_run(label, data, eta, clip, sigma, epochs, seed):
     keras.utils.set_random_seed(seed)
     opt = tf_dp.keras.DPKerasSGDOptimizer(l2_norm_clip=clip, noise_multiplier=sigma,
                                           learning_rate=eta)
-    model = tf_dp.keras.make_private(_tutorial().build_cnn())
+    model = tf_dp.keras.make_private(_shared().tutorial_cnn())
     model.compile(optimizer=opt,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
@@ -177,7 +162,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     table = _accounting_module().TABLE1
-    data = load_data(3000, 1000) if args.quick else load_data()
+    data = _shared().load(3000, 1000) if args.quick else _shared().load()
     results = {"table1": [], "noise": []}
     curves_path = os.path.join(args.out_dir, "train_curves.csv")
     if args.part in ("noise", "all"):
