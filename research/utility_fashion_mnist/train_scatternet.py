@@ -128,7 +128,7 @@ def evaluate_saved(model_path=os.path.join(HERE, "out", "scatternet.keras")):
     """Test accuracy of the saved model on the Fashion-MNIST test set (features recomputed)."""
     import keras
 
-    import tf_dp  # noqa: F401  (registers DPSequential)
+    import tf_dp.keras  # noqa: F401  (registers DPSequential and the DP optimizer)
 
     _, (xt, yt) = load()
     model = keras.models.load_model(model_path)
