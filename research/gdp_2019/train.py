@@ -15,7 +15,7 @@ DP-SGD (NoisySGD, Algorithm 1) with a constant learning rate, Poisson sampling w
 No hyperparameter is tuned here (all are the paper's), so the test set is only evaluated, never
 searched over.
 
-    python research/gdp_2019/train.py                       # both experiments (about 75 min on 2 CPU cores)
+    python research/gdp_2019/train.py                       # both experiments (about 55 min on 2 CPU cores)
     python research/gdp_2019/train.py --part noise          # Figure 4 (top) only
     python research/gdp_2019/train.py --part table1 --rows 1,2,3
     python research/gdp_2019/train.py --quick               # smoke run (tests): tiny data, 1 epoch, no files
