@@ -54,11 +54,12 @@ def test_abadi_2016_pca_quick_trains_and_accounts():
         "import json, importlib.util as u\n"
         "s = u.spec_from_file_location('m', 'research/abadi_2016/train_pca.py')\n"
         "m = u.module_from_spec(s); s.loader.exec_module(m)\n"
-        "rows, curves = m.main(['--quick'])\n"
+        "rows, curves = m.main(['--quick', '--noise_seed', '1'])\n"
         "print(json.dumps(rows))\n")
     (row,) = res
-    assert row["sigma"] == 8.0 and row["steps"] == 100  # 1 epoch of round(1/q) = 100 lots
-    assert row["test_accuracy"] > 0.3  # well above chance (0.1) after one noisy epoch
+    assert row["sigma"] == 2.0 and row["steps"] == 100  # 1 epoch of round(1/q) = 100 lots
+    # well above chance (0.1) after one noisy epoch (0.64-0.67 over noise seeds 1-3)
+    assert row["test_accuracy"] > 0.3
     assert 0 < row["eps_pld"] <= row["eps_rdp"] <= row["eps_moments"]
 
 
