@@ -149,6 +149,33 @@ def test_scattering_filters_and_features():
     np.testing.assert_allclose(groups.var(axis=2), v / (v + 1e-5), rtol=1e-3)
 
 
+def test_scattering_wavelet_shape_follows_the_morlet_design():
+    """Each wavelet's Gaussian envelope has covariance sigma^2 along its direction theta and
+    sigma^2 / slant^2 across it, integrates to 1, and the wavelet's spectrum peaks at
+    xi (cos theta, sin theta): checked from the filters' moments, not from their formula."""
+    sc = _load("research/utility_fashion_mnist/scattering.py")
+    import math
+
+    import numpy as np
+
+    n, sigma, slant, xi = 64, 1.6, 0.5, 3 * math.pi / 8
+    c = np.fft.fftfreq(n, 1 / n)  # centred coordinates of the periodic grid
+    xx, yy = np.meshgrid(c, c, indexing="ij")
+    for theta in (0.0, math.pi / 4, 3 * math.pi / 8):
+        gab, env = sc._gabor(n, sigma, theta, xi, slant)
+        assert env.sum() == pytest.approx(1.0, rel=1e-3)
+        along = xx * math.cos(theta) + yy * math.sin(theta)
+        across = -xx * math.sin(theta) + yy * math.cos(theta)
+        assert (env * along**2).sum() == pytest.approx(sigma**2, rel=1e-3)
+        assert (env * across**2).sum() == pytest.approx(sigma**2 / slant**2, rel=1e-3)
+        spec = np.abs(np.fft.fft2(gab))
+        kx, ky = np.unravel_index(np.argmax(spec), spec.shape)
+        freq = 2 * math.pi * np.array([c[kx], c[ky]]) / n
+        # the peak is on the grid point nearest xi (cos theta, sin theta): within half a bin
+        np.testing.assert_allclose(freq, [xi * math.cos(theta), xi * math.sin(theta)],
+                                   atol=math.pi / n * math.sqrt(2))
+
+
 def test_utility_scatternet_quick_runs_at_the_budget():
     rows = _run_json(
         "import json, importlib.util as u\n"

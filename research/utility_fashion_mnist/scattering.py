@@ -8,10 +8,14 @@ For a 28x28 image, ``J = 2`` scales and ``L = 8`` orientations give 81 channels 
 * order 2: ``||x * psi_{j1, theta1}| * psi_{j2, theta2}| * phi`` for ``j1 < j2``
   (L^2 J (J - 1) / 2 = 64 channels),
 
-each low-passed by a Gaussian ``phi`` of width ``0.8 * 2^J`` and subsampled by ``2^J``. The
-wavelets are Morlet wavelets (a Gabor filter minus a multiple of its Gaussian envelope, so that
-it has zero mean) of width ``0.8 * 2^j``, centre frequency ``3 pi / 4 / 2^j`` and slant
-``4 / L``, built in the spatial domain, periodised on the padded grid and applied by FFT.
+each low-passed by a Gaussian ``phi`` of width ``0.8 * 2^(J - 1)`` and subsampled by ``2^J``.
+The wavelets are Morlet wavelets (a Gabor filter minus a multiple of its Gaussian envelope, so
+that it has zero mean) of width ``0.8 * 2^j`` along their direction ``theta`` and
+``0.8 * 2^j / slant`` across it (slant ``4 / L``: elongated along the wave crests), centre
+frequency ``3 pi / 4 / 2^j``, built in the spatial domain, periodised on the grid padded by
+``2^J`` on each side, and applied by FFT. These are the filter choices of the Kymatio library
+(Andreux et al. 2020), whose features Tramer & Boneh use; on Fashion-MNIST this implementation's
+81 channels have correlation >= 0.9998 with Kymatio 0.3's (checked once, outside the tests).
 
 Nothing here is learned or fitted to data: the features of one image depend on that image only,
 so they cost no privacy (Tramer & Boneh 2021, "Differentially private learning needs better
@@ -28,19 +32,19 @@ import math
 
 import numpy as np
 
-PAD = 8  # reflection padding on each side (28 -> 44): keeps periodic wrap-around off the image
 
 
 def _gabor(n: int, sigma: float, theta: float, xi: float, slant: float) -> np.ndarray:
     """Periodised Gabor filter on an ``n x n`` grid (complex), and its Gaussian envelope."""
     c, s = math.cos(theta), math.sin(theta)
     rot = np.array([[c, -s], [s, c]])
-    inv = np.linalg.inv(rot @ np.diag([1.0, slant**2]) @ rot.T) / (2 * sigma**2)
+    # quadratic form of the envelope: 1 / sigma^2 along theta, slant^2 / sigma^2 across it
+    inv = rot @ np.diag([1.0, slant**2]) @ rot.T / (2 * sigma**2)
     gab = np.zeros((n, n), np.complex128)
     env = np.zeros((n, n), np.float64)
     coords = np.arange(n)
-    for ex in (-2, -1, 0, 1):  # periodisation: sum of shifted copies (offsets -2n .. n)
-        for ey in (-2, -1, 0, 1):
+    for ex in (-2, -1, 0, 1, 2):  # periodisation: sum of shifted copies (offsets -2n .. 2n)
+        for ey in (-2, -1, 0, 1, 2):
             xx, yy = np.meshgrid(coords + ex * n, coords + ey * n, indexing="ij")
             quad = inv[0, 0] * xx * xx + (inv[0, 1] + inv[1, 0]) * xx * yy + inv[1, 1] * yy * yy
             g = np.exp(-quad)
@@ -54,7 +58,7 @@ def filter_bank(n: int, J: int = 2, L: int = 8):
     """Fourier transforms of the low-pass ``phi`` ``[n, n]`` and the Morlet wavelets
     ``psi[j][l]`` ``[n, n]`` (``j < J``, ``l < L``)."""
     slant = 4.0 / L
-    _, phi = _gabor(n, 0.8 * 2**J, 0.0, 0.0, 1.0)
+    _, phi = _gabor(n, 0.8 * 2 ** (J - 1), 0.0, 0.0, 1.0)
     psi = []
     for j in range(J):
         row = []
@@ -78,7 +82,8 @@ def scattering_features(images: np.ndarray, J: int = 2, L: int = 8,
         raise ValueError(f"images must be [n, H, W] with H, W multiples of 2^J, got "
                          f"{images.shape}")
     h, w = images.shape[1:]
-    n = max(h, w) + 2 * PAD
+    pad = 2**J  # reflection padding on each side (28 -> 36 for J = 2)
+    n = max(h, w) + 2 * pad
     phi_hat, psi_hat = filter_bank(n, J, L)
     phi_t = tf.constant(phi_hat.astype(np.complex64))
     psi_t = tf.constant(np.array(psi_hat).astype(np.complex64))  # [J, L, n, n]
@@ -86,11 +91,11 @@ def scattering_features(images: np.ndarray, J: int = 2, L: int = 8,
 
     def lowpass(u):  # u [..., n, n] real -> cropped, subsampled [..., h/2^J, w/2^J]
         out = tf.math.real(tf.signal.ifft2d(tf.signal.fft2d(tf.cast(u, tf.complex64)) * phi_t))
-        return out[..., PAD:PAD + h:step, PAD:PAD + w:step]
+        return out[..., pad:pad + h:step, pad:pad + w:step]
 
     @tf.function
     def batch(x):
-        x = tf.pad(x, [[0, 0], [PAD, n - h - PAD], [PAD, n - w - PAD]], mode="REFLECT")
+        x = tf.pad(x, [[0, 0], [pad, n - h - pad], [pad, n - w - pad]], mode="REFLECT")
         xh = tf.signal.fft2d(tf.cast(x, tf.complex64))  # [b, n, n]
         out = [lowpass(x)[:, None]]
         first = []

@@ -20,7 +20,7 @@ calibrated for the planned steps by a certified accountant:
 Hyperparameters (batch, epochs, learning rate, clip) were chosen with ``--validation``: training on
 the first 50,000 training images and evaluating on the last 10,000, never on the test set.
 
-    python research/utility_fashion_mnist/train_scatternet.py             # about 10 min on 2 CPU cores
+    python research/utility_fashion_mnist/train_scatternet.py             # about 6 min on 2 CPU cores
     python research/utility_fashion_mnist/train_scatternet.py --quick     # smoke run (tests), no files
 
 Writes ``scatternet_results.csv`` and, for the last run, ``out/scatternet.keras`` and
@@ -141,12 +141,14 @@ def main(argv=None):
     p.add_argument("--target_epsilon", type=float, default=3.0)
     p.add_argument("--delta", type=float, default=1e-5)
     p.add_argument("--batch_size", type=int, default=8192)
-    p.add_argument("--epochs", type=int, default=80)
-    p.add_argument("--learning_rate", type=float, default=32.0)
+    p.add_argument("--epochs", type=int, default=40)
+    p.add_argument("--learning_rate", type=float, default=16.0)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--l2_norm_clip", type=float, default=0.1)
     p.add_argument("--ema_momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0, help="weight initialisation")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="independent trainings per run (fresh DP noise and sampling each time)")
     p.add_argument("--validation", action="store_true",
                    help="train on the first 50,000 training images, evaluate on the last 10,000 "
                         "(hyperparameter choice without the test set); no files")
@@ -170,12 +172,15 @@ def main(argv=None):
     cache = {norm: tuple(flat(f, norm) for f in raw) for norm in {RUNS[r][0] for r in runs}}
     print(f"features: {time.time() - start:.0f} s", flush=True)
     rows = []
+    repeats = 1 if args.quick else args.repeats
     for i, name in enumerate(runs):
-        prefix = None
-        if not (args.quick or args.validation) and i == len(runs) - 1:
-            os.makedirs(os.path.join(args.out_dir, "out"), exist_ok=True)
-            prefix = os.path.join(args.out_dir, "out", "scatternet")
-        rows.append(train(name, cache[RUNS[name][0]], (y, yt), args, prefix))
+        for r in range(repeats):
+            prefix = None
+            if not (args.quick or args.validation) and i == len(runs) - 1 and r == repeats - 1:
+                os.makedirs(os.path.join(args.out_dir, "out"), exist_ok=True)
+                prefix = os.path.join(args.out_dir, "out", "scatternet")
+            row = train(name, cache[RUNS[name][0]], (y, yt), args, prefix)
+            rows.append({"repeat": r, **row})
     if not (args.quick or args.validation):
         with open(os.path.join(args.out_dir, "scatternet_results.csv"), "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
