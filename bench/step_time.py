@@ -11,7 +11,8 @@ Modes: ``nonprivate`` (the plain Keras model and optimizer), or any registered `
 (``tf_dp.gradients.gradient_modes()``: ``vectorized``, ``microbatch``, ``auto``, and ``ghost`` /
 ``jl`` once registered). A mode may carry an integer option after a colon: ``jl:R`` (``R`` JL
 projections) and ``microbatch:M`` (``M`` microbatches; plain ``microbatch`` uses
-``M = batch_size``). Microbatches are random groups: each example goes to one of the ``M``
+``M = batch_size``); ``auto:P``, ``vectorized:P`` and ``ghost:P`` clip each batch in physical
+batches of at most ``P`` examples (``max_physical_batch_size=P``). Microbatches are random groups: each example goes to one of the ``M``
 microbatches independently and uniformly at random, so with ``M = batch_size`` some hold several
 examples and some are empty (sensitivity ``2C``, not the clipped sum of ``vectorized``).
 
@@ -115,8 +116,8 @@ def _build(model_name: str, mode: str, batch_size: int, seed: int) -> keras.Mode
         kwargs["num_microbatches"] = option or batch_size
     elif name == "jl":
         kwargs["jl_projections"] = option or 1
-    elif option is not None:
-        raise SystemExit(f"mode {mode!r} takes no option")
+    elif option is not None:  # auto:P, vectorized:P, ghost:P
+        kwargs["max_physical_batch_size"] = option
     optimizer = dpk.DPKerasSGDOptimizer(
         l2_norm_clip=L2_NORM_CLIP,
         noise_multiplier=NOISE_MULTIPLIER,

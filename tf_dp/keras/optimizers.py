@@ -35,6 +35,7 @@ from tf_dp.dp_query.normalized_query import NormalizedQuery
 from tf_dp.dp_query.serialization import deserialize_query, serialize_query
 from tf_dp.dp_query.xla import in_xla_context
 from tf_dp.gradients import ClippedGradients, GradientStrategy, gradient_modes, make_strategy
+from tf_dp.gradients.physical_batches import PhysicalBatches, check_max_physical_batch_size
 from tf_dp.gradients.jl import METHODS as JL_METHODS
 from tf_dp.ledger.privacy_ledger import PrivacyLedger
 from tf_dp.ledger.query_with_ledger import QueryWithLedger
@@ -61,6 +62,7 @@ class DPOptimizerMixin:
         noise_seed: Optional[int],
         jl_method: str = "auto",
         noise_stddev: Any = None,
+        max_physical_batch_size: Optional[int] = None,
     ) -> None:
         self._dp_schedules: Optional[tuple[tf.Variable, tf.Variable]] = None
         if dp_sum_query is None:
@@ -173,6 +175,16 @@ class DPOptimizerMixin:
         self._l2_norm_clip = _number_or_schedule(l2_norm_clip)
         self._noise_multiplier = _number_or_schedule(noise_multiplier)
         self._noise_stddev = _number_or_schedule(noise_stddev)
+        check_max_physical_batch_size(max_physical_batch_size)
+        if max_physical_batch_size is not None and (
+            num_microbatches is not None or gradient_mode in ("microbatch", "jl")
+        ):
+            raise ValueError(
+                "max_physical_batch_size splits a batch of per-example gradients; it cannot be "
+                f"combined with gradient_mode={gradient_mode!r} / num_microbatches="
+                f"{num_microbatches!r} (use 'auto', 'vectorized' or 'ghost' without microbatches)"
+            )
+        self._max_physical_batch_size = max_physical_batch_size
         self._num_microbatches = num_microbatches
         self._gradient_mode = gradient_mode
         self._jl_projections = jl_projections
@@ -296,6 +308,11 @@ class DPOptimizerMixin:
             self.dp_values_at(step)
 
     @property
+    def max_physical_batch_size(self) -> Optional[int]:
+        """Examples clipped at once (``None``: the whole sampled batch)."""
+        return self._max_physical_batch_size
+
+    @property
     def num_microbatches(self) -> Optional[int]:
         return self._num_microbatches
 
@@ -392,6 +409,8 @@ class DPOptimizerMixin:
             strategy = make_strategy(
                 self._gradient_mode, model=model, num_microbatches=self._num_microbatches, **options
             )
+            if self._max_physical_batch_size is not None:
+                strategy = PhysicalBatches(strategy, self._max_physical_batch_size)
             reason = strategy.supports(model)
             if reason is not None:
                 raise ValueError(
@@ -615,6 +634,7 @@ class DPOptimizerMixin:
                 "gradient_mode": self._gradient_mode,
                 "jl_projections": self._jl_projections,
                 "jl_method": self._jl_method,
+                "max_physical_batch_size": self._max_physical_batch_size,
             }
         )
         return config
@@ -773,6 +793,7 @@ def make_dp_optimizer_class(optimizer_class: type) -> type:
 
     The returned class takes the base class's arguments plus ``l2_norm_clip``,
     ``noise_multiplier`` or ``noise_stddev`` (each a number or a schedule), ``num_microbatches=None``, ``gradient_mode="auto"``,
+    ``max_physical_batch_size=None``,
     ``jl_projections=None``, ``dp_sum_query=None`` and ``noise_seed=None`` (tests only).
 
     Example::
@@ -801,6 +822,7 @@ def make_dp_optimizer_class(optimizer_class: type) -> type:
         noise_seed: Optional[int] = None,
         jl_method: str = "auto",
         noise_stddev: Any = None,
+        max_physical_batch_size: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         optimizer_class.__init__(self, *args, **kwargs)
@@ -814,6 +836,7 @@ def make_dp_optimizer_class(optimizer_class: type) -> type:
             noise_seed,
             jl_method,
             noise_stddev,
+            max_physical_batch_size,
         )
 
     name = f"DPKeras{optimizer_class.__name__}"
@@ -837,6 +860,9 @@ def make_dp_optimizer_class(optimizer_class: type) -> type:
         "  jl_projections: JL dimension r for gradient_mode='jl'.\n"
         "  jl_method: 'auto', 'forward' (ForwardAccumulator) or 'double_vjp' (JL route).\n"
         "  dp_sum_query: an explicit tf_dp DPQuery instead of l2_norm_clip/noise_multiplier.\n"
+        "  max_physical_batch_size: None, or clip each sampled batch in pieces of at most this\n"
+        "    many examples (integer >= 1), one after another: the same clipped sum, noise and\n"
+        "    ledger entry, with a step's memory bounded by the piece size (slower per step).\n"
         "  noise_seed: tests and debugging only (a known seed voids the guarantee).\n"
     )
     cls = type(name, (DPOptimizerMixin, optimizer_class), {"__init__": __init__, "__doc__": doc})

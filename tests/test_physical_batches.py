@@ -1,0 +1,155 @@
+"""max_physical_batch_size: a sampled batch clipped in pieces gives the whole batch's clipped sum.
+
+References are independent of the piece logic: the slow per-example loop of
+``test_gradients_exact`` (one tape per example) clipped by hand, and, for training, the same
+model trained without pieces (same initial weights and noise seed).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dp
+import tf_dp.keras as dpk
+from tf_dp.dp_query.gaussian_query import GaussianSumQuery
+from tf_dp.gradients import make_strategy
+from tf_dp.gradients.physical_batches import PhysicalBatches
+from tf_dp.keras.losses import PerExampleLoss
+from tests.test_gradients_exact import (
+    compiled,
+    conv_model,
+    data,
+    per_example_loss_value,
+    reference_clipped_sum,
+    reference_grads,
+    sequential_model,
+)
+from tests.test_recurrent_ghost import loop_reference, rng, seq_model, tokens
+
+L = keras.layers
+
+
+def _run(strategy, model, x, y, sw=None, clip=0.3, compile_as=None):
+    """The strategy's outputs as numpy: eagerly (None), in a tf.function ("graph") or under XLA."""
+    query = GaussianSumQuery(clip, 0.0)
+    loss_fn = PerExampleLoss(model)
+
+    def step(x, y, sw):
+        params = query.derive_sample_params(query.initial_global_state())
+        out = strategy.clipped_sum(loss_fn, (x, y, sw), model.trainable_variables, query, params)
+        return {
+            "clipped_sum": out.clipped_sum, "norms": out.norms, "losses": out.losses,
+            "y_pred": out.y_pred, "record_mask": out.record_mask, "num_records": out.num_records,
+        }
+
+    if compile_as is not None:
+        step = tf.function(step, jit_compile=compile_as == "xla")
+    out = step(tf.constant(x), tf.constant(y), None if sw is None else tf.constant(sw))
+    return {k: tf.nest.map_structure(np.asarray, v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("compile_as", [None, "graph", "xla"])
+@pytest.mark.parametrize("mode", ["vectorized", "ghost"])
+@pytest.mark.parametrize("builder", [sequential_model, conv_model])
+def test_pieces_give_the_reference_clipped_sum(builder, mode, compile_as):
+    model = compiled(builder())
+    x, y = data(batch=10, shape=tuple(model.inputs[0].shape[1:]))
+    sw = np.linspace(0.5, 1.5, 10).astype("float32")
+    sw[4] = 0.0  # a zero-weight row (like Poisson padding) inside a piece
+    clip = 0.3
+    # 10 records in pieces of 3: a first piece of 1, then three of 3
+    out = _run(PhysicalBatches(make_strategy(mode, model=model), 3), model, x, y, sw, clip,
+               compile_as)
+    want, norms = reference_clipped_sum(reference_grads(model, x, y, sw), clip)
+    assert np.sum(norms > clip) >= 3, "the clip must bind for several examples"
+    for got, ref in zip(out["clipped_sum"], want):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(out["norms"], norms, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(out["losses"], per_example_loss_value(model, x, y, sw), rtol=1e-5,
+                               atol=1e-6)
+    real = sw != 0  # zero-weight rows are computed as copies of a real row (by design)
+    np.testing.assert_allclose(out["y_pred"][real], np.asarray(model(x, training=True))[real],
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(out["record_mask"], sw != 0)
+    assert int(out["num_records"]) == 10
+
+
+@pytest.mark.parametrize("size", [1, 4, 6, 7])
+def test_any_piece_size_gives_the_unsplit_ghost_sum_on_a_masked_bilstm(size):
+    r = rng(0)
+    model = compiled(seq_model(L.Bidirectional(L.LSTM(3)), L.Dense(2)))
+    x, y = tokens(r, batch=7)
+    ref = loop_reference(model, x, y)
+    total = np.sqrt(sum(np.sum(g.reshape(7, -1) ** 2, axis=1) for g in ref))
+    clip = float(np.median(total))
+    want = [np.tensordot(np.minimum(1.0, clip / total), g, axes=1) for g in ref]
+    split = _run(PhysicalBatches(make_strategy("ghost", model=model), size), model, x, y,
+                 clip=clip, compile_as="graph")
+    for got, ref_sum in zip(split["clipped_sum"], want):
+        np.testing.assert_allclose(got, ref_sum, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(split["norms"], total, rtol=1e-4)
+
+
+def test_a_non_finite_record_in_one_piece_adds_nothing():
+    model = compiled(sequential_model())
+    x, y = data(batch=9)
+    x[5, 1] = np.nan  # in the second piece of 3 (pieces: 3, 3, 3)
+    out = _run(PhysicalBatches(make_strategy("ghost", model=model), 3), model, x, y,
+               compile_as="graph")
+    good = [i for i in range(9) if i != 5]
+    want, _ = reference_clipped_sum(reference_grads(model, x[good], y[good]), 0.3)
+    for got, ref in zip(out["clipped_sum"], want):
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-6)
+
+
+def _fit(model_fn, inputs, size, jit, **fit_kwargs):
+    model = dpk.make_private(model_fn())  # sets the global seed: the data are drawn after it
+    # no noise: the noise path is the same code with or without pieces
+    opt = dpk.DPKerasSGDOptimizer(l2_norm_clip=0.5, noise_multiplier=0.0, learning_rate=0.2,
+                                  max_physical_batch_size=size)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"], jit_compile=jit)
+    history = model.fit(*inputs(), epochs=2, verbose=0, **fit_kwargs)
+    return model, opt, history
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_fit_with_pieces_equals_fit_without(jit):
+    """Same initial weights and batches: the pieces change neither the update nor the ledger.
+    Poisson batches (padded, random sizes) and arrays with a short last batch."""
+    x, y = data(batch=40, seed=4)
+
+    def model_fn():
+        return sequential_model(seed=2)
+
+    poisson = lambda: (tf_dp.data.poisson_batches(x, y, sampling_probability=0.25, seed=5),)
+    for inputs, kwargs in ((poisson, {}), (lambda: (x, y), {"batch_size": 12, "shuffle": False})):
+        whole, opt_whole, h_whole = _fit(model_fn, inputs, None, jit, **kwargs)
+        split, opt_split, h_split = _fit(model_fn, inputs, 5, jit, **kwargs)
+        for a, b in zip(whole.get_weights(), split.get_weights()):
+            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(h_split.history["loss"], h_whole.history["loss"], rtol=1e-4)
+        assert opt_split.ledger.samples() == opt_whole.ledger.samples()
+        assert "physical batches of at most 5" in opt_split.gradient_strategy.description
+
+
+def test_arguments_and_config():
+    for bad in (0, -2, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="max_physical_batch_size must be None or an integer"):
+            dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                    max_physical_batch_size=bad)
+    with pytest.raises(ValueError, match="max_physical_batch_size splits"):
+        dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, num_microbatches=4,
+                                max_physical_batch_size=8)
+    with pytest.raises(ValueError, match="max_physical_batch_size splits"):
+        dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, gradient_mode="jl",
+                                jl_projections=4, max_physical_batch_size=8)
+    opt = dpk.DPKerasAdamOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                   max_physical_batch_size=16)
+    again = dpk.DPKerasAdamOptimizer.from_config(opt.get_config())
+    assert again.max_physical_batch_size == 16
+    assert dpk.DPKerasAdamOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0).max_physical_batch_size is None
+    with pytest.raises(ValueError, match="per-example gradient mode"):
+        PhysicalBatches(tf_dp.gradients.MicrobatchStrategy(4), 8)
