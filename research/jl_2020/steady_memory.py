@@ -8,6 +8,13 @@ resting level (``tf.config.experimental.get_memory_info``): the tensors the step
 (activations, per-example work, directions, tangents).
 
     python -m research.jl_2020.steady_memory --model cnn --modes nonprivate,jl:1
+
+``--allocator``: ``onednn`` (default) measures TensorFlow's default x86 CPU set-up, whose
+oneDNN allocator reports only its large allocations (smaller ones go to a separate small-size
+allocator that ``get_memory_info`` does not see). ``bfc`` runs each probe with oneDNN's ops off
+(``TF_ENABLE_ONEDNN_OPTS=0``) and TensorFlow's BFC allocator for the CPU
+(``TF_CPU_ALLOCATOR_USE_BFC=true``), which counts every tensor: use it to compare steps whose
+tensors differ in size (Keras's recurrent loops keep many tensors of 64-512 KB).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import subprocess
 import sys
 
@@ -47,9 +55,14 @@ def main() -> None:
     p.add_argument("--model", default="cnn")
     p.add_argument("--batch_size", type=int, default=None)
     p.add_argument("--modes", default="nonprivate,jl:1")
+    p.add_argument("--allocator", choices=("onednn", "bfc"), default="onednn",
+                   help="bfc: count every tensor (oneDNN ops off, BFC CPU allocator)")
     p.add_argument("--_one", default=None)
     a = p.parse_args()
-    batch = a.batch_size or {"cnn": 256, "mlp": 256, "lstm": 64}[a.model]
+    batch = a.batch_size or {"cnn": 256, "mlp": 256, "lstm": 64, "transformer": 64}[a.model]
+    env = dict(os.environ)
+    if a.allocator == "bfc":
+        env.update(TF_ENABLE_ONEDNN_OPTS="0", TF_CPU_ALLOCATOR_USE_BFC="true")
     if a._one:
         print("STEADY_MB", *probe(a.model, batch, a._one))
         return
@@ -57,13 +70,14 @@ def main() -> None:
     for mode in a.modes.split(","):
         res = subprocess.run(
             [sys.executable, "-m", "research.jl_2020.steady_memory", "--model", a.model,
-             "--batch_size", str(batch), "--_one", mode], capture_output=True, text=True)
+             "--batch_size", str(batch), "--_one", mode], capture_output=True, text=True, env=env)
         vals = [l.split()[1:] for l in res.stdout.splitlines() if l.startswith("STEADY_MB")]
         out[mode] = (
             {"rss_increase_mb": round(float(vals[0][0]), 1), "tensor_peak_mb": round(float(vals[0][1]), 1)}
             if vals else None
         )
-    print(json.dumps({"model": a.model, "batch_size": batch, "steady": out}))
+    print(json.dumps({"model": a.model, "batch_size": batch, "allocator": a.allocator,
+                      "steady": out}))
 
 
 if __name__ == "__main__":

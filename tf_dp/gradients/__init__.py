@@ -2,6 +2,7 @@
 
 from tf_dp.gradients.base import ClippedGradients, GradientStrategy
 from tf_dp.gradients.microbatch import MicrobatchStrategy
+from tf_dp.gradients.physical_batches import PhysicalBatches
 from tf_dp.gradients.registry import gradient_modes, make_strategy, register_gradient_mode
 from tf_dp.gradients.vectorized import VectorizedStrategy
 
@@ -9,6 +10,7 @@ __all__ = [
     "ClippedGradients",
     "GradientStrategy",
     "MicrobatchStrategy",
+    "PhysicalBatches",
     "VectorizedStrategy",
     "gradient_modes",
     "make_strategy",
