@@ -136,6 +136,11 @@ def test_fit_with_pieces_equals_fit_without(jit):
 
 
 def test_arguments_and_config():
+    assert dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                   max_physical_batch_size=np.int64(8)).max_physical_batch_size == 8
+    ftrl = dpk.DPKerasFTRLOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                    max_physical_batch_size=8)
+    assert ftrl.get_config()["max_physical_batch_size"] == 8
     for bad in (0, -2, 2.5, True, "8"):
         with pytest.raises(ValueError, match="max_physical_batch_size must be None or an integer"):
             dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0,
@@ -153,3 +158,159 @@ def test_arguments_and_config():
     assert dpk.DPKerasAdamOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0).max_physical_batch_size is None
     with pytest.raises(ValueError, match="per-example gradient mode"):
         PhysicalBatches(tf_dp.gradients.MicrobatchStrategy(4), 8)
+
+
+class _Spy(tf_dp.gradients.GradientStrategy):
+    """Records the number of records of every call of the wrapped strategy (eager)."""
+
+    name = "ghost"
+
+    def __init__(self, inner):
+        self.inner, self.sizes = inner, []
+
+    def clipped_sum(self, loss_fn, data, variables, query, params):
+        self.sizes.append(int(tf.shape(tf.nest.flatten(data[0])[0])[0]))
+        return self.inner.clipped_sum(loss_fn, data, variables, query, params)
+
+
+def test_every_piece_holds_at_most_p_records():
+    model = compiled(sequential_model())
+    x, y = data(batch=10)
+    spy = _Spy(make_strategy("ghost", model=model))
+    out = _run(PhysicalBatches(spy, 3), model, x, y)
+    assert spy.sizes == [1, 3, 3, 3], spy.sizes  # the remainder first, then full pieces
+    want, _ = reference_clipped_sum(reference_grads(model, x, y), 0.3)
+    for got, ref in zip(out["clipped_sum"], want):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["vectorized", "ghost"])
+def test_pieces_made_only_of_padding_rows_stay_valid_input(mode):
+    """Poisson padding rows (weight 0) are zeros; a piece of them alone would be all padding
+    tokens (a masked mean of nothing: NaN). They are filled from a real row of the whole batch."""
+    model = compiled(keras.Sequential([
+        keras.Input((5,), dtype="int32"), L.Embedding(12, 4, mask_zero=True),
+        L.GlobalAveragePooling1D(), L.Dense(3)]))
+    x = np.random.default_rng(0).integers(1, 12, (6, 5)).astype("int32")
+    x[2:] = 0  # four padding rows: pieces of 2 -> [real, real], [pad, pad], [pad, pad]
+    y = np.array([0, 1, 0, 0, 0, 0], "int32")
+    sw = np.array([1, 1, 0, 0, 0, 0], "float32")
+    whole = _run(make_strategy(mode, model=model), model, x, y, sw, compile_as="graph")
+    split = _run(PhysicalBatches(make_strategy(mode, model=model), 2), model, x, y, sw,
+                 compile_as="graph")
+    assert np.all(np.isfinite(split["losses"])), split["losses"]
+    np.testing.assert_allclose(split["losses"], whole["losses"], rtol=1e-5, atol=1e-7)
+    for a, b in zip(whole["clipped_sum"], split["clipped_sum"]):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+
+
+def _fit_query(query_fn, size):
+    r = np.random.default_rng(0)
+    x = r.normal(size=(80, 6)).astype("float32")
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype("int32")
+    keras.utils.set_random_seed(0)
+    model = dpk.make_private(keras.Sequential(
+        [keras.Input((6,)), L.Dense(8, activation="relu"), L.Dense(2)]))
+    query = query_fn()
+    opt = dpk.DPKerasSGDOptimizer(dp_sum_query=query, learning_rate=0.1,
+                                  max_physical_batch_size=size)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(tf_dp.data.poisson_batches(x, y, sampling_probability=0.25, seed=1), epochs=2,
+              verbose=0)
+    return model, opt, query
+
+
+QUERIES = {
+    # the adaptive clip moves with the count of unclipped records: the pieces' norms and record
+    # masks must give the same count (its noise is seeded, so both runs draw the same)
+    "adaptive": lambda: tf_dp.dp_query.QuantileAdaptiveClipSumQuery(
+        initial_l2_norm_clip=0.05, noise_multiplier=0.0, target_unclipped_quantile=0.5,
+        learning_rate=0.3, clipped_count_stddev=1.0, expected_num_records=20, seed=7),
+    "automatic": lambda: tf_dp.dp_query.AutomaticClipSumQuery(0.5, 0.0, gamma=0.1),
+    "per_layer": lambda: tf_dp.dp_query.NestedQuery(
+        [tf_dp.dp_query.GaussianSumQuery(c, 0.0) for c in (0.2, 0.05, 0.3, 0.02)]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(QUERIES))
+def test_every_clipping_query_gives_the_same_training_with_pieces(kind):
+    whole, opt_whole, q_whole = _fit_query(QUERIES[kind], None)
+    split, opt_split, q_split = _fit_query(QUERIES[kind], 3)
+    for a, b in zip(whole.get_weights(), split.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+    assert opt_split.ledger.samples() == opt_whole.ledger.samples()
+    if kind == "adaptive":
+        clips = [e.queries[0].l2_sensitivity for e in opt_split.ledger.samples()]
+        assert len(set(clips)) > 2  # the clip moved during training, identically in both runs
+        assert float(q_split.l2_norm_clip.numpy()) == pytest.approx(
+            float(q_whole.l2_norm_clip.numpy()), rel=1e-6)
+
+
+def _fit_sequence(model_fn, inputs, size, metrics, sampling=None, **fit_kwargs):
+    keras.utils.set_random_seed(3)
+    model = dpk.make_private(model_fn())
+    opt = dpk.DPKerasSGDOptimizer(l2_norm_clip=0.5, noise_multiplier=0.0, learning_rate=0.2,
+                                  gradient_mode="ghost", max_physical_batch_size=size)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+                  if metrics == ["accuracy"] else "mse", metrics=metrics)
+    if sampling is not None:
+        opt.set_sampling(*sampling)
+    history = model.fit(*inputs, epochs=1, verbose=0, **fit_kwargs)
+    return model, history
+
+
+def test_masked_sequence_outputs_keep_their_mask_for_metrics():
+    r = np.random.default_rng(0)
+    x = r.integers(1, 20, (24, 6)).astype("int32")
+    x[:, 3:] = 0  # the last three steps are masked
+    y = r.integers(0, 3, (24, 6)).astype("int32")
+
+    def model_fn():
+        return keras.Sequential([keras.Input((6,), dtype="int32"),
+                                 L.Embedding(20, 4, mask_zero=True), L.Dense(3)])
+
+    whole, h_whole = _fit_sequence(model_fn, (x, y), None, ["accuracy"], batch_size=12,
+                                   shuffle=False)
+    split, h_split = _fit_sequence(model_fn, (x, y), 5, ["accuracy"], batch_size=12,
+                                   shuffle=False)
+    assert h_split.history["accuracy"] == pytest.approx(h_whole.history["accuracy"], rel=1e-6)
+    assert h_split.history["loss"] == pytest.approx(h_whole.history["loss"], rel=1e-5)
+
+
+def test_outputs_of_dynamic_length_and_a_batch_shorter_than_a_piece():
+    r = np.random.default_rng(1)
+    lengths = [7, 5, 6, 7, 4, 7, 6, 5, 7, 3, 6]
+    seqs = [(r.normal(size=(t, 3)).astype("float32"), r.normal(size=(t, 2)).astype("float32"))
+            for t in lengths]
+
+    def make_ds():  # time axis of unknown length when traced; batches of 8 and 3
+        spec = (tf.TensorSpec((None, 3), tf.float32), tf.TensorSpec((None, 2), tf.float32))
+        return tf.data.Dataset.from_generator(lambda: iter(seqs), output_signature=spec
+                                              ).padded_batch(8)
+
+    def model_fn():
+        return keras.Sequential([keras.Input((None, 3)), L.Dense(2)])
+
+    sampling = (11, 8 / 11, "shuffle")
+    whole, h_whole = _fit_sequence(model_fn, (make_ds(),), None, ["mae"], sampling)
+    # the batch of 3 has no full piece of 4
+    split, h_split = _fit_sequence(model_fn, (make_ds(),), 4, ["mae"], sampling)
+    assert h_split.history["mae"] == pytest.approx(h_whole.history["mae"], rel=1e-5)
+    for a, b in zip(whole.get_weights(), split.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_mixed_float16_with_pieces():
+    x, y = data(batch=24, seed=4)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        whole, opt_whole, _ = _fit(lambda: sequential_model(seed=2), lambda: (x, y), None, False,
+                                   batch_size=12, shuffle=False)
+        split, opt_split, _ = _fit(lambda: sequential_model(seed=2), lambda: (x, y), 5, False,
+                                   batch_size=12, shuffle=False)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert all(w.dtype == np.float32 for w in split.get_weights())
+    for a, b in zip(whole.get_weights(), split.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-4)  # float16 forward pass
+    assert opt_split.ledger.samples() == opt_whole.ledger.samples()

@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Optional
 
 import tensorflow as tf
@@ -35,10 +36,13 @@ from tf_dp.gradients import base
 
 
 def check_max_physical_batch_size(value: Any) -> Optional[int]:
-    """``value`` if it is None or an integer >= 1; ValueError naming the argument otherwise."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    """``value`` as an int if it is an integer >= 1 (numpy integers too), None if None;
+    ValueError naming the argument otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"max_physical_batch_size must be None or an integer >= 1, got {value!r}")
-    return value
+    return int(value)
 
 
 def _dense(t: Any) -> tf.Tensor:
@@ -58,7 +62,7 @@ class PhysicalBatches(base.GradientStrategy):
     """
 
     def __init__(self, inner: base.GradientStrategy, max_physical_batch_size: int):
-        check_max_physical_batch_size(max_physical_batch_size)
+        max_physical_batch_size = check_max_physical_batch_size(max_physical_batch_size)
         if max_physical_batch_size is None:
             raise ValueError("max_physical_batch_size must be an integer >= 1, got None")
         if not inner.exact or inner.name not in ("vectorized", "ghost"):
@@ -87,6 +91,9 @@ class PhysicalBatches(base.GradientStrategy):
         return f"PhysicalBatches({self.inner!r}, max_physical_batch_size={self.max_physical_batch_size})"
 
     def clipped_sum(self, loss_fn, data, variables, query, params) -> base.ClippedGradients:
+        # zero-weight rows (Poisson padding) become copies of a real row of the whole batch, so
+        # that a piece made only of padding is still valid input (e.g. not all padding tokens)
+        data = base.fill_padding_rows(data)
         x, y, sw = data
         size = self.max_physical_batch_size
         static_b = tf.nest.flatten(x)[0].shape[0]
@@ -121,21 +128,29 @@ class PhysicalBatches(base.GradientStrategy):
 
         out0, mask0 = piece(0, first)
         acc0 = [_dense(c) for c in out0.clipped_sum]
-        pred0 = out0.y_pred
-        extras0 = {
+        pred0 = tf.nest.flatten(out0.y_pred)
+        # Keras's output masks (``_keras_mask``, read by compiled metrics) travel with y_pred
+        masked = [getattr(t, "_keras_mask", None) is not None for t in pred0]
+        head = {
             "norms": tf.cast(out0.norms, tf.float32),
             "losses": tf.cast(out0.losses, tf.float32),
             "mask": mask0,
+            "pred": pred0,
+            "pred_mask": [t._keras_mask for t, m in zip(pred0, masked) if m],
         }
 
         def ta_for(t):
-            return tf.TensorArray(t.dtype, size=full, element_shape=[size] + list(t.shape[1:]),
-                                  infer_shape=True)
+            return tf.TensorArray(t.dtype, size=full, element_shape=[size] + list(t.shape[1:]))
 
-        tas0 = (
-            {k: ta_for(v) for k, v in extras0.items()},
-            tf.nest.map_structure(ta_for, pred0),
-        )
+        def outputs(out, mask):
+            pred = tf.nest.flatten(out.y_pred)
+            return {
+                "norms": tf.cast(out.norms, tf.float32),
+                "losses": tf.cast(out.losses, tf.float32),
+                "mask": mask,
+                "pred": pred,
+                "pred_mask": [t._keras_mask for t, m in zip(pred, masked) if m],
+            }
 
         def body(i, acc, tas):
             # each piece starts once the previous one's sums exist: one piece's work in memory
@@ -143,35 +158,39 @@ class PhysicalBatches(base.GradientStrategy):
                 start = first + i * size
             out, mask = piece(start, size)
             acc = [a + tf.cast(_dense(c), a.dtype) for a, c in zip(acc, out.clipped_sum)]
-            extras, preds = tas
-            extras = {
-                "norms": extras["norms"].write(i, tf.cast(out.norms, tf.float32)),
-                "losses": extras["losses"].write(i, tf.cast(out.losses, tf.float32)),
-                "mask": extras["mask"].write(i, mask),
-            }
-            preds = tf.nest.map_structure(lambda ta, t: ta.write(i, t), preds, out.y_pred)
-            return i + 1, acc, (extras, preds)
+            tas = tf.nest.map_structure(lambda ta, t: ta.write(i, t), tas, outputs(out, mask))
+            return i + 1, acc, tas
 
-        _, acc, (extras, preds) = tf.while_loop(
+        _, acc, tas = tf.while_loop(
             lambda i, *_: i < full,
             body,
-            (tf.constant(0, b.dtype), acc0, tas0),
+            (tf.constant(0, b.dtype), acc0, tf.nest.map_structure(ta_for, head)),
             parallel_iterations=1,
         )
 
-        def join(head, ta):
-            rest = ta.stack()
-            rest = tf.reshape(rest, tf.concat([[full * size], tf.shape(rest)[2:]], 0))
-            return tf.concat([head, tf.cast(rest, head.dtype)], 0)
+        def join(first_rows, ta):
+            def with_rest():
+                rest = ta.stack()
+                rest = tf.reshape(rest, tf.concat([[full * size], tf.shape(rest)[2:]], 0))
+                return tf.concat([first_rows, tf.cast(rest, first_rows.dtype)], 0)
 
-        norms = join(extras0["norms"], extras["norms"])
+            # no full piece: nothing to stack (an empty TensorArray cannot be stacked when its
+            # element shape is only partly known, e.g. outputs of a dynamic length)
+            return tf.cond(full > 0, with_rest, lambda: tf.identity(first_rows))
+
+        joined = tf.nest.map_structure(join, head, tas)
+        pred = joined["pred"]
+        pred_masks = iter(joined["pred_mask"])
+        for t, m in zip(pred, masked):
+            if m:
+                t._keras_mask = next(pred_masks)
         return base.ClippedGradients(
             clipped_sum=acc,
-            norms=norms,
+            norms=joined["norms"],
             num_records=b,
             sensitivity_multiplier=1.0,
-            y_pred=tf.nest.map_structure(join, pred0, preds),
-            losses=join(extras0["losses"], extras["losses"]),
+            y_pred=tf.nest.pack_sequence_as(out0.y_pred, pred),
+            losses=joined["losses"],
             noise_after_sum=True,
-            record_mask=join(extras0["mask"], extras["mask"]),
+            record_mask=joined["mask"],
         )

@@ -188,6 +188,7 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         num_microbatches: Optional[int] = None,
         gradient_mode: str = "auto",
         noise_seed: Optional[int] = None,
+        max_physical_batch_size: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("nesterov"):
@@ -236,7 +237,8 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         )
         self._tree_query = _TreeStateInVariables(tree)
         self._init_dp(
-            None, None, num_microbatches, gradient_mode, None, self._tree_query, noise_seed
+            None, None, num_microbatches, gradient_mode, None, self._tree_query, noise_seed,
+            max_physical_batch_size=max_physical_batch_size,
         )
         # DP-FTRL has its own configuration (not an arbitrary dp_sum_query): serialisable.
         self._custom_query = False
@@ -336,6 +338,7 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
                 "max_epoch_steps": self._max_epoch_steps,
                 "num_microbatches": self._num_microbatches,
                 "gradient_mode": self._gradient_mode,
+                "max_physical_batch_size": self._max_physical_batch_size,
             }
         )
         return config

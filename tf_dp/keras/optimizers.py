@@ -175,7 +175,7 @@ class DPOptimizerMixin:
         self._l2_norm_clip = _number_or_schedule(l2_norm_clip)
         self._noise_multiplier = _number_or_schedule(noise_multiplier)
         self._noise_stddev = _number_or_schedule(noise_stddev)
-        check_max_physical_batch_size(max_physical_batch_size)
+        max_physical_batch_size = check_max_physical_batch_size(max_physical_batch_size)
         if max_physical_batch_size is not None and (
             num_microbatches is not None or gradient_mode in ("microbatch", "jl")
         ):
