@@ -22,7 +22,7 @@ def _run(script, *args):
     return json.loads(lines[-1][len("REPORT "):])
 
 
-@pytest.mark.parametrize("mode", ["vectorized", "ghost", "microbatch"])
+@pytest.mark.parametrize("mode", ["vectorized", "ghost", "microbatch", "ghost:5"])
 def test_mirrored_strategy_noises_once_per_global_step(mode):
     r = _run("mirrored_run.py", mode)
     if mode != "microbatch":
@@ -40,6 +40,8 @@ def test_mirrored_strategy_noises_once_per_global_step(mode):
     # Poisson batches: one sampling event per global step, the global population and rate.
     assert r["poisson_recorded"] == r["poisson_steps"] == 40
     assert r["poisson_ledger"] == [[400, 0.05, "poisson"]]
+    if mode == "ghost:5":  # each replica's records clipped 5 at a time
+        assert r["description"].endswith("in physical batches of at most 5"), r["description"]
 
 
 

@@ -28,6 +28,9 @@ def build(strategy, mode, clip, sigma):
         model = tf_dp.keras.make_private(keras.Sequential([
             keras.Input((64,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(4)]))
         kwargs = {"num_microbatches": 8} if mode == "microbatch" else {}
+        if ":" in mode:  # "ghost:P": clipped in physical batches of at most P per replica
+            mode, size = mode.split(":")
+            kwargs["max_physical_batch_size"] = int(size)
         model.compile(
             optimizer=tf_dp.keras.DPKerasSGDOptimizer(
                 l2_norm_clip=clip, noise_multiplier=sigma, gradient_mode=mode,
@@ -85,6 +88,7 @@ def main(mode):
     report["poisson_ledger"] = sorted({(e.sampling.population_size, e.sampling.selection_probability,
                                         e.sampling.policy) for e in model.optimizer.ledger.samples()})
     report["poisson_recorded"] = model.optimizer.ledger.num_samples
+    report["description"] = model.optimizer.gradient_strategy.description
     print("REPORT " + json.dumps(report))
 
 
