@@ -12,9 +12,10 @@ Modes: ``nonprivate`` (the plain Keras model and optimizer), or any registered `
 ``jl`` once registered). A mode may carry an integer option after a colon: ``jl:R`` (``R`` JL
 projections) and ``microbatch:M`` (``M`` microbatches; plain ``microbatch`` uses
 ``M = batch_size``); ``auto:P``, ``vectorized:P`` and ``ghost:P`` clip each batch in physical
-batches of at most ``P`` examples (``max_physical_batch_size=P``). Microbatches are random groups: each example goes to one of the ``M``
-microbatches independently and uniformly at random, so with ``M = batch_size`` some hold several
-examples and some are empty (sensitivity ``2C``, not the clipped sum of ``vectorized``).
+batches of at most ``P`` examples (``max_physical_batch_size=P``). Microbatches are random
+groups: each example goes to one of the ``M`` microbatches independently and uniformly at
+random, so with ``M = batch_size`` some hold several examples and some are empty (sensitivity
+``2C``, not the clipped sum of ``vectorized``).
 
 Timing (all modes in ONE process, see ``bench/README.md``): each mode gets its own fresh model
 (same weights), compiled and warmed up through ``model.fit`` (the real Keras 3 path, traced

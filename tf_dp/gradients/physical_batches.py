@@ -71,7 +71,7 @@ class PhysicalBatches(base.GradientStrategy):
                 f"'ghost' without num_microbatches); got the {inner.name!r} strategy"
             )
         self.inner = inner
-        self.max_physical_batch_size = int(max_physical_batch_size)
+        self.max_physical_batch_size = max_physical_batch_size
         self.name = inner.name
         self.exact = inner.exact
 
@@ -91,14 +91,14 @@ class PhysicalBatches(base.GradientStrategy):
         return f"PhysicalBatches({self.inner!r}, max_physical_batch_size={self.max_physical_batch_size})"
 
     def clipped_sum(self, loss_fn, data, variables, query, params) -> base.ClippedGradients:
+        size = self.max_physical_batch_size
+        static_b = tf.nest.flatten(data[0])[0].shape[0]
+        if static_b is not None and static_b <= size:
+            return self.inner.clipped_sum(loss_fn, data, variables, query, params)
         # zero-weight rows (Poisson padding) become copies of a real row of the whole batch, so
         # that a piece made only of padding is still valid input (e.g. not all padding tokens)
         data = base.fill_padding_rows(data)
         x, y, sw = data
-        size = self.max_physical_batch_size
-        static_b = tf.nest.flatten(x)[0].shape[0]
-        if static_b is not None and static_b <= size:
-            return self.inner.clipped_sum(loss_fn, data, variables, query, params)
         b = base.batch_size_of(x)
         full = tf.maximum((b - 1) // size, 0)  # full pieces after the first
         first = b - full * size  # 1 .. size records (the remainder), or 0 for an empty batch
@@ -128,21 +128,11 @@ class PhysicalBatches(base.GradientStrategy):
 
         out0, mask0 = piece(0, first)
         acc0 = [_dense(c) for c in out0.clipped_sum]
-        pred0 = tf.nest.flatten(out0.y_pred)
         # Keras's output masks (``_keras_mask``, read by compiled metrics) travel with y_pred
-        masked = [getattr(t, "_keras_mask", None) is not None for t in pred0]
-        head = {
-            "norms": tf.cast(out0.norms, tf.float32),
-            "losses": tf.cast(out0.losses, tf.float32),
-            "mask": mask0,
-            "pred": pred0,
-            "pred_mask": [t._keras_mask for t, m in zip(pred0, masked) if m],
-        }
-
-        def ta_for(t):
-            return tf.TensorArray(t.dtype, size=full, element_shape=[size] + list(t.shape[1:]))
+        masked = [getattr(t, "_keras_mask", None) is not None for t in tf.nest.flatten(out0.y_pred)]
 
         def outputs(out, mask):
+            """A piece's per-record outputs, gathered for the whole batch."""
             pred = tf.nest.flatten(out.y_pred)
             return {
                 "norms": tf.cast(out.norms, tf.float32),
@@ -151,6 +141,11 @@ class PhysicalBatches(base.GradientStrategy):
                 "pred": pred,
                 "pred_mask": [t._keras_mask for t, m in zip(pred, masked) if m],
             }
+
+        head = outputs(out0, mask0)
+
+        def ta_for(t):
+            return tf.TensorArray(t.dtype, size=full, element_shape=[size] + list(t.shape[1:]))
 
         def body(i, acc, tas):
             # each piece starts once the previous one's sums exist: one piece's work in memory
