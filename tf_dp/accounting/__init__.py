@@ -38,6 +38,7 @@ from tf_dp.accounting.ledger_analysis import (
     dp_sgd_epsilon,
     dp_sgd_run,
     effective_noise_multipliers,
+    shuffle_epoch_runs,
     shuffle_epochs,
     shuffle_steps_per_epoch,
 )
@@ -92,6 +93,7 @@ __all__ = [
     "pld_tradeoff",
     "rdp_poisson_gaussian",
     "reduced_noise",
+    "shuffle_epoch_runs",
     "shuffle_epochs",
     "shuffle_steps_per_epoch",
     "strong_composition",

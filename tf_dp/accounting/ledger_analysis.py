@@ -14,10 +14,12 @@ Sampling policies (design invariant 5):
   in-memory arrays and as ``Dataset.shuffle(n).batch(b)`` does; each record is used once per
   epoch.  Neighbouring datasets replace one record (sensitivity ``2C``), and no amplification is
   assumed: every epoch counts as one full-batch Gaussian mechanism with half the effective noise
-  multiplier, ``ceil(steps / ceil(n / b))`` epochs per run of identical samples (a partial epoch
-  counts as a full one).  Inputs whose epochs have fewer steps (``drop_remainder=True``, or
-  ``repeat()`` before ``batch()``, where batches straddle epochs) should declare the population
-  ``b * (n // b)``: epochs of ``n // b`` steps, which counts them exactly or conservatively.
+  multiplier, counted per pass over the data (:func:`shuffle_epoch_runs`): a pass starts at every
+  draw the ledger marks ``pass_start`` (each ``fit`` epoch, each ``train_on_batch`` call), and
+  holds ``ceil(steps / ceil(n / b))`` epochs (a partial epoch counts as a full one).  Inputs
+  whose epochs have fewer steps (``drop_remainder=True``, or ``repeat()`` before ``batch()``,
+  where batches straddle epochs) should declare the population ``b * (n // b)``: epochs of
+  ``n // b`` steps, which counts them exactly or conservatively.
 
 Non-private samples (a query without noise) give ``epsilon = inf``.
 
@@ -55,6 +57,7 @@ __all__ = [
     "dp_sgd_run",
     "shuffle_epochs",
     "shuffle_steps_per_epoch",
+    "shuffle_epoch_runs",
 ]
 
 #: Accountants that analyse a ledger.  ``gdp`` is an approximation (privacy CLT).
@@ -180,6 +183,69 @@ def shuffle_epochs(steps: int, population_size: int, selection_probability: floa
     return max(1, -(-int(steps) // per_epoch))
 
 
+def shuffle_epoch_runs(runs: Sequence[tuple[SampleEntry, int]]) -> list[tuple[SampleEntry, int]]:
+    """The epochs of the ``shuffle`` runs of ``runs``: ``[(entry, epochs), ...]``.
+
+    A pass over the data starts at every draw marked ``pass_start``, at the ledger's first draw,
+    and wherever the sampling declaration (``n``, ``q``) changes or a non-``shuffle`` or
+    tree-aggregation step intervenes. Within a pass, epochs are consecutive windows of
+    ``s = ceil(n / b)`` steps from the pass's start, and each record is used at most once per
+    window, so a window costs one participation at its worst step. A window whose steps all
+    record the same mechanism counts once with it; a window holding several (e.g. a clip schedule
+    changing mid-epoch) counts once with each, and a pass cut short counts as a full epoch: both
+    over-count, never under-count. Other runs are skipped.
+
+    Example: three ``fit(x, y, batch_size=5, steps_per_epoch=2)`` calls on ``n = 20`` records are
+    three passes of 2 steps: 3 epochs (one continuous count of the 6 steps would give 2).
+    """
+    out: list[tuple[SampleEntry, int]] = []
+    open_keys: list[SampleEntry] = []  # distinct mechanisms of the window still open
+    open_window = None
+    key = None
+    position = 0
+
+    def emit(entry: SampleEntry, epochs: int) -> None:
+        if out and out[-1][0] == entry:
+            out[-1] = (entry, out[-1][1] + epochs)
+        else:
+            out.append((entry, epochs))
+
+    def close() -> None:
+        for e in open_keys:
+            emit(e, 1)
+        open_keys.clear()
+
+    for entry, count in runs:
+        s = entry.sampling
+        if s.policy != "shuffle" or entry.tree_step is not None:
+            close()
+            key = None
+            continue
+        spe = shuffle_steps_per_epoch(s.population_size, s.selection_probability)
+        plain = dataclasses.replace(entry, sampling=dataclasses.replace(s, pass_start=False))
+        if s.pass_start or (s.population_size, s.selection_probability) != key:
+            close()
+            if s.pass_start and count > 1:  # each step of the run is a pass of its own
+                emit(plain, count - 1)
+                count = 1
+            position, open_window = 0, 0
+        first, last = position // spe, (position + count - 1) // spe
+        if first != open_window:
+            close()
+        if plain not in open_keys:
+            open_keys.append(plain)
+        if last > first:
+            close()
+            if last - first > 1:
+                emit(plain, last - first - 1)
+            open_keys.append(plain)
+        open_window = last
+        position += count
+        key = (s.population_size, s.selection_probability)
+    close()
+    return out
+
+
 def _units(runs: Sequence[tuple[SampleEntry, int]]) -> tuple[list[_Unit], bool, set]:
     """Reduces runs of identical entries to composable units; returns (units, any_non_private,
     policies)."""
@@ -188,7 +254,9 @@ def _units(runs: Sequence[tuple[SampleEntry, int]]) -> tuple[list[_Unit], bool, 
     policies = set()
     # Tree aggregation (Kairouz et al. 2021): each tree / epoch window is a full-batch Gaussian
     # mechanism (tf_dp.accounting.tree); Poisson-sampled tree steps are refused there.
+    shuffle_units = shuffle_epoch_runs(runs)  # (entry, epochs) of the shuffle runs
     runs, tree_mechanisms = _tree.split_runs(runs, shuffle_steps_per_epoch)
+    runs = [(e, c) for e, c in runs if e.sampling.policy != "shuffle"] + shuffle_units
     for z, count in tree_mechanisms:
         policies.add("tree")
         if math.isinf(z):
@@ -212,9 +280,9 @@ def _units(runs: Sequence[tuple[SampleEntry, int]]) -> tuple[list[_Unit], bool, 
             # Fixed-size shuffled batches keep the dataset size fixed, so the neighbouring
             # datasets differ by replacing one record (adding one would shift every later batch).
             # Replacing a record changes its clipped contribution by up to 2C: sensitivity 2C,
-            # i.e. half the effective noise multiplier, once per epoch, no amplification.
-            epochs = shuffle_epochs(count, entry.sampling.population_size, q)
-            units.append(_Unit(1.0, z / 2.0, r, epochs, policy))
+            # i.e. half the effective noise multiplier, once per epoch (``count`` epochs here),
+            # no amplification.
+            units.append(_Unit(1.0, z / 2.0, r, count, policy))
         else:
             units.append(_Unit(q, z, r, count, policy))
     return units, non_private, policies
@@ -232,8 +300,9 @@ def _assumptions(accountant: str, policies: set, has_jl: bool, extra: str = "") 
                      "fixed; a replaced record's clipped gradient moves by up to 2C) and NO "
                      "amplification assumed; each epoch (each record used once) counted as one "
                      "full-batch Gaussian mechanism with half the effective noise multiplier "
-                     "(an epoch is ceil(n/b) steps, its last batch partial; a partial epoch "
-                     "counts as a full one)")
+                     "(an epoch is ceil(n/b) steps from the start of a pass over the data, as "
+                     "recorded in the ledger, its last batch partial; a partial epoch counts as "
+                     "a full one)")
     if "tree" in policies:
         parts.append("tree-aggregation steps (Kairouz et al. 2021, Appendix D) accounted without "
                      "amplification: replace-one adjacency (leaf sensitivity 2C), each record in "

@@ -29,7 +29,8 @@ shuffling is not used). Adjacency is replace-one, as for every ``shuffle`` run i
 replaced record moves a leaf by up to ``2C`` (``Delta = 2C``, i.e. ``dp_accounting`` with noise
 multiplier ``z / 2``). Steps are cut into trees (at each ``tree_step == 0``, or where the index
 does not continue) and into epoch windows (consecutive ``ceil(n / b)`` steps from the start of each
-run of identical sampling, as the ``shuffle`` accounting counts them). Then:
+pass over the data, i.e. each draw marked ``pass_start`` or change of sampling, as the ``shuffle``
+accounting counts them). Then:
 
 * every tree inside one epoch window (restarts at least once per epoch): per window, the record is
   in one leaf of one tree; the window counts as one Gaussian mechanism with
@@ -178,6 +179,9 @@ def tree_gaussian_mechanisms(
                 "restarted at every step (tree_step 0) repeats an index"
             )
         for _ in range(count):
+            if s.pass_start:  # a new pass over the data: new epoch windows
+                segment += 1
+                position = 0
             window = (segment, position // spe)
             if t0 == 0 or prev_step is None or t0 != prev_step + 1 or not trees:
                 trees.append({"z": z, "last": t0, "windows": {window}, "spe": spe})

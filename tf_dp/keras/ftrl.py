@@ -263,6 +263,13 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
     def tree_depth(self) -> int:
         return self._tree_query.tree.depth
 
+    def start_pass(self) -> None:
+        """Marks a new pass over the data; with ``restart_every='epoch'`` the tree restarts too,
+        so no tree spans two passes (each record is in at most one leaf of a tree)."""
+        super().start_pass()
+        if self._restart_every == "epoch":
+            self.restart_tree()
+
     def restart_tree(self) -> None:
         """Starts a new tree at the next step (eager; recorded as ``tree_step`` 0)."""
         self._tree_query.restart()

@@ -292,12 +292,46 @@ def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, d
     return tuple(args), kwargs
 
 
+class _PassStarts(keras.callbacks.Callback):
+    """Marks every ``fit`` epoch as a new pass over the data (a new shuffle / iterator)."""
+
+    def __init__(self, optimizer):
+        super().__init__()
+        self._dp_optimizer = optimizer
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._dp_optimizer.start_pass()
+
+
+def _with_pass_starts(optimizer, args: list, kwargs: dict) -> None:
+    """Adds the :class:`_PassStarts` callback to ``fit``'s callbacks (keyword or positional)."""
+    if len(args) > 5:  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
+        callbacks = args[5]
+    else:
+        callbacks = kwargs.get("callbacks")
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks.append(_PassStarts(optimizer))
+        return
+    callbacks = [_PassStarts(optimizer)] + list(callbacks or [])
+    if len(args) > 5:
+        args[5] = callbacks
+    else:
+        kwargs["callbacks"] = callbacks
+
+
 def private_fit(model: keras.Model, fit: Any, args: tuple, kwargs: dict) -> Any:
-    """``fit`` of a private model: checks, sampling declaration, and the ledger's bookkeeping."""
+    """``fit`` of a private model: checks, sampling declaration, and the ledger's bookkeeping.
+
+    Every epoch of ``fit`` starts a new pass over the data: the ledger marks its first step
+    (``pass_start``), so shuffle accounting and DP-FTRL's trees restart there, however the
+    epochs of several ``fit`` calls are cut.
+    """
     check_model_is_dp_compatible(model)
     optimizer = _dp_optimizer_of(model)
     optimizer.check_ledger_covers_steps()
     args, kwargs = prepare_fit(model, args, kwargs)
+    args = list(args)
+    _with_pass_starts(optimizer, args, kwargs)
     fixes = (
         multi_worker.keras_multi_worker_fixes(model)
         if multi_worker.num_workers(model.distribute_strategy) > 1
@@ -308,6 +342,34 @@ def private_fit(model: keras.Model, fit: Any, args: tuple, kwargs: dict) -> Any:
             return fit(*args, **kwargs)
     finally:
         optimizer._end_fit()
+
+
+def private_train_on_batch(model: keras.Model, train_on_batch: Any, args: tuple, kwargs: dict):
+    """``train_on_batch`` of a private model: one DP step on a batch the caller chose.
+
+    Needs an explicit declaration, ``model.optimizer.set_sampling(...)``: a declaration that a
+    ``fit`` derived from its own input ended with that ``fit``. Under ``sampling_policy=
+    'shuffle'`` every call starts its own pass over the data (the caller may put any record in
+    any batch, so each call is charged as a full epoch, without amplification) and the noised
+    sum is divided by the number of records in the batch; under ``'poisson'`` the caller claims
+    each batch is a Poisson sample at the declared rate (recorded as declared, not checked) and
+    the denominator is ``q * n``.
+    """
+    check_model_is_dp_compatible(model)
+    optimizer = _dp_optimizer_of(model)
+    optimizer.check_ledger_covers_steps()
+    if not optimizer.sampling_configured:
+        raise ValueError(
+            "train_on_batch of a private model needs a sampling declaration: call "
+            "model.optimizer.set_sampling(population_size=N, selection_probability=b / N, "
+            "sampling_policy='shuffle') first (N: records in the private data set, b: batch "
+            "size). With 'shuffle' every call is charged as one full pass over the data (no "
+            "amplification); declare 'poisson' only if you draw each batch by Poisson sampling "
+            "at rate selection_probability yourself. A declaration that fit derived from its own "
+            "input is not reused."
+        )
+    optimizer.start_pass()
+    return train_on_batch(*args, **kwargs)
 
 
 def private_compile(model: keras.Model, compile_fn: Any, args: tuple, kwargs: dict) -> None:
@@ -380,6 +442,9 @@ class _PrivateTrainingMixin:
 
     def fit(self, *args, **kwargs):
         return private_fit(self, super().fit, args, kwargs)
+
+    def train_on_batch(self, *args, **kwargs):
+        return private_train_on_batch(self, super().train_on_batch, args, kwargs)
 
     def compile(self, *args, **kwargs):
         return private_compile(self, super().compile, args, kwargs)
@@ -476,9 +541,13 @@ def make_private(model: keras.Model) -> keras.Model:
     original_fit = model.fit
     original_compile = model.compile
     original_make_train_function = model.make_train_function
+    original_train_on_batch = model.train_on_batch
 
     def fit(self, *args, **kwargs):
         return private_fit(self, original_fit, args, kwargs)
+
+    def train_on_batch(self, *args, **kwargs):
+        return private_train_on_batch(self, original_train_on_batch, args, kwargs)
 
     def compile(self, *args, **kwargs):
         return private_compile(self, original_compile, args, kwargs)
@@ -492,6 +561,7 @@ def make_private(model: keras.Model) -> keras.Model:
 
     model.train_step = types.MethodType(dp_train_step, model)
     model.fit = types.MethodType(fit, model)
+    model.train_on_batch = types.MethodType(train_on_batch, model)
     model.compile = types.MethodType(compile, model)
     model.make_train_function = types.MethodType(make_train_function, model)
     model._tf_dp_private = True

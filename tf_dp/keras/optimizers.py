@@ -333,6 +333,16 @@ class DPOptimizerMixin:
         self._sampling_configured = True
         self._sampling_from_fit = False
 
+    def start_pass(self) -> None:
+        """Marks the next DP step as the first of a new pass over the data (eager).
+
+        ``fit`` calls it at the start of every epoch and ``train_on_batch`` before every call,
+        so the ledger records where each pass (each new shuffle of the data) starts, and the
+        ``shuffle`` accounting counts one epoch per pass window from there. Call it yourself in
+        a custom training loop wherever your loop starts a new pass over its data.
+        """
+        self._dp_query.start_pass()
+
     def _declare_fit_sampling(
         self, population_size: int, selection_probability: float, sampling_policy: str
     ) -> None:

@@ -56,11 +56,17 @@ class SamplingEvent:
       selection_probability: ``q`` in [0, 1]; for ``poisson`` the per-record inclusion probability,
         for ``shuffle`` the batch size divided by ``n``.
       policy: one of :data:`SAMPLING_POLICIES`.
+      pass_start: True when this draw is the first of a new pass over the data (a new shuffle of
+        the records: every ``fit`` epoch, every ``train_on_batch`` call, or an explicit
+        ``optimizer.start_pass()``). ``shuffle`` accounting counts epochs, and tree aggregation
+        cuts its epoch windows, from these boundaries; the first draw of a ledger always starts a
+        pass. Recorded for ``shuffle`` draws only (Poisson draws have no passes).
     """
 
     population_size: int
     selection_probability: float
     policy: str = "poisson"
+    pass_start: bool = False
 
     def __post_init__(self):
         n = self.population_size
@@ -75,6 +81,8 @@ class SamplingEvent:
             raise ValueError(f"selection_probability must be in [0, 1], got {q!r}")
         if self.policy not in SAMPLING_POLICIES:
             raise ValueError(f"policy must be one of {SAMPLING_POLICIES}, got {self.policy!r}")
+        if not isinstance(self.pass_start, bool):
+            raise ValueError(f"pass_start must be a bool, got {self.pass_start!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,8 @@ Format (version 1)::
 Optional query keys (still version 1: files without them read as before, and files written
 without them are byte for byte what earlier versions wrote): ``noise_seed`` (seeded test/debug
 runs only) and ``tree_step`` (``"mechanism": "tree"`` queries only: the leaf's 0-based index in
-its tree-aggregation tree). A reader that predates a mechanism rejects the file as a malformed
+its tree-aggregation tree); optional sampling key ``pass_start`` (``true`` on the draws that start
+a new pass over shuffled data; a file without it is one pass from its first draw). A reader that predates a mechanism rejects the file as a malformed
 event naming the mechanism, never misreads it.
 
 Files are written atomically (temporary file in the same directory, fsync, rename), so a reader
@@ -83,14 +84,17 @@ def entries_to_payload(
     """Builds the JSON payload (with checksum) for ``entries``."""
     runs = []
     for entry, count in compress(entries):
+        sampling: dict[str, Any] = {
+            "population_size": entry.sampling.population_size,
+            "selection_probability": entry.sampling.selection_probability,
+            "policy": entry.sampling.policy,
+        }
+        if entry.sampling.pass_start:  # only draws that start a pass carry the key
+            sampling["pass_start"] = True
         runs.append(
             {
                 "count": count,
-                "sampling": {
-                    "population_size": entry.sampling.population_size,
-                    "selection_probability": entry.sampling.selection_probability,
-                    "policy": entry.sampling.policy,
-                },
+                "sampling": sampling,
                 "queries": [_query_payload(q) for q in entry.queries],
             }
         )
@@ -137,6 +141,7 @@ def payload_to_entries(payload: Any) -> list[SampleEntry]:
                     population_size=s["population_size"],
                     selection_probability=s["selection_probability"],
                     policy=s["policy"],
+                    pass_start=s.get("pass_start", False),
                 ),
                 queries=tuple(
                     SumQueryEvent(

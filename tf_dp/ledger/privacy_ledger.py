@@ -44,7 +44,7 @@ from tf_dp.ledger.events import (
 from tf_dp.ledger.ledger_file import LedgerFileError, read_ledger_file, write_ledger_file
 
 # Column layouts of the two buffers.
-_SAMPLE_COLS = 3  # population_size, selection_probability, policy code
+_SAMPLE_COLS = 4  # population_size, selection_probability, policy code, pass start (0/1)
 # sample index, l2_sensitivity, noise_stddev, mechanism code, jl_projections (jl) or tree_step
 # (tree), noise seed (NaN: none)
 _QUERY_COLS = 6
@@ -290,8 +290,11 @@ class PrivacyLedger(tf.Module):
 
     # -- recording (graph-safe) ------------------------------------------------------------------
 
-    def record_sampling(self, population_size, selection_probability, policy) -> tf.Tensor:
-        """Starts a new sample. ``policy`` is a name or its code (0 poisson, 1 shuffle)."""
+    def record_sampling(
+        self, population_size, selection_probability, policy, pass_start=False
+    ) -> tf.Tensor:
+        """Starts a new sample. ``policy`` is a name or its code (0 poisson, 1 shuffle);
+        ``pass_start`` (bool or 0/1) marks the first draw of a new pass over the data."""
         if isinstance(policy, str):
             policy = policy_code(policy)
         row = tf.stack(
@@ -299,6 +302,7 @@ class PrivacyLedger(tf.Module):
                 _f64(population_size),
                 _f64(selection_probability),
                 _f64(policy),
+                tf.cast(pass_start, tf.float64),
             ]
         )
         return self._samples.append(row)
@@ -369,10 +373,11 @@ class PrivacyLedger(tf.Module):
                     population_size=int(round(n)),
                     selection_probability=float(q),
                     policy=SAMPLING_POLICIES[int(p)],
+                    pass_start=bool(start) and SAMPLING_POLICIES[int(p)] == "shuffle",
                 ),
                 queries=tuple(qs),
             )
-            for (n, q, p), qs in zip(samples, per_sample)
+            for (n, q, p, start), qs in zip(samples, per_sample)
         ]
 
     def save(self, path: str | os.PathLike, metadata: Optional[Mapping[str, Any]] = None) -> None:
@@ -398,7 +403,7 @@ class PrivacyLedger(tf.Module):
         samples = np.array(
             [
                 [e.sampling.population_size, e.sampling.selection_probability,
-                 policy_code(e.sampling.policy)]
+                 policy_code(e.sampling.policy), float(e.sampling.pass_start)]
                 for e in entries
             ],
             np.float64,
@@ -423,7 +428,11 @@ class PrivacyLedger(tf.Module):
 
     def load_tables(self, samples: np.ndarray, queries: np.ndarray) -> None:
         """Replaces the content with tables from :meth:`tables` (validated through the events)."""
-        samples = np.asarray(samples, np.float64).reshape(-1, _SAMPLE_COLS)
+        samples = np.asarray(samples, np.float64)
+        if samples.ndim == 2 and samples.shape[1] == _SAMPLE_COLS - 1:
+            # tables saved before pass boundaries were recorded: no pass starts
+            samples = np.concatenate([samples, np.zeros([samples.shape[0], 1])], axis=1)
+        samples = samples.reshape(-1, _SAMPLE_COLS)
         queries = np.asarray(queries, np.float64).reshape(-1, _QUERY_COLS)
         probe = PrivacyLedger.__new__(PrivacyLedger)
         tf.Module.__init__(probe, name="probe")

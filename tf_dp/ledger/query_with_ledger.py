@@ -71,6 +71,8 @@ class QueryWithLedger(DPQuery):
             self._policy = ledger_variable(tf.constant(0, tf.int32))
             self._sensitivity_multiplier = ledger_variable(tf.constant(1.0, tf.float32))
             self._jl_projections = ledger_variable(tf.constant(0, tf.int32))
+            # 1 until the next recorded draw: that draw starts a new pass over the data
+            self._pass_start = ledger_variable(tf.constant(0, tf.int32))
         self.set_sampling(population_size, selection_probability, sampling_policy)
 
     @property
@@ -96,6 +98,21 @@ class QueryWithLedger(DPQuery):
         self._population_size.assign(population_size)
         self._selection_probability.assign(q)
         self._policy.assign(code)
+
+    def start_pass(self) -> None:
+        """Marks the next recorded draw as the first of a new pass over the data (eager).
+
+        Call it wherever a new pass (a new shuffle, a new iterator over the data) begins; the
+        Keras integration does at every ``fit`` epoch and every ``train_on_batch`` call. Under
+        the ``shuffle`` policy the accountants count epochs from these marks; extra marks only
+        make the count more conservative, missing ones under-count.
+        """
+        self._pass_start.assign(1)
+
+    @property
+    def pass_start_pending(self) -> bool:
+        """Whether the next recorded draw starts a pass."""
+        return bool(int(self._pass_start.numpy()))
 
     def set_mechanism(self, sensitivity_multiplier: float = 1.0, jl_projections: int = 0) -> None:
         """Sets the L2 sensitivity multiplier (2 for microbatches of several examples under
@@ -217,6 +234,8 @@ class QueryWithLedger(DPQuery):
             population_size=int(self._population_size.numpy()),
             selection_probability=float(self._selection_probability.numpy()),
             policy=SAMPLING_POLICIES[int(self._policy.numpy())],
+            pass_start=self.pass_start_pending
+            and SAMPLING_POLICIES[int(self._policy.numpy())] == "shuffle",
         )
         return SampleEntry(sampling, tuple(entries))
 
@@ -236,13 +255,24 @@ class QueryWithLedger(DPQuery):
         room = self._ledger.has_room(len(specs))
         result, new_state = self._query.get_noised_result(sample_state, global_state)
         # Record only once the result exists (and the run-time clip and noise values passed their
-        # checks): a step that fails leaves the ledger unchanged.
+        # checks): a step that fails, or a call that meets the end of its data before the step
+        # runs, leaves the ledger unchanged. Every recording op, the sum queries' included,
+        # depends on the result.
         with tf.control_dependencies(tf.nest.flatten(result) + checks):
-            self._ledger.record_sampling(
-                self._population_size, self._selection_probability, self._policy
+            pass_start = tf.logical_and(
+                tf.equal(self._pass_start.read_value(), 1),
+                tf.equal(self._policy.read_value(), policy_code("shuffle")),
             )
-        for sens, std, mech, jl, seed in self._event_values(specs):
-            self._ledger.record_sum_query(sens, std, mech, jl, seed)
+            index = self._ledger.record_sampling(
+                self._population_size, self._selection_probability, self._policy, pass_start
+            )
+            with tf.control_dependencies([index]):
+                recorded = [
+                    self._ledger.record_sum_query(sens, std, mech, jl, seed)
+                    for sens, std, mech, jl, seed in self._event_values(specs)
+                ]
+                with tf.control_dependencies(recorded):
+                    self._pass_start.assign(0)
         if not (isinstance(room, tf.Tensor) and tf.get_static_value(room) is True):
             result = tf.nest.map_structure(
                 lambda t: _where(room, t), result
