@@ -336,6 +336,10 @@ class PrivacyLedger(tf.Module):
 
     # -- reading (eager) -------------------------------------------------------------------------
 
+    def recorded_samples(self) -> tf.Tensor:
+        """The number of samples recorded so far, as an int64 tensor (graph-safe)."""
+        return self._samples.total()
+
     @property
     def num_samples(self) -> int:
         return int(self._samples.total().numpy())

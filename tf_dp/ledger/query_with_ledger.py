@@ -234,7 +234,7 @@ class QueryWithLedger(DPQuery):
             population_size=int(self._population_size.numpy()),
             selection_probability=float(self._selection_probability.numpy()),
             policy=SAMPLING_POLICIES[int(self._policy.numpy())],
-            pass_start=self.pass_start_pending
+            pass_start=(self.pass_start_pending or self._ledger.num_samples == 0)
             and SAMPLING_POLICIES[int(self._policy.numpy())] == "shuffle",
         )
         return SampleEntry(sampling, tuple(entries))
@@ -259,8 +259,12 @@ class QueryWithLedger(DPQuery):
         # runs, leaves the ledger unchanged. Every recording op, the sum queries' included,
         # depends on the result.
         with tf.control_dependencies(tf.nest.flatten(result) + checks):
+            # the ledger's first draw always starts a pass
             pass_start = tf.logical_and(
-                tf.equal(self._pass_start.read_value(), 1),
+                tf.logical_or(
+                    tf.equal(self._pass_start.read_value(), 1),
+                    tf.equal(self._ledger.recorded_samples(), 0),
+                ),
                 tf.equal(self._policy.read_value(), policy_code("shuffle")),
             )
             index = self._ledger.record_sampling(
