@@ -1,0 +1,66 @@
+"""Test tiers as pytest markers, assigned by test file, so a change has a short loop.
+
+- ``unit``: mechanisms, ledger, accountants, CLI and lint; no Keras training
+  (``python -m pytest tests -m unit``, about a minute on 2 cores).
+- ``e2e``: notebooks, the tutorial script, README snippets, research quick runs, multi-device and
+  multi-worker runs in subprocesses.
+- ``integration``: everything else (Keras training through the DP step).
+
+README's test command runs all three. A test file not listed below is ``integration``.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+UNIT = {
+    "test_accounting_gdp",
+    "test_accounting_jl",
+    "test_accounting_ledger",
+    "test_accounting_pld",
+    "test_accounting_rdp",
+    "test_accounting_tradeoff",
+    "test_cli",
+    "test_data_datasets",
+    "test_dp_query_graph",
+    "test_dp_query_validation",
+    "test_ledger",
+    "test_ledger_file",
+    "test_lint",
+    "test_noise",
+    "test_tree_aggregation",
+    "test_public_api",
+}
+
+E2E = {
+    "test_distributed",
+    "test_multi_worker",
+    "test_notebooks",
+    "test_readme",
+    "test_research_quick",
+    "test_tutorial_mnist",
+}
+
+TIERS = ("unit", "integration", "e2e")
+
+
+def tier_of(path: str | pathlib.Path) -> str:
+    """The tier of a test file (by its stem)."""
+    stem = pathlib.Path(path).stem
+    if stem in UNIT:
+        return "unit"
+    if stem in E2E:
+        return "e2e"
+    return "integration"
+
+
+def pytest_configure(config):
+    for name in TIERS:
+        config.addinivalue_line("markers", f"{name}: tf_dp test tier (see tests/conftest.py)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(getattr(pytest.mark, tier_of(item.path)))
