@@ -39,7 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp.gradients.base import as_tf_variables
-from tf_dp.keras import multi_worker
+from tf_dp.keras import batch_mixing, multi_worker
 from tf_dp.keras.losses import PerExampleLoss
 
 _logger = logging.getLogger("tf_dp")
@@ -292,11 +292,28 @@ def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, d
     return tuple(args), kwargs
 
 
+def _probe_batch_mixing(model: keras.Model, x: Any) -> None:
+    """Once per model (until conclusive): refuses a model whose layers mix the records of a batch
+    (``tf_dp/keras/batch_mixing.py``), eagerly, before the first step runs or is recorded."""
+    if getattr(model, "_tf_dp_batch_probe_done", False):
+        return
+    records = batch_mixing.probe_inputs(model, x)
+    if records is None:
+        _logger.warning(
+            "tf_dp: cannot read records of this input without consuming it, and the model's "
+            "inputs are not all floating point: layers that mix the records of a batch are not "
+            "probed (see tf_dp/keras/batch_mixing.py)"
+        )
+    elif batch_mixing.check_batch_independence(model, records):
+        model._tf_dp_batch_probe_done = True
+
+
 def private_fit(model: keras.Model, fit: Any, args: tuple, kwargs: dict) -> Any:
     """``fit`` of a private model: checks, sampling declaration, and the ledger's bookkeeping."""
     check_model_is_dp_compatible(model)
     optimizer = _dp_optimizer_of(model)
     optimizer.check_ledger_covers_steps()
+    _probe_batch_mixing(model, args[0] if args else kwargs.get("x"))
     args, kwargs = prepare_fit(model, args, kwargs)
     fixes = (
         multi_worker.keras_multi_worker_fixes(model)
