@@ -114,14 +114,21 @@ class _Passes:
 
     def run(self, fn: Any, x: Any, training: bool) -> Any:
         self.restore()
-        return fn(x, training=training)
+        try:
+            return fn(x, training=training)
+        except Exception as e:  # noqa: BLE001 -- the probe must not fail what would run
+            raise _Inconclusive(f"the model failed on the probe's batch: {type(e).__name__}") from e
 
 
 def _layer_outputs(model: keras.Model) -> Optional[tuple[keras.Model, list]]:
     """A model giving the output (and input) of each layer, or None if not a layer graph."""
     if not getattr(model, "inputs", None) or not isinstance(model, keras.Model):
         return None
-    inputs = model.input  # the structure (tensor, list or dict) that the model is called with
+    # The structure (tensor, list or dict) the model is called with: a functional model keeps
+    # it; a Sequential model has one input.
+    inputs = getattr(model, "_inputs_struct", None)
+    if inputs is None:
+        inputs = model.inputs[0] if len(model.inputs) == 1 else model.inputs
     probed, tensors = [], []
     for layer in model.layers:
         if isinstance(layer, keras.layers.InputLayer):
@@ -209,6 +216,16 @@ def check_batch_independence(model: keras.Model, x: Any) -> bool:
     return True
 
 
+def _probe_size(model: keras.Model) -> tuple[int, int]:
+    """``(records to take, fewest usable)``: up to ``PROBE_RECORDS`` (at least 2), or exactly
+    the model's static batch size (``keras.Input(batch_size=k)``)."""
+    sizes = {t.shape[0] for t in getattr(model, "inputs", None) or []} - {None}
+    if len(sizes) == 1:
+        k = int(sizes.pop())
+        return k, k
+    return PROBE_RECORDS, 2
+
+
 def probe_inputs(model: keras.Model, x: Any) -> Optional[Any]:
     """Up to ``PROBE_RECORDS`` real records of ``fit``'s input ``x``, without consuming it.
 
@@ -217,6 +234,7 @@ def probe_inputs(model: keras.Model, x: Any) -> Optional[Any]:
     else: random normal inputs of the model's declared input shape if all its inputs are floating
     point, else None.
     """
+    size, fewest = _probe_size(model)
     dataset = getattr(x, "dataset", None) if hasattr(x, "tf_dp_sampling") else x
     if isinstance(dataset, tf.data.Dataset):
         for batch in dataset.take(3):
@@ -224,18 +242,18 @@ def probe_inputs(model: keras.Model, x: Any) -> Optional[Any]:
             rows = tf.range(_num_rows(bx))
             if weight is not None:
                 rows = tf.reshape(tf.where(tf.reshape(weight, [-1]) != 0), [-1])
-            if int(tf.size(rows)) >= 2:
-                return _take(bx, rows[:PROBE_RECORDS])
+            if int(tf.size(rows)) >= fewest:
+                return _take(bx, rows[:size])
         return None
     leaves = tf.nest.flatten(x) if x is not None else []
     if leaves and all(isinstance(t, (np.ndarray, tf.Tensor)) for t in leaves):
         if all(len(t.shape) > 0 for t in leaves):
-            return tf.nest.map_structure(lambda t: t[:PROBE_RECORDS], x)
+            return tf.nest.map_structure(lambda t: t[:size], x)
         return None
     inputs = getattr(model, "inputs", None)
     if inputs and all(keras.backend.standardize_dtype(t.dtype).startswith("float") for t in inputs):
         if all(None not in t.shape[1:] for t in inputs):
             rng = np.random.default_rng(0)
-            fake = [rng.standard_normal((PROBE_RECORDS, *t.shape[1:])).astype(t.dtype) for t in inputs]
+            fake = [rng.standard_normal((size, *t.shape[1:])).astype(t.dtype) for t in inputs]
             return fake[0] if len(fake) == 1 else fake
     return None
