@@ -144,7 +144,7 @@ BAD_INPUTS = [
     ("stateful LSTM DPSequential fit",
      lambda: fit_private(dpk.DPSequential(stateful_lstm().layers),
                          np.zeros((8, 3, 2), "float32"), np.zeros((8, 1)), batch_size=4),
-     ValueError, "stateful"),
+     ValueError, "stateful recurrent layer(s): 'st_lstm'"),
     # item 9: every BatchNormalization counted, the first five named
     ("53 BatchNormalization", lambda: dpk.make_private(many_batchnorms()), ValueError,
      "53 layer(s) mix the examples of a batch (BatchNormalization): 'bn_0', 'bn_1', 'bn_2', "

@@ -526,7 +526,9 @@ def make_private(model: keras.Model) -> keras.Model:
 
     Its ``train_step`` becomes the DP step and its ``fit`` declares the sampling of its input to
     the DP optimizer. Compile it with a tf_dp DP optimizer. Layers that mix examples
-    (BatchNormalization) are refused.
+    (BatchNormalization), activity regularizers and stateful RNNs are refused here; other layers
+    that mix the records of a batch are found by a probe at the first ``fit``
+    (``tf_dp/keras/batch_mixing.py``).
 
     Example::
 
