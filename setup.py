@@ -36,6 +36,8 @@ setup(
             "nbformat>=5.7",
             "ipykernel>=6.0",
             "matplotlib>=3.7",
+            # tests/test_bad_input_more.py checks that another Keras backend is refused
+            "jax>=0.4",
         ],
         "tutorials": [
             "matplotlib>=3.7",

@@ -12,6 +12,10 @@ loading TensorFlow):
 - Keras (``tf_dp.keras``): DP optimizers and models.
 - Accounting (``tf_dp.accounting``).
 
+The Keras side (``tf_dp.keras``, ``tf_dp.gradients``) needs Keras's TensorFlow backend and raises
+``ImportError`` under any other ``KERAS_BACKEND`` (jax, torch, numpy, ...); the accountants, the
+ledger file and the command-line tools do not import Keras and work under any backend.
+
 Example::
 
     import tf_dp
@@ -58,6 +62,29 @@ _EXPORTS = {
 }
 
 _SUBMODULES = ("dp_query", "ledger", "accounting", "gradients", "keras", "cli", "data")
+
+
+def _require_tensorflow_backend() -> None:
+    """Raises ``ImportError`` unless Keras runs on its TensorFlow backend.
+
+    Called when ``tf_dp.keras`` or ``tf_dp.gradients`` is imported: their DP step is written in
+    TensorFlow ops (per-example gradients, ``tf.distribute``, the ledger's variables), so under
+    another backend (jax, torch, numpy, ...) it cannot run. The check is "the backend is not
+    ``tensorflow``", whichever other backend it is.
+
+    Example::
+
+        tf_dp._require_tensorflow_backend()  # ImportError when KERAS_BACKEND=jax
+    """
+    import keras
+
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise ImportError(
+            f"tf_dp needs Keras's TensorFlow backend for training, but Keras runs on {backend!r}: "
+            "set the environment variable KERAS_BACKEND=tensorflow before keras is first imported "
+            "(tf_dp.accounting and the command-line tools work under any backend)"
+        )
 
 
 def __getattr__(name):

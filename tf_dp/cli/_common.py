@@ -100,11 +100,22 @@ def define_training_flags() -> None:
 
 
 def to_json(obj: Any) -> str:
+    """Standard JSON; a float that JSON cannot hold is written as the string ``"Infinity"``,
+    ``"-Infinity"`` or ``"NaN"`` (``float()`` in Python and ``Number()`` in JavaScript read them
+    back), so an infinite epsilon is never confused with ``null`` (a value not computed).
+
+    Example::
+
+        to_json({"epsilon": math.inf})   # '{\n  "epsilon": "Infinity"\n}'
+    """
+
     def clean(v):
         if isinstance(v, float) and not math.isfinite(v):
-            return None
+            return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
         if isinstance(v, dict):
             return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
         return v
 
     return json.dumps(clean(obj), indent=2, allow_nan=False)

@@ -13,7 +13,8 @@ recorded events are used and the hyperparameter flags are ignored).
 under add/remove adjacency is 2C and the effective noise multiplier is halved.
 ``--jl_projections=R`` accounts for DP-SGD-JL with R projections (PLD accountant only: it is the
 default then; with ``--accountant=all`` the others are listed as skipped).  JSON output: one object keyed by accountant name, each
-with ``epsilon`` (null when infinite), ``order`` (rdp/moments) or ``mu`` (gdp), plus top-level
+with ``epsilon`` (the string ``"Infinity"`` when no finite bound holds; ``null`` only for an
+accountant skipped, with its reason under ``skipped``), ``order`` (rdp/moments) or ``mu`` (gdp), plus top-level
 ``delta`` and ``assumptions``.  Bad input exits with status 2 and one line on stderr.
 """
 

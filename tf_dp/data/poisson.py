@@ -103,6 +103,11 @@ class PoissonBatches:
 
 def _as_numpy_leaves(name: str, value: Any) -> Any:
     def convert(t):
+        if isinstance(t, (tf.RaggedTensor, tf.SparseTensor)):
+            raise TypeError(
+                f"{name} must be rectangular in-memory arrays, got a {type(t).__name__}: pad the "
+                "records to one shape first (e.g. keras.utils.pad_sequences, or .to_tensor())"
+            )
         if isinstance(t, tf.Tensor):
             return t.numpy()
         if isinstance(t, tf.data.Dataset):
@@ -112,9 +117,23 @@ def _as_numpy_leaves(name: str, value: Any) -> Any:
             )
         arr = np.asarray(t)
         if arr.ndim == 0:
-            raise ValueError(f"{name} must have a leading example dimension, got a scalar")
+            raise ValueError(
+                f"{name} must be an array (or a dict / tuple of arrays) with a leading example "
+                f"dimension, got a structure with a scalar leaf {t!r}; a Python list of records "
+                "is read as a structure: pass np.asarray(...) of it, padding records of "
+                "different lengths to one shape first (e.g. keras.utils.pad_sequences)"
+            )
         return arr
 
+    if isinstance(value, (list, tuple)) and value and all(
+        isinstance(v, (list, tuple)) for v in value
+    ):  # a list of records, some of another length than others: ragged
+        lengths = {len(v) for v in value}
+        if len(lengths) > 1:
+            raise ValueError(
+                f"{name} is ragged (a list of records of lengths {sorted(lengths)[:5]}...): pad "
+                "the records to one shape first (e.g. keras.utils.pad_sequences)"
+            )
     return tf.nest.map_structure(convert, value)
 
 
@@ -177,13 +196,13 @@ def poisson_batches(
         batches = tf_dp.data.poisson_batches(x, y, sampling_probability=256 / len(x))
         model.fit(batches, epochs=3)
     """
+    x = _as_numpy_leaves("x", x)  # first: a data set or ragged x is the real problem
     q = _check_probability(sampling_probability)
     if y is None:
         raise ValueError(
             "y is required: padded rows are masked with sample_weight 0, which Keras applies "
             "only together with targets"
         )
-    x = _as_numpy_leaves("x", x)
     y = _as_numpy_leaves("y", y)
     leaves = tf.nest.flatten(x) + tf.nest.flatten(y)
     n = int(leaves[0].shape[0])

@@ -1,5 +1,9 @@
 """Keras 3 integration: DP optimizers, private models, callbacks."""
 
+from tf_dp import _require_tensorflow_backend
+
+_require_tensorflow_backend()  # before any module that runs Keras on TensorFlow ops
+
 from tf_dp.keras import callbacks, schedules
 from tf_dp.keras.callbacks import (
     BackupAndRestore,

@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from tf_dp.dp_query.dp_query import DPQuery
 from tf_dp.dp_query.tree_aggregation import MAX_DEPTH, TreeResidualSumQuery, TreeState, tree_depth
-from tf_dp.keras.optimizers import DPOptimizerMixin, _check_number
+from tf_dp.keras.optimizers import DPOptimizerMixin, _check_number, _python_number
 from tf_dp.ledger.privacy_ledger import ledger_variable
 
 _logger = logging.getLogger("tf_dp")
@@ -197,6 +197,7 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         for name in ("dp_sum_query", "jl_projections"):
             if name in kwargs:
                 raise TypeError(f"DPKerasFTRLOptimizer does not take {name}")
+        l2_norm_clip, noise_multiplier = _python_number(l2_norm_clip), _python_number(noise_multiplier)
         if l2_norm_clip is None or noise_multiplier is None:
             raise ValueError(
                 "DPKerasFTRLOptimizer needs l2_norm_clip (a finite number > 0) and "

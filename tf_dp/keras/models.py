@@ -39,13 +39,22 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp.gradients.base import as_tf_variables
-from tf_dp.keras import multi_worker
+from tf_dp.keras import batch_mixing, multi_worker
 from tf_dp.keras.losses import PerExampleLoss
 
 _logger = logging.getLogger("tf_dp")
 
 #: Layers that mix examples of a batch: per-example gradients are not defined for them.
 _MIXING_LAYERS = (keras.layers.BatchNormalization,)
+
+#: How many offending layers a refusal names (then: "and N more").
+_NAMED_LAYERS = 5
+
+
+def _names(layers: list[keras.layers.Layer]) -> str:
+    shown = ", ".join(repr(layer.name) for layer in layers[:_NAMED_LAYERS])
+    more = len(layers) - _NAMED_LAYERS
+    return shown + (f" and {more} more" if more > 0 else "")
 
 
 def _all_layers(model: keras.Model) -> list[keras.layers.Layer]:
@@ -61,19 +70,43 @@ def _all_layers(model: keras.Model) -> list[keras.layers.Layer]:
 
 
 def check_model_is_dp_compatible(model: keras.Model) -> None:
-    """Raises ValueError naming the first layer that DP training cannot support."""
-    for layer in _all_layers(model):
-        if isinstance(layer, _MIXING_LAYERS):
-            raise ValueError(
-                f"layer {layer.name!r} ({type(layer).__name__}) mixes the examples of a batch, so "
-                "per-example gradients (and DP-SGD's guarantee) are undefined; use "
-                "keras.layers.GroupNormalization or keras.layers.LayerNormalization instead"
-            )
-        if getattr(layer, "activity_regularizer", None) is not None:
-            raise ValueError(
-                f"layer {layer.name!r} has an activity_regularizer, a loss term that depends on "
-                "the batch and would bypass clipping; remove it for DP training"
-            )
+    """Raises ValueError naming the layers that DP training cannot support.
+
+    Refused: layers that mix the examples of a batch (``BatchNormalization``), activity
+    regularizers (a loss on activations bypasses clipping) and stateful recurrent layers (a
+    record's output depends on the records of the previous batch). Each kind names its layers
+    (the first five, then how many more). Other layers that mix examples are found at ``fit`` by
+    the probe of ``tf_dp/keras/batch_mixing.py``.
+
+    Example::
+
+        check_model_is_dp_compatible(model)  # ValueError: 3 layers mix the examples ...
+    """
+    layers = _all_layers(model)
+    mixing = [layer for layer in layers if isinstance(layer, _MIXING_LAYERS)]
+    if mixing:
+        kinds = sorted({type(layer).__name__ for layer in mixing})
+        raise ValueError(
+            f"{len(mixing)} layer(s) mix the examples of a batch ({', '.join(kinds)}): "
+            f"{_names(mixing)}; per-example gradients (and DP-SGD's guarantee) are undefined "
+            "with them: use keras.layers.GroupNormalization or keras.layers.LayerNormalization "
+            "instead"
+        )
+    regularized = [layer for layer in layers if getattr(layer, "activity_regularizer", None)]
+    if regularized:
+        raise ValueError(
+            f"{len(regularized)} layer(s) have an activity_regularizer, a loss term that depends "
+            f"on the batch and would bypass clipping: {_names(regularized)}; remove it for DP "
+            "training"
+        )
+    stateful = [layer for layer in layers if getattr(layer, "stateful", False) is True]
+    if stateful:
+        raise ValueError(
+            f"{len(stateful)} stateful recurrent layer(s): {_names(stateful)}; a stateful layer "
+            "carries its state from one batch to the next, so a record's output and gradient "
+            "depend on other records and per-example clipping does not bound its influence: "
+            "use stateful=False for DP training"
+        )
 
 
 def _regularization_gradients(model: keras.Model, variables: list[Any]) -> list[Any] | None:
@@ -319,6 +352,37 @@ def _with_pass_starts(optimizer, args: list, kwargs: dict) -> None:
         kwargs["callbacks"] = callbacks
 
 
+def _refuse_ragged_input(args: tuple, kwargs: dict) -> None:
+    """Ragged or sparse ``x`` / ``y``: per-example gradients need records of one shape."""
+    for i, name in enumerate(("x", "y")):
+        value = args[i] if len(args) > i else kwargs.get(name)
+        kinds = {type(t).__name__ for t in tf.nest.flatten(value)
+                 if isinstance(t, (tf.RaggedTensor, tf.SparseTensor))}
+        if kinds:
+            raise ValueError(
+                f"{name} holds a {' and a '.join(sorted(kinds))}: DP training needs rectangular "
+                "inputs (the per-example gradients are computed over a dense batch); pad the "
+                "records to one shape (.to_tensor(), keras.utils.pad_sequences) and mask the "
+                "padding (e.g. Embedding(mask_zero=True))"
+            )
+
+
+def _probe_batch_mixing(model: keras.Model, x: Any) -> None:
+    """Once per model (until conclusive): refuses a model whose layers mix the records of a batch
+    (``tf_dp/keras/batch_mixing.py``), eagerly, before the first step runs or is recorded."""
+    if getattr(model, "_tf_dp_batch_probe_done", False):
+        return
+    records = batch_mixing.probe_inputs(model, x)
+    if records is None:
+        _logger.warning(
+            "tf_dp: cannot read records of this input without consuming it, and the model's "
+            "inputs are not all floating point: layers that mix the records of a batch are not "
+            "probed (see tf_dp/keras/batch_mixing.py)"
+        )
+    elif batch_mixing.check_batch_independence(model, records):
+        model._tf_dp_batch_probe_done = True
+
+
 def private_fit(model: keras.Model, fit: Any, args: tuple, kwargs: dict) -> Any:
     """``fit`` of a private model: checks, sampling declaration, and the ledger's bookkeeping.
 
@@ -329,6 +393,8 @@ def private_fit(model: keras.Model, fit: Any, args: tuple, kwargs: dict) -> Any:
     check_model_is_dp_compatible(model)
     optimizer = _dp_optimizer_of(model)
     optimizer.check_ledger_covers_steps()
+    _refuse_ragged_input(args, kwargs)
+    _probe_batch_mixing(model, args[0] if args else kwargs.get("x"))
     args, kwargs = prepare_fit(model, args, kwargs)
     args = list(args)
     _with_pass_starts(optimizer, args, kwargs)
@@ -525,7 +591,9 @@ def make_private(model: keras.Model) -> keras.Model:
 
     Its ``train_step`` becomes the DP step and its ``fit`` declares the sampling of its input to
     the DP optimizer. Compile it with a tf_dp DP optimizer. Layers that mix examples
-    (BatchNormalization) are refused.
+    (BatchNormalization), activity regularizers and stateful RNNs are refused here; other layers
+    that mix the records of a batch are found by a probe at the first ``fit``
+    (``tf_dp/keras/batch_mixing.py``).
 
     Example::
 

@@ -65,6 +65,9 @@ class DPOptimizerMixin:
         max_physical_batch_size: Optional[int] = None,
     ) -> None:
         self._dp_schedules: Optional[tuple[tf.Variable, tf.Variable]] = None
+        l2_norm_clip, noise_multiplier, noise_stddev = (
+            _python_number(v) for v in (l2_norm_clip, noise_multiplier, noise_stddev)
+        )
         if dp_sum_query is None:
             if l2_norm_clip is None:
                 raise ValueError(
@@ -701,6 +704,16 @@ def _share(grads: list, replicas: int) -> list:
     if replicas == 1:
         return grads
     return [g / tf.cast(replicas, g.dtype) for g in grads]
+
+
+def _python_number(value: Any) -> Any:
+    """A numpy scalar (``np.float32(1.0)``, ``np.int64(2)``, a 0-d array) as the Python number of
+    the same value; anything else unchanged (checked by ``_check_number``)."""
+    if isinstance(value, np.number) or (
+        isinstance(value, np.ndarray) and value.ndim == 0 and np.issubdtype(value.dtype, np.number)
+    ):
+        return value.item()
+    return value
 
 
 def _check_number(name: str, value: Any, positive: bool) -> None:
