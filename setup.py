@@ -36,6 +36,8 @@ setup(
             "nbformat>=5.7",
             "ipykernel>=6.0",
             "matplotlib>=3.7",
+            # tests/test_reload_ledger.py trains a small keras-hub task (random init, no download)
+            "keras-hub==0.32.0",
         ],
         "tutorials": [
             "matplotlib>=3.7",
