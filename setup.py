@@ -38,6 +38,8 @@ setup(
             "matplotlib>=3.7",
             # tests/test_bad_input_more.py checks that another Keras backend is refused
             "jax>=0.4",
+            # tests/test_reload_ledger.py trains a small keras-hub task (random init, no download)
+            "keras-hub==0.32.0",
         ],
         "tutorials": [
             "matplotlib>=3.7",

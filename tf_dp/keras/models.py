@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import types
 from typing import Any
 
 import keras
@@ -39,7 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp.gradients.base import as_tf_variables
-from tf_dp.keras import batch_mixing, multi_worker
+from tf_dp.keras import batch_mixing, ledger_store, multi_worker
 from tf_dp.keras.losses import PerExampleLoss
 
 _logger = logging.getLogger("tf_dp")
@@ -395,6 +394,7 @@ def private_fit(model: keras.Model, fit: Any, args: tuple, kwargs: dict) -> Any:
     optimizer.check_ledger_covers_steps()
     _refuse_ragged_input(args, kwargs)
     _probe_batch_mixing(model, args[0] if args else kwargs.get("x"))
+    _check_weights_ledger(model, optimizer)
     args, kwargs = prepare_fit(model, args, kwargs)
     args = list(args)
     _with_pass_starts(optimizer, args, kwargs)
@@ -472,6 +472,80 @@ def private_compile(model: keras.Model, compile_fn: Any, args: tuple, kwargs: di
         and getattr(current, "_tf_dp_optimizer", False)
     ):
         current.inherit_ledger(previous)
+    if getattr(current, "_tf_dp_optimizer", False):
+        weights = _weights_ledger(model)
+        if weights is not None and weights.steps > current.ledger.num_samples:
+            current.restore_ledger_tables(weights.samples, weights.queries)
+
+
+class _WeightsLedger:
+    """The ledger that came with a private model's loaded weights (the longest one loaded)."""
+
+    def __init__(self, samples: np.ndarray, queries: np.ndarray):
+        self.samples, self.queries = samples, queries
+
+    @property
+    def steps(self) -> int:
+        return int(self.samples.shape[0])
+
+
+def _weights_ledger(model: keras.Model) -> _WeightsLedger | None:
+    return model.__dict__.get("_tf_dp_weights_ledger")
+
+
+def _take_weights_ledger(model: keras.Model, samples: np.ndarray, queries: np.ndarray) -> None:
+    """A ledger loaded with the model's weights: kept on the model (never a shorter one) and
+    restored into its DP optimizer, if it has one (a later DP compile adopts it otherwise)."""
+    current = _weights_ledger(model)
+    if current is None or samples.shape[0] >= current.steps:
+        object.__setattr__(model, "_tf_dp_weights_ledger", _WeightsLedger(samples, queries))
+    optimizer = getattr(model, "optimizer", None)
+    if getattr(optimizer, "_tf_dp_optimizer", False):
+        optimizer.restore_ledger_tables(samples, queries)
+
+
+def _ledger_tables_to_save(model: keras.Model) -> tuple[np.ndarray, np.ndarray] | None:
+    """The longest of the DP optimizer's ledger and the ledger the weights came with."""
+    candidates = []
+    optimizer = getattr(model, "optimizer", None)
+    if getattr(optimizer, "_tf_dp_optimizer", False):
+        candidates.append(optimizer.ledger.tables())
+    weights = _weights_ledger(model)
+    if weights is not None:
+        candidates.append((weights.samples, weights.queries))
+    if not candidates:
+        return None
+    return max(candidates, key=lambda t: t[0].shape[0])
+
+
+def _check_weights_ledger(model: keras.Model, optimizer: Any) -> None:
+    weights = _weights_ledger(model)
+    if weights is not None and optimizer.ledger.num_samples < weights.steps:
+        raise ValueError(
+            f"this model's weights were trained with {weights.steps} DP steps (the ledger saved "
+            f"with them) but its optimizer's ledger records only {optimizer.ledger.num_samples}: "
+            "the privacy already spent would be ignored, so training cannot continue. Restore "
+            "the run's ledger (model.optimizer.ledger.restore_entries(...)), or recompile with a "
+            "DP optimizer (model.compile adopts the ledger the weights came with)"
+        )
+
+
+def _state_snapshot(model: keras.Model) -> tuple:
+    """Values of the model's and optimizer's variables and the ledgers, to undo a failed load."""
+    optimizer = getattr(model, "optimizer", None)
+    variables = list(model.variables) + list(getattr(optimizer, "variables", None) or [])
+    values = [(v, np.array(v.numpy())) for v in variables]
+    tables = optimizer.ledger.tables() if getattr(optimizer, "_tf_dp_optimizer", False) else None
+    return values, optimizer, tables, _weights_ledger(model)
+
+
+def _restore_snapshot(model: keras.Model, snapshot: tuple) -> None:
+    values, optimizer, tables, weights = snapshot
+    for variable, value in values:
+        variable.assign(value)
+    if tables is not None:
+        optimizer.ledger.load_tables(*tables)
+    object.__setattr__(model, "_tf_dp_weights_ledger", weights)
 
 
 def private_train_function(model: keras.Model) -> None:
@@ -528,6 +602,32 @@ class _PrivateTrainingMixin:
         out = super().make_train_function(force)
         private_train_function(self)
         return self.train_function if out is None else out
+
+    def save_own_variables(self, store):
+        """Saves the model's own variables and the ledger (with its checksum): the privacy
+        spent travels with the weights, whatever optimizer the model is compiled with."""
+        super().save_own_variables(store)
+        tables = _ledger_tables_to_save(self)
+        if tables is not None:
+            ledger_store.write_ledger(store, *tables)
+
+    def load_own_variables(self, store):
+        """Restores the model's own variables and the ledger saved with them, after checking
+        its checksum (a corrupted or edited ledger raises ``LedgerFileError``)."""
+        tables = ledger_store.read_ledger(store)
+        super().load_own_variables(ledger_store.without_ledger(store))
+        if tables is not None:
+            _take_weights_ledger(self, *tables)
+
+    def load_weights(self, filepath, *args, **kwargs):
+        """Keras's ``load_weights``; if loading fails (e.g. a ledger checksum mismatch), the
+        weights, optimizer variables and ledger are left as they were."""
+        snapshot = _state_snapshot(self)
+        try:
+            return super().load_weights(filepath, *args, **kwargs)
+        except BaseException:
+            _restore_snapshot(self, snapshot)
+            raise
 
 
 @keras.saving.register_keras_serializable(package="tf_dp")
@@ -586,6 +686,81 @@ class DPFunctional(DPModel, Functional):
     """A functional private model: what ``tf_dp.keras.DPModel(inputs, outputs)`` returns."""
 
 
+#: Key of the original class in the config of a model made private by ``make_private``.
+_ORIGINAL_CLASS_KEY = "tf_dp_original_class"
+_PRIVATE_CLASSES: dict[type, type] = {}
+
+
+def _private_model_from_config(config: dict, custom_objects: Any = None) -> keras.Model:
+    """Rebuilds a model made private by ``make_private``: its original class, made private."""
+    config = dict(config)
+    original = config.pop(_ORIGINAL_CLASS_KEY, None)
+    if not isinstance(original, dict) or not {"module", "class_name"} <= set(original):
+        raise ValueError(
+            f"not the config of a model made private by tf_dp.keras.make_private (no "
+            f"{_ORIGINAL_CLASS_KEY!r} entry)"
+        )
+    model = keras.saving.deserialize_keras_object(
+        {**original, "config": config}, custom_objects=custom_objects
+    )
+    return make_private(model)
+
+
+class _MadePrivate(_PrivateTrainingMixin):
+    """Base of the classes ``make_private`` gives to models of other classes.
+
+    Saved under the registered name ``tf_dp>PrivateModel`` with the original class in the
+    config, so ``keras.saving.load_model`` gives back the original class, made private.
+    """
+
+    _tf_dp_original_class: type
+
+    def get_config(self):
+        config = dict(super().get_config())
+        original = self._tf_dp_original_class
+        config[_ORIGINAL_CLASS_KEY] = {
+            "module": original.__module__,
+            "class_name": original.__name__,
+            "registered_name": keras.saving.get_registered_name(original),
+        }
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        return _private_model_from_config(config, custom_objects)
+
+
+@keras.saving.register_keras_serializable(package="tf_dp", name="PrivateModel")
+class _PrivateModelLoader:
+    """What ``tf_dp>PrivateModel`` names in a saved config before a private class is made."""
+
+    def get_config(self) -> dict:
+        return {}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        return _private_model_from_config(config, custom_objects)
+
+
+def _private_class(cls: type) -> type:
+    if cls is keras.Sequential:
+        return DPSequential
+    if cls is Functional:
+        return DPFunctional
+    if cls not in _PRIVATE_CLASSES:
+        private = type(
+            cls.__name__,
+            (_MadePrivate, cls),
+            {"__module__": __name__, "_tf_dp_original_class": cls, "__doc__": cls.__doc__},
+        )
+        # Every such class saves as tf_dp>PrivateModel; loading reads the original class from
+        # the config (each registration maps the same name to a class with the same from_config).
+        _PRIVATE_CLASSES[cls] = keras.saving.register_keras_serializable(
+            package="tf_dp", name="PrivateModel"
+        )(private)
+    return _PRIVATE_CLASSES[cls]
+
+
 def make_private(model: keras.Model) -> keras.Model:
     """Makes ``model`` (Sequential, functional or subclassed) private, in place, and returns it.
 
@@ -593,7 +768,11 @@ def make_private(model: keras.Model) -> keras.Model:
     the DP optimizer. Compile it with a tf_dp DP optimizer. Layers that mix examples
     (BatchNormalization), activity regularizers and stateful RNNs are refused here; other layers
     that mix the records of a batch are found by a probe at the first ``fit``
-    (``tf_dp/keras/batch_mixing.py``).
+    (``tf_dp/keras/batch_mixing.py``). The model's class becomes a private subclass of its class
+    (``keras.Sequential`` -> ``DPSequential``, a functional model -> ``DPFunctional``, any other
+    class ``C`` -> a subclass of ``C`` with the same name), so ``isinstance`` checks still hold,
+    a train function built before is rebuilt, and the model saves and reloads
+    (``keras.saving.load_model``) as a private model with its ledger.
 
     Example::
 
@@ -603,38 +782,27 @@ def make_private(model: keras.Model) -> keras.Model:
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"model must be a keras.Model, got {type(model).__name__}")
-    if isinstance(model, _PrivateTrainingMixin) or getattr(model, "_tf_dp_private", False):
+    if isinstance(model, _PrivateTrainingMixin):
         return model
     check_model_is_dp_compatible(model)
-    original_fit = model.fit
-    original_compile = model.compile
-    original_make_train_function = model.make_train_function
-    original_train_on_batch = model.train_on_batch
-
-    def fit(self, *args, **kwargs):
-        return private_fit(self, original_fit, args, kwargs)
-
-    def train_on_batch(self, *args, **kwargs):
-        return private_train_on_batch(self, original_train_on_batch, args, kwargs)
-
-    def compile(self, *args, **kwargs):
-        return private_compile(self, original_compile, args, kwargs)
-
-    compile._is_default = True  # same arguments as Keras's: compile configs save as usual
-
-    def make_train_function(self, force=False):
-        out = original_make_train_function(force)
-        private_train_function(self)
-        return self.train_function if out is None else out
-
-    model.train_step = types.MethodType(dp_train_step, model)
-    model.fit = types.MethodType(fit, model)
-    model.train_on_batch = types.MethodType(train_on_batch, model)
-    model.compile = types.MethodType(compile, model)
-    model.make_train_function = types.MethodType(make_train_function, model)
-    model._tf_dp_private = True
+    private = _private_class(type(model))
+    try:
+        object.__setattr__(model, "__class__", private)
+    except TypeError as e:
+        raise TypeError(
+            f"make_private cannot make a {type(model).__name__} private ({e}); subclass "
+            "tf_dp.keras.DPModel instead of keras.Model"
+        ) from None
+    # A train function traced before (for the non-private train_step) must not be reused.
+    model.train_function = None
     return model
 
 
 def is_private(model: keras.Model) -> bool:
-    return isinstance(model, _PrivateTrainingMixin) or getattr(model, "_tf_dp_private", False)
+    """Whether ``model`` trains with the DP step (``make_private``, ``DPSequential``, ``DPModel``).
+
+    Example::
+
+        assert tf_dp.keras.is_private(tf_dp.keras.make_private(model))
+    """
+    return isinstance(model, _PrivateTrainingMixin)

@@ -37,14 +37,12 @@ from tf_dp.dp_query.xla import in_xla_context
 from tf_dp.gradients import ClippedGradients, GradientStrategy, gradient_modes, make_strategy
 from tf_dp.gradients.physical_batches import PhysicalBatches, check_max_physical_batch_size
 from tf_dp.gradients.jl import METHODS as JL_METHODS
+from tf_dp.keras import ledger_store
 from tf_dp.ledger.privacy_ledger import PrivacyLedger
 from tf_dp.ledger.query_with_ledger import QueryWithLedger
 
 _logger = logging.getLogger("tf_dp")
 
-#: Keys of the ledger's tables in the optimizer's saved variables (``.keras`` / weights files).
-_LEDGER_SAMPLES_KEY = "tf_dp_ledger_samples"
-_LEDGER_QUERIES_KEY = "tf_dp_ledger_queries"
 
 class DPOptimizerMixin:
     """Privacy configuration and private aggregation shared by every DP optimizer class."""
@@ -565,34 +563,38 @@ class DPOptimizerMixin:
     # -- the ledger travels with the model ------------------------------------------------------
 
     def save_own_variables(self, store) -> None:
-        """Saves the optimizer's variables and its ledger (``.keras`` files, ``save_weights``,
-        ``keras.callbacks.BackupAndRestore`` and ``ModelCheckpoint`` all go through here)."""
+        """Saves the optimizer's variables and its ledger with its checksum (``.keras`` files,
+        ``save_weights``, ``keras.callbacks.BackupAndRestore`` and ``ModelCheckpoint`` all go
+        through here)."""
         super().save_own_variables(store)  # type: ignore[misc]
-        samples, queries = self._ledger.tables()
-        store[_LEDGER_SAMPLES_KEY] = samples
-        store[_LEDGER_QUERIES_KEY] = queries
+        ledger_store.write_ledger(store, *self._ledger.tables())
 
     def load_own_variables(self, store) -> None:
-        """Restores the optimizer's variables and its ledger.
+        """Restores the optimizer's variables and its ledger (see :meth:`restore_ledger_tables`).
+
+        The ledger's checksum is checked first: a saved ledger that was corrupted or edited
+        raises :class:`tf_dp.ledger.LedgerFileError` before anything is restored.
+        """
+        tables = ledger_store.read_ledger(store)
+        if tables is not None:
+            self.restore_ledger_tables(*tables)
+        super().load_own_variables(ledger_store.without_ledger(store))  # type: ignore[misc]
+
+    def restore_ledger_tables(self, samples: np.ndarray, queries: np.ndarray) -> None:
+        """Restores a saved ledger (tables from ``ledger.tables()``), never losing steps.
 
         The restored ledger replaces the current one unless the current one already records more
         steps (e.g. older weights loaded into a model that trained on): the ledger never loses
         recorded steps on load, so it can over-count but never under-count.
         """
-        keys = list(store.keys())
-        if _LEDGER_SAMPLES_KEY in keys:
-            samples = np.asarray(store[_LEDGER_SAMPLES_KEY])
-            queries = np.asarray(store[_LEDGER_QUERIES_KEY])
-            if samples.shape[0] >= self._ledger.num_samples:
-                self._ledger.load_tables(samples, queries)
-            else:
-                _logger.warning(
-                    "tf_dp: kept the optimizer's ledger (%d steps) rather than the saved one (%d "
-                    "steps): a ledger never forgets recorded steps on load",
-                    self._ledger.num_samples, samples.shape[0],
-                )
-        inner = {k: store[k] for k in keys if k not in (_LEDGER_SAMPLES_KEY, _LEDGER_QUERIES_KEY)}
-        super().load_own_variables(inner)  # type: ignore[misc]
+        if samples.shape[0] >= self._ledger.num_samples:
+            self._ledger.load_tables(samples, queries)
+        else:
+            _logger.warning(
+                "tf_dp: kept the optimizer's ledger (%d steps) rather than the saved one (%d "
+                "steps): a ledger never forgets recorded steps on load",
+                self._ledger.num_samples, samples.shape[0],
+            )
 
     def inherit_ledger(self, previous: "DPOptimizerMixin") -> None:
         """Continues ``previous``'s ledger (a private model recompiled with a new DP optimizer)."""

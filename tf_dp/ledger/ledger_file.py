@@ -28,6 +28,7 @@ Files are written atomically (temporary file in the same directory, fsync, renam
 never sees half a file. A rewritten file keeps the permission bits of the file it replaces; a new
 file gets ``0666`` less the process's umask (``0644`` with the usual umask ``022``), like any file
 ``open`` creates. A file that fails to parse, has a different format/version, a bad checksum, or
+a key given twice in one JSON object, or
 events outside their valid ranges is rejected with :class:`LedgerFileError` naming the problem;
 nothing is half-read.
 
@@ -58,6 +59,17 @@ FORMAT_VERSION = 1
 class LedgerFileError(ValueError):
     """A ledger file could not be read: missing, malformed, corrupted (bad checksum), truncated or
     from another version."""
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json`` object hook: a key given twice is refused (``json`` alone keeps the last one, so
+    a second ``"noise_stddev"`` would silently replace the first)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise LedgerFileError(f"ledger file holds the key {key!r} twice in one JSON object")
+        out[key] = value
+    return out
 
 
 def _canonical(payload: Mapping[str, Any]) -> bytes:
@@ -227,7 +239,7 @@ def read_ledger_file(path: str | os.PathLike) -> list[SampleEntry]:
     except UnicodeDecodeError:
         raise LedgerFileError(f"ledger file {os.fspath(path)!r} is not UTF-8 text") from None
     try:
-        payload = json.loads(text)
+        payload = json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
     except json.JSONDecodeError as e:
         raise LedgerFileError(f"ledger file {os.fspath(path)!r} is not valid JSON ({e})") from None
     return payload_to_entries(payload)

@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any, Mapping, Optional, Sequence
 
@@ -98,6 +99,29 @@ def ledger_variable(initial_value, shape=None, name=None) -> tf.Variable:
         synchronization=tf.VariableSynchronization.ON_WRITE,
         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
     )
+
+
+def tables_checksum(samples: np.ndarray, queries: np.ndarray) -> str:
+    """SHA-256 (hex) of a ledger's raw tables, as :meth:`PrivacyLedger.tables` returns them.
+
+    It covers the shape and every float64 value (little-endian bytes) of both tables, whatever
+    their number of columns, so any changed, added or removed value changes it. Like the ledger
+    file's checksum, it detects corruption and accidental edits, not deliberate ones: anyone can
+    recompute it, so it is not a signature.
+
+    Example::
+
+        samples, queries = ledger.tables()
+        digest = tables_checksum(samples, queries)   # 64 hex characters
+    """
+    h = hashlib.sha256(b"tf_dp.ledger_tables\0")
+    for table in (samples, queries):
+        table = np.ascontiguousarray(table, dtype="<f8")
+        if table.ndim != 2:
+            raise ValueError(f"ledger tables must be 2-D, got shape {table.shape}")
+        h.update(np.asarray(table.shape, dtype="<i8").tobytes())
+        h.update(table.tobytes())
+    return h.hexdigest()
 
 
 class _Buffer(tf.Module):
