@@ -25,7 +25,19 @@ tails:
   ``[TAIL_BOUND - C/sigma, TAIL_BOUND]`` is added to delta per step, unaccounted. At 9.49 standard
   deviations this is below ``1e-13`` per step for noise multipliers >= 0.5 (at 5.68 it is
   ``1e-4``).
-- ``u2`` (the angle) has 24 bits, the float32 resolution of ``[0, 1)``.
+- ``u2`` (the angle) has 23 bits in float32 (32 in float64), and the angle is the centre of its
+  cell: ``theta = (2k + 1) pi 2^-23`` (float64: ``(k + 1/2) 2 pi 2^-32``).
+- Exact zeros. A pair must never be ``(0, 0)`` nor have one exact zero: that coordinate would be
+  released without noise. Two constructions gave them. (1) ``u1`` rounding to 1.0: in float32,
+  ``hi + (lo + 1/2) 2^-32`` rounds to ``2^32`` when ``hi >= 2^32 - 128`` (probability ``2^-25``
+  per pair; in float64 about ``2^-53``), so ``r = 0``. ``u1`` is capped at the largest float
+  below 1 (``1 - 2^-24``; float64 ``1 - 2^-53``): those words give ``r = sqrt(-2 ln(1 - 2^-24))
+  = 3.5e-4`` instead of 0, i.e. the top cell of ``u1`` is one and a half float32 cells wide, a
+  discretisation error of the same size as float32 rounding everywhere else. (2) An angle word
+  with ``k = 0`` gave ``theta = 0`` and ``sin theta = 0`` exactly (probability ``2^-24``); the
+  centred angle is never 0, and no other float is a multiple of ``pi/2`` (``pi`` is
+  irrational), so neither ``cos`` nor ``sin`` is 0. A test feeds the extreme words to the
+  transform.
 - float32 draws the low word lazily: in float32, ``hi + (lo + 1/2) 2^-32`` rounds to ``hi``
   whenever ``hi >= 2^24``, so ``lo`` only matters for the pairs with ``hi < 2^24`` (one in 256).
   The sampler draws ``(hi, angle)`` for every pair and a low word for those pairs only (a
@@ -238,14 +250,27 @@ def box_muller_lazy(hi: tf.Tensor, angle: tf.Tensor, draw_low, stddev: Any = Non
 
 
 def _polar(u1: tf.Tensor, angle: tf.Tensor, dtype: tf.DType, stddev: Any) -> tf.Tensor:
-    """``r (cos theta, sin theta)`` with ``r = stddev sqrt(-2 ln u1)`` and the angle word."""
+    """``r (cos theta, sin theta)`` with ``r = stddev sqrt(-2 ln u1)`` and the angle word.
+
+    ``u1`` is capped at the largest float below 1 (the high words that round to 1.0 would give
+    ``r = 0``, a pair of exact zeros), and the angle is the centre of its cell (never 0, where
+    ``sin`` is exactly 0); see "Exact zeros" in the module docstring.
+    """
+    u1 = tf.minimum(u1, _BELOW_ONE[dtype])
     scale = -2.0 if stddev is None else -2.0 * tf.square(tf.cast(stddev, dtype))
     r = tf.sqrt(tf.math.log(u1) * scale)  # stddev folded into the radius: one pass fewer
     if dtype == tf.float32:
-        theta = tf.cast(tf.bitwise.right_shift(angle, 8), dtype) * (2.0 * math.pi * 2.0**-24)
+        # 23 angle bits: the cell centres (2k + 1) pi 2^-23, with 2k + 1 < 2^24 exact in float32
+        k = tf.bitwise.right_shift(angle, 9)
+        odd = tf.bitwise.bitwise_or(tf.bitwise.left_shift(k, 1), 1)
+        theta = tf.cast(odd, dtype) * (math.pi * 2.0**-23)
     else:
-        theta = tf.cast(angle, dtype) * (2.0 * math.pi * _TWO32)
+        theta = (tf.cast(angle, dtype) + 0.5) * (2.0 * math.pi * _TWO32)
     return tf.concat([r * tf.cos(theta), r * tf.sin(theta)], axis=0)
+
+
+#: The largest value below 1 of each dtype: the cap on ``u1`` in :func:`_polar`.
+_BELOW_ONE = {tf.float32: 1.0 - 2.0**-24, tf.float64: 1.0 - 2.0**-53}
 
 
 def add_gaussian_noise_structure(
