@@ -85,3 +85,110 @@ def test_poisson_inclusion_probability_never_exceeds_q(monkeypatch):
     bx, _, bw = next(iter(pb.dataset))
     joined = bx.numpy()[bw.numpy() > 0, 0].astype(int)
     np.testing.assert_array_equal(joined, np.flatnonzero(ks < k0))
+
+
+# -- (b) the low bits of the noised sum ------------------------------------------------------------
+
+import tf_dp  # noqa: E402
+
+N = 1 << 17
+Z = 5.0  # two-proportion bound in standard errors (module docstring)
+
+
+def _event(y, bits=24):
+    """|y| < 1/2 and y 2^bits not an integer (float64 arithmetic on float32 values: exact)."""
+    y = np.asarray(y, np.float64)
+    scaled = y * 2.0**bits
+    return (np.abs(y) < 0.5) & (scaled != np.floor(scaled))
+
+
+def _same_rate(k1, n1, k2, n2):
+    """Two counts are binomial draws of one probability, within Z pooled standard errors."""
+    p = (k1 + k2) / (n1 + n2)
+    se = math.sqrt(max(p * (1 - p), 1.0 / (n1 + n2)) * (1.0 / n1 + 1.0 / n2))
+    return abs(k1 / n1 - k2 / n2) <= Z * se
+
+
+def _released(noise_mode, canary, seed):
+    # N independent runs of the one-coordinate query in one call: the sum is -1 (the canary's
+    # clipped record) or 0 in every coordinate, stddev 1.
+    q = tf_dp.GaussianSumQuery(l2_norm_clip=1.0, stddev=1.0, seed=seed, noise_mode=noise_mode)
+    state = tf.fill([N], -1.0 if canary else 0.0)
+    return q.get_noised_result(state, q.initial_global_state())[0].numpy()
+
+
+def test_low_bits_reveal_the_canary_with_continuous_noise():
+    # The attack is real: without the canary a quarter of the outputs are in the event, with it
+    # none (-1 + eta, |y| < 1/2, is a multiple of 2^-24: Sterbenz).
+    with_c, without = _released("continuous", True, 1), _released("continuous", False, 2)
+    assert _event(with_c).sum() == 0
+    assert _event(without).sum() > 0.2 * N
+
+
+def test_grid_noise_defeats_the_low_bit_attack():
+    with_c, without = _released("grid", True, 1), _released("grid", False, 2)
+    k1, k2 = _event(with_c).sum(), _event(without).sum()
+    assert _same_rate(k1, N, k2, N), (k1, k2)
+    # every low bit, given |y| < 1/2: the same frequencies with and without the canary
+    a, b = with_c[np.abs(with_c) < 0.5], without[np.abs(without) < 0.5]
+    for bits in range(1, 31):
+        ka, kb = _event(a, bits).sum(), _event(b, bits).sum()
+        assert _same_rate(ka, a.size, kb, b.size), (bits, ka, a.size, kb, b.size)
+    # the released values are multiples of the documented grid (d = N coordinates)
+    g = 2.0 ** math.floor(math.log2(2.0**-10 / math.sqrt(N)))
+    assert np.all(np.asarray(with_c, np.float64) / g == np.round(np.asarray(with_c, np.float64) / g))
+
+
+def _bias_model(width):
+    import keras
+
+    inp = keras.Input([1])
+    out = keras.layers.Dense(width, kernel_initializer="zeros", bias_initializer="zeros")(inp)
+    return keras.Model(inp, out)
+
+
+def _first_step_bias(noise_mode, canary, seed, jit_compile=False):
+    """Bias after one DP-SGD step (q = 1, batch 2, learning rate 1): every bias coordinate is an
+    independent trial. The canary's per-example gradient is -1 in each bias coordinate (norm
+    sqrt(W) = the clip, so unclipped), the other example's 0; noise stddev 1 per coordinate."""
+    import keras
+
+    import tf_dp.keras as dpk
+
+    width = 1 << 14
+    model = dpk.make_private(_bias_model(width))
+    opt = dpk.DPKerasSGDOptimizer(
+        l2_norm_clip=math.sqrt(width), noise_multiplier=1.0 / math.sqrt(width), learning_rate=1.0,
+        noise_seed=seed, noise_mode=noise_mode, gradient_mode="vectorized",
+    )
+    model.compile(optimizer=opt, loss=lambda t, p: -keras.ops.sum(t * p, axis=-1),
+                  jit_compile=jit_compile)
+    x = np.zeros([2, 1], np.float32)
+    y = np.zeros([2, width], np.float32)
+    if canary:
+        y[0] = 1.0
+    model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0)
+    bias = model.layers[-1].bias.numpy()
+    return -2.0 * bias.astype(np.float64), opt  # the noised sum y (division by 2 is exact)
+
+
+def test_keras_first_step_low_bits_continuous_vs_grid():
+    s_c, _ = _first_step_bias("continuous", True, 1)
+    s_n, _ = _first_step_bias("continuous", False, 2)
+    assert _event(s_c).sum() == 0 and _event(s_n).sum() > 0.2 * s_n.size  # the attack
+    g_c, opt = _first_step_bias("grid", True, 1)
+    g_n, _ = _first_step_bias("grid", False, 2)
+    n = g_c.size
+    assert _same_rate(_event(g_c).sum(), n, _event(g_n).sum(), n)
+    a, b = g_c[np.abs(g_c) < 0.5], g_n[np.abs(g_n) < 0.5]
+    for bits in range(1, 31):
+        assert _same_rate(_event(a, bits).sum(), a.size, _event(b, bits).sum(), b.size), bits
+    # the ledger: sensitivity C + g sqrt(d) by hand (d = kernel + bias), the grid recorded
+    (entry,) = opt.ledger.samples()
+    (event,) = entry.queries
+    c, d = math.sqrt(n), 2 * n
+    g = 2.0 ** math.floor(math.log2(c * 2.0**-10 / math.sqrt(d)))
+    assert event.noise_grid == g
+    assert event.l2_sensitivity == pytest.approx(c + g * math.sqrt(d), rel=1e-15)
+    assert event.l2_sensitivity >= c + g * math.sqrt(d)
+    assert np.all(g_c / g == np.round(g_c / g))

@@ -19,8 +19,10 @@ Format (version 1)::
 
 Optional query keys (still version 1: files without them read as before, and files written
 without them are byte for byte what earlier versions wrote): ``noise_seed`` (seeded test/debug
-runs only) and ``tree_step`` (``"mechanism": "tree"`` queries only: the leaf's 0-based index in
-its tree-aggregation tree). A reader that predates a mechanism rejects the file as a malformed
+runs only), ``tree_step`` (``"mechanism": "tree"`` queries only: the leaf's 0-based index in
+its tree-aggregation tree) and ``noise_grid`` (grid-mode noise only: the grid spacing; the
+sensitivity already includes the rounding term, so a reader that ignores the key still accounts
+correctly). A reader that predates a mechanism rejects the file as a malformed
 event naming the mechanism, never misreads it.
 
 Files are written atomically (temporary file in the same directory, fsync, rename), so a reader
@@ -74,6 +76,8 @@ def _query_payload(q: SumQueryEvent) -> dict[str, Any]:
         out["noise_seed"] = q.noise_seed
     if q.tree_step is not None:  # only tree-aggregation queries carry the key
         out["tree_step"] = q.tree_step
+    if q.noise_grid is not None:  # only grid-mode noise carries the key
+        out["noise_grid"] = q.noise_grid
     return out
 
 
@@ -146,6 +150,7 @@ def payload_to_entries(payload: Any) -> list[SampleEntry]:
                         jl_projections=q["jl_projections"],
                         noise_seed=q.get("noise_seed"),
                         tree_step=q.get("tree_step"),
+                        noise_grid=q.get("noise_grid"),
                     )
                     for q in run["queries"]
                 ),
