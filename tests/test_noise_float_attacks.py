@@ -161,7 +161,7 @@ def _first_step_bias(noise_mode, canary, seed, jit_compile=False):
         l2_norm_clip=math.sqrt(width), noise_multiplier=1.0 / math.sqrt(width), learning_rate=1.0,
         noise_seed=seed, noise_mode=noise_mode, gradient_mode="vectorized",
     )
-    model.compile(optimizer=opt, loss=lambda t, p: -keras.ops.sum(t * p, axis=-1),
+    model.compile(optimizer=opt, loss=lambda t, p: -keras.ops.sum(t * keras.ops.cast(p, "float32"), axis=-1),
                   jit_compile=jit_compile)
     x = np.zeros([2, 1], np.float32)
     y = np.zeros([2, width], np.float32)
@@ -192,3 +192,55 @@ def test_keras_first_step_low_bits_continuous_vs_grid():
     assert event.l2_sensitivity == pytest.approx(c + g * math.sqrt(d), rel=1e-15)
     assert event.l2_sensitivity >= c + g * math.sqrt(d)
     assert np.all(g_c / g == np.round(g_c / g))
+
+
+def test_grid_ledger_round_trips_and_the_statement_names_the_mode(tmp_path):
+    _, opt = _first_step_bias("grid", True, 3)
+    path = tmp_path / "ledger.json"
+    opt.ledger.save(path)
+    loaded = tf_dp.PrivacyLedger.load(path)
+    assert loaded.samples() == opt.ledger.samples()
+    (event,) = loaded.samples()[0].queries
+    assert event.noise_grid is not None
+    # the raw tables keep the grid in the last column; tables saved before it still load
+    samples, queries = opt.ledger.tables()
+    assert queries.shape[1] == 7 and queries[0, -1] == event.noise_grid
+    old = tf_dp.PrivacyLedger()
+    old.load_tables(samples, queries[:, :-1])
+    assert old.samples()[0].queries[0].noise_grid is None
+    text = str(tf_dp.compute_epsilon(path, 1e-5))
+    assert f"grid of {event.noise_grid:.6g}" in text
+    _, cont = _first_step_bias("continuous", True, 3)
+    assert "Continuous floating-point noise" in str(tf_dp.compute_epsilon(cont.ledger, 1e-5))
+
+
+def test_grid_mode_under_xla_and_mixed_precision():
+    import keras
+
+    s, opt = _first_step_bias("grid", True, 4, jit_compile=True)
+    (event,) = opt.ledger.samples()[0].queries
+    assert np.all(s / event.noise_grid == np.round(s / event.noise_grid))
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        s16, opt16 = _first_step_bias("grid", True, 5)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    (event16,) = opt16.ledger.samples()[0].queries
+    assert event16.noise_grid == event.noise_grid
+    assert np.all(np.isfinite(s16))
+
+
+def test_noise_mode_is_validated_and_serialised():
+    import tf_dp.keras as dpk
+
+    with pytest.raises(ValueError, match="noise_mode"):
+        tf_dp.GaussianSumQuery(1.0, 1.0, noise_mode="snapped")
+    with pytest.raises(ValueError, match="noise_mode"):
+        dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, noise_mode="exact")
+    with pytest.raises(ValueError, match="noise_mode"):
+        dpk.DPKerasSGDOptimizer(dp_sum_query=tf_dp.GaussianSumQuery(1.0, 1.0), noise_mode="grid")
+    opt = dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, noise_mode="grid")
+    again = dpk.DPKerasSGDOptimizer.from_config(opt.get_config())
+    assert again.dp_query.query.noise_mode == "grid"
+    q = tf_dp.GaussianSumQuery(1.0, 1.0, noise_mode="grid")
+    assert tf_dp.GaussianSumQuery.from_config(q.get_config()).noise_mode == "grid"
