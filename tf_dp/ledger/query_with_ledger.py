@@ -248,10 +248,17 @@ class QueryWithLedger(DPQuery):
             self._ledger.record_sampling(
                 self._population_size, self._selection_probability, self._policy
             )
-        # after the result: a grid-mode query knows the size of its sum (hence its grid) now
-        specs = self._query.sum_query_specs(global_state)
-        for sens, std, mech, jl, seed, grid in self._event_values(specs):
-            self._ledger.record_sum_query(sens, std, mech, jl, seed, noise_grid=grid)
+        # the values of the step (read before the result: an adaptive query updates its clip
+        # there), with the grid of a grid-mode query, known once it has seen the sum's size
+        later = self._query.sum_query_specs(global_state)
+        specs = [
+            s._replace(noise_grid=t.noise_grid, grid_sensitivity=t.grid_sensitivity)
+            if t.noise_grid is not None else s
+            for s, t in zip(specs, later)
+        ]
+        with tf.control_dependencies(tf.nest.flatten(result) + checks):  # no partial record
+            for sens, std, mech, jl, seed, grid in self._event_values(specs):
+                self._ledger.record_sum_query(sens, std, mech, jl, seed, noise_grid=grid)
         if not (isinstance(room, tf.Tensor) and tf.get_static_value(room) is True):
             result = tf.nest.map_structure(
                 lambda t: _where(room, t), result
