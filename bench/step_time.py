@@ -102,6 +102,7 @@ def build(model_name: str, mode: str, batch_size: int, seed: int = 0) -> keras.M
 
 def _build(model_name: str, mode: str, batch_size: int, seed: int) -> keras.Model:
     model = build_model(model_name, seed=seed)
+    mode, _, noise_mode = mode.partition("+")  # e.g. "ghost+continuous": the noise mode
     name, option = parse_mode(mode)
     jit = SETTINGS["jit_compile"]
     if name == "nonprivate":
@@ -119,6 +120,8 @@ def _build(model_name: str, mode: str, batch_size: int, seed: int) -> keras.Mode
         kwargs["jl_projections"] = option or 1
     elif option is not None:  # auto:P, vectorized:P, ghost:P
         kwargs["max_physical_batch_size"] = option
+    if noise_mode:
+        kwargs["noise_mode"] = noise_mode
     optimizer = dpk.DPKerasSGDOptimizer(
         l2_norm_clip=L2_NORM_CLIP,
         noise_multiplier=NOISE_MULTIPLIER,

@@ -202,3 +202,26 @@ def test_dataset_of_unknown_length_records_only_the_steps_that_ran(jit_compile):
     assert "NOT A PRIVACY GUARANTEE" not in str(result)
     assert result.epsilon == pytest.approx(_gaussian_epsilon(Z / 2, 3), rel=2e-2)
     assert result.epsilon >= _gaussian_epsilon(Z / 2, 3) * (1 - 1e-3)
+
+
+def test_pass_starts_survive_the_ledger_file_which_says_version_2(tmp_path):
+    import json
+
+    from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
+    from tf_dp.ledger.ledger_file import read_ledger_file, write_ledger_file
+
+    query = (SumQueryEvent(1.0, Z),)
+    start, cont = (SampleEntry(SamplingEvent(N, BATCH / N, "shuffle", pass_start=flag), query)
+                   for flag in (True, False))
+    entries = [start, cont] * 3
+    write_ledger_file(tmp_path / "l.json", entries)
+    payload = json.loads((tmp_path / "l.json").read_text())
+    assert payload["version"] == 2  # a reader that ignores pass_start must refuse the file
+    assert read_ledger_file(tmp_path / "l.json") == entries
+    assert compute_epsilon(tmp_path / "l.json", DELTA, "gdp").mu == pytest.approx(
+        math.sqrt(3) * 2 / Z)
+    # without the marks the same steps are one pass: 2 epochs
+    write_ledger_file(tmp_path / "old.json", [cont] * 6)
+    assert json.loads((tmp_path / "old.json").read_text())["version"] == 1
+    assert compute_epsilon(tmp_path / "old.json", DELTA, "gdp").mu == pytest.approx(
+        math.sqrt(2) * 2 / Z)

@@ -393,7 +393,33 @@ def compute_epsilon(
 
 
 def _epsilon_of_runs(runs, steps, delta, accountant, orders=None, discretization=None):
-    return _seeded(_epsilon(runs, steps, delta, accountant, orders, discretization), runs)
+    result = _seeded(_epsilon(runs, steps, delta, accountant, orders, discretization), runs)
+    note = _noise_mode_note(runs)
+    if note:
+        result = dataclasses.replace(result, assumptions=f"{result.assumptions} {note}")
+    return result
+
+
+def _noise_mode_note(runs: Sequence[tuple[SampleEntry, int]]) -> str:
+    """Which noise mode the run's Gaussian sum queries used (grid or continuous), in words."""
+    grids = sorted({q.noise_grid for e, _ in runs for q in e.queries if q.noise_grid is not None})
+    continuous = any(q.noise_grid is None and q.mechanism != "none" and q.l2_sensitivity > 0
+                     and q.noise_stddev > 0 for e, _ in runs for q in e.queries)
+    parts = []
+    if grids:
+        shown = ", ".join(f"{g:.6g}" for g in grids[:3]) + (", ..." if len(grids) > 3 else "")
+        parts.append(
+            f"Noise on a grid of {shown} (snapping: every released value is a multiple of the "
+            "grid, so its low bits carry nothing about the data); the sensitivity charged is the "
+            "clip's plus the rounding term g sqrt(d)."
+        )
+    if continuous:
+        parts.append(
+            "Continuous floating-point noise on some queries: the guarantee covers the ideal "
+            "real-valued Gaussian mechanism; the low bits of the released floats are not "
+            "covered (Mironov 2012)."
+        )
+    return " ".join(parts)
 
 
 def _epsilon(runs, steps, delta, accountant, orders, discretization) -> PrivacyResult:

@@ -28,6 +28,9 @@ How variable batch sizes are handled:
 Randomness: each pass over the dataset draws fresh samples from a counter-based (Philox) stateless
 generator whose key comes from OS entropy (``os.urandom``). ``seed`` fixes the key: for tests and
 debugging only, since a known seed lets anyone replay which examples were in which batch.
+Each example's uniform ``u`` is a float64 on the grid ``k 2^-52`` (``k < 2^52``); the example
+joins when ``u + 2^-52 <= q`` (:func:`included`), i.e. with probability ``floor(q 2^52) 2^-52``,
+never above the recorded ``q`` (the test ``u < q`` would give ``ceil(q 2^52) 2^-52 >= q``).
 """
 
 from __future__ import annotations
@@ -155,6 +158,18 @@ def _check_positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def included(u: tf.Tensor, q: tf.Tensor) -> tf.Tensor:
+    """Whether an example with uniform ``u`` (float64, a multiple of ``2^-52`` in ``[0, 1)``, as
+    ``tf.random.stateless_uniform`` draws it) joins a sample of rate ``q``: ``u + 2^-52 <= q``, so
+    that the ``floor(q 2^52)`` lowest of the ``2^52`` values join (probability at most ``q``).
+
+    Example::
+
+        included(tf.constant([0.0, 0.5], tf.float64), tf.constant(0.5, tf.float64))  # [True, False]
+    """
+    return u + 2.0**-52 <= q
+
+
 def poisson_batches(
     x: Any,
     y: Any = None,
@@ -272,7 +287,7 @@ def poisson_batches(
     def sample(counter: tf.Tensor):
         # A Philox key per step: (OS-entropy key, per-step random counter from the dataset).
         u = tf.random.stateless_uniform([rows], seed=tf.stack([key_t, counter]), dtype=tf.float64)
-        idx = tf.reshape(tf.where(u < q64), [-1])
+        idx = tf.reshape(tf.where(included(u, q64)), [-1])
         k = tf.shape(idx, out_type=tf.int32)[0]
         bx = tf.nest.map_structure(lambda t: pad(tf.gather(t, idx), k), x_t)
         by = tf.nest.map_structure(lambda t: pad(tf.gather(t, idx), k), y_t)

@@ -62,6 +62,11 @@ class SumQuerySpec(NamedTuple):
     #: unclipped records of ``QuantileAdaptiveClipSumQuery``): recorded as ``gaussian`` even in a
     #: JL step, where the sum query itself is recorded as ``jl``
     exact_gaussian: bool = False
+    #: grid-mode noise (``GaussianSumQuery(noise_mode="grid")``): the grid spacing ``g`` (a
+    #: float64 tensor) and ``g sqrt(d)``, what the rounding adds to the
+    #: L2 sensitivity (the ledger records the clip's sensitivity plus it). None: float noise.
+    noise_grid: Any = None
+    grid_sensitivity: Any = None
 
 
 class DPQuery(abc.ABC):

@@ -11,7 +11,17 @@ from typing import Any, NamedTuple, Optional
 import tensorflow as tf
 
 from tf_dp.dp_query import dp_query
-from tf_dp.dp_query.noise import add_gaussian_noise_structure, make_generator
+from tf_dp.dp_query.noise import (
+    DEFAULT_NOISE_MODE,
+    GRID_BITS,
+    add_gaussian_noise_structure,
+    add_grid_noise_structure,
+    check_noise_mode,
+    grid_sensitivity,
+    grid_spacing,
+    make_generator,
+    num_coordinates,
+)
 from tf_dp.dp_query.validation import check_scalar
 
 
@@ -40,6 +50,13 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
       stddev: noise standard deviation (finite, >= 0); may also be a ``tf.Variable``.
       seed: for tests and debugging only. ``None`` (the default) keys the Philox generator from OS
         entropy; a fixed seed makes the noise predictable and voids the privacy guarantee.
+      noise_mode: ``"continuous"`` (default) or ``"grid"``. ``"continuous"`` adds float noise to
+        the float sum: the low bits of the result depend on the sum (Mironov 2012) and are not
+        covered by the guarantee. ``"grid"`` releases ``g round(s / g) + g round(eta / g)``
+        (float64, cast to the sum's dtype), a multiple of the power of two ``g`` (the largest
+        with ``g sqrt(d) <= C 2^-10``, ``d`` the number of coordinates): post-processing of the
+        Gaussian mechanism on the rounded sum, whose sensitivity ``C + g sqrt(d)`` the ledger
+        records. See :func:`tf_dp.dp_query.noise.add_grid_noise_structure`.
 
     Example::
 
@@ -51,9 +68,14 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
         noised_sum, gs = query.get_noised_result(state, gs)
     """
 
-    def __init__(self, l2_norm_clip: Any, stddev: Any, seed: Optional[int] = None):
+    def __init__(
+        self, l2_norm_clip: Any, stddev: Any, seed: Optional[int] = None,
+        noise_mode: str = DEFAULT_NOISE_MODE,
+    ):
         self._l2_norm_clip = check_scalar("l2_norm_clip", l2_norm_clip)
         self._stddev = check_scalar("stddev", stddev)
+        self._noise_mode = check_noise_mode(noise_mode)
+        self._dimension: Optional[int] = None  # coordinates of the sum, known once noised
         self._generator = make_generator(seed)
         if seed is not None and abs(seed) > 2**53:
             # the ledger records the seed exactly in a float64 column
@@ -68,12 +90,18 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     def stddev(self) -> Any:
         return self._stddev
 
+    @property
+    def noise_mode(self) -> str:
+        """``"grid"`` or ``"continuous"`` (see the class docstring)."""
+        return self._noise_mode
+
     def get_config(self) -> dict[str, Any]:
         """Constructor arguments (Python numbers); see ``tf_dp.dp_query.serialize_query``."""
         from tf_dp.dp_query.serialization import plain_number
 
         return {"l2_norm_clip": plain_number("l2_norm_clip", self._l2_norm_clip, self),
-                "stddev": plain_number("stddev", self._stddev, self), "seed": self._seed}
+                "stddev": plain_number("stddev", self._stddev, self), "seed": self._seed,
+                "noise_mode": self._noise_mode}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "GaussianSumQuery":
@@ -98,15 +126,36 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
 
     def get_noised_result(self, sample_state: Any, global_state: GaussianGlobalState):
         stddev = tf.convert_to_tensor(global_state.stddev, tf.float32)
-        noised = add_gaussian_noise_structure(self._generator, sample_state, stddev)
-        return noised, global_state
+        if self._noise_mode == "continuous":
+            noised = add_gaussian_noise_structure(self._generator, sample_state, stddev)
+            return noised, global_state
+        d = num_coordinates(sample_state)
+        if not isinstance(d, int):
+            raise ValueError(
+                "noise_mode='grid' needs the sum's shape while tracing (the grid and the "
+                "recorded sensitivity depend on its size); use noise_mode='continuous'"
+            )
+        self._dimension = d
+        grid = grid_spacing(global_state.l2_norm_clip, d)
+        return add_grid_noise_structure(self._generator, sample_state, stddev, grid), global_state
 
     def sum_query_specs(self, global_state: GaussianGlobalState) -> list[dp_query.SumQuerySpec]:
+        clip = tf.convert_to_tensor(global_state.l2_norm_clip, tf.float32)
+        grid = extra = None
+        if self._noise_mode == "grid":
+            if self._dimension is None:  # before the first noised sum: the bound g sqrt(d)
+                extra = tf.cast(clip, tf.float64) * 2.0**-GRID_BITS  # <= C 2^-10
+                grid = grid_spacing(clip, 1)  # >= the grid of any d
+            else:
+                grid = grid_spacing(clip, self._dimension)
+                extra = grid_sensitivity(0.0, grid, self._dimension)
         return [
             dp_query.SumQuerySpec(
-                tf.convert_to_tensor(global_state.l2_norm_clip, tf.float32),
+                clip,
                 tf.convert_to_tensor(global_state.stddev, tf.float32),
                 noise_seed=self._seed,
+                noise_grid=grid,
+                grid_sensitivity=extra,
             )
         ]
 
@@ -114,4 +163,5 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
         return {"l2_norm_clip": tf.convert_to_tensor(global_state.l2_norm_clip, tf.float32)}
 
     def __repr__(self) -> str:
-        return f"GaussianSumQuery(l2_norm_clip={self._l2_norm_clip!r}, stddev={self._stddev!r})"
+        return (f"GaussianSumQuery(l2_norm_clip={self._l2_norm_clip!r}, stddev={self._stddev!r}, "
+                f"noise_mode={self._noise_mode!r})")

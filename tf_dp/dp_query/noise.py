@@ -25,7 +25,19 @@ tails:
   ``[TAIL_BOUND - C/sigma, TAIL_BOUND]`` is added to delta per step, unaccounted. At 9.49 standard
   deviations this is below ``1e-13`` per step for noise multipliers >= 0.5 (at 5.68 it is
   ``1e-4``).
-- ``u2`` (the angle) has 24 bits, the float32 resolution of ``[0, 1)``.
+- ``u2`` (the angle) has 23 bits in float32 (32 in float64), and the angle is the centre of its
+  cell: ``theta = (2k + 1) pi 2^-23`` (float64: ``(k + 1/2) 2 pi 2^-32``).
+- Exact zeros. A pair must never be ``(0, 0)`` nor have one exact zero: that coordinate would be
+  released without noise. Two constructions gave them. (1) ``u1`` rounding to 1.0: in float32,
+  ``hi + (lo + 1/2) 2^-32`` rounds to ``2^32`` when ``hi >= 2^32 - 128`` (probability ``2^-25``
+  per pair; in float64 about ``2^-53``), so ``r = 0``. ``u1`` is capped at the largest float
+  below 1 (``1 - 2^-24``; float64 ``1 - 2^-53``): those words give ``r = sqrt(-2 ln(1 - 2^-24))
+  = 3.5e-4`` instead of 0, i.e. the top cell of ``u1`` is one and a half float32 cells wide, a
+  discretisation error of the same size as float32 rounding everywhere else. (2) An angle word
+  with ``k = 0`` gave ``theta = 0`` and ``sin theta = 0`` exactly (probability ``2^-24``); the
+  centred angle is never 0, and no other float is a multiple of ``pi/2`` (``pi`` is
+  irrational), so neither ``cos`` nor ``sin`` is 0. A test feeds the extreme words to the
+  transform.
 - float32 draws the low word lazily: in float32, ``hi + (lo + 1/2) 2^-32`` rounds to ``hi``
   whenever ``hi >= 2^24``, so ``lo`` only matters for the pairs with ``hi < 2^24`` (one in 256).
   The sampler draws ``(hi, angle)`` for every pair and a low word for those pairs only (a
@@ -50,6 +62,37 @@ memory matters more asks the DP optimizer to draw it after the clipped sum
 chunks (float32: on the call's reserved counter planes; float64/XLA: consecutive draws), so the
 sampler's temporaries (about 3x its output) exist for a few chunks at a time: on the reference
 BiLSTM one draw of its 0.6 M normals peaks at about 5 MB, not 9 MB.
+
+Noise modes (:data:`NOISE_MODES`). ``"continuous"`` (the default) adds the float noise above to
+the float sum. Its low bits depend on the sum (Mironov 2012; Jin et al. 2022): with ``C = 1``,
+stddev 1 and a canary contributing ``-1``, ``y = -1 + eta`` with ``|y| < 1/2`` is always a multiple
+of ``2^-24`` (exact subtraction), while ``eta`` alone usually is not, so the event "``|y| < 1/2``
+and ``y 2^24`` not an integer" tells the canary apart (0 vs about 26% of draws), whatever the
+noise multiplier. The guarantee covers the ideal real-valued mechanism only.
+
+``"grid"`` (:func:`add_grid_noise_structure`) releases ``g round(s / g) + g round(eta / g)`` in
+float64, ``g`` a power of two: every value is a multiple of ``g``, a function of the Gaussian
+mechanism's output on the rounded sum ``s_g = g round(s / g)`` (snapping, Mironov 2012, with the
+rounding on the input side so that the sum of two grid values is exact). The ledger charges the
+rounded sum's sensitivity ``Delta + g sqrt(d)`` (``d`` coordinates of the query's sum); ``g`` is
+the largest power of two with ``g sqrt(d) <= C 2^-10`` (:func:`grid_spacing`), so the charge
+grows by at most 0.1%. A discrete Gaussian on the grid (Canonne, Kamath and Steinke 2020) would
+need an exact integer sampler per coordinate; the rounded float64 Gaussian costs one float64
+draw and keeps the accountants unchanged. Residual assumptions, stated in the docs: (1) ``eta``
+comes from the float64 Box-Muller sampler (64-bit ``u1``, 32-bit angle), not an exact Gaussian:
+its values are discretised at about ``|eta| 2^-31`` (the angle cell), which moves each grid
+cell's probability by a data-independent relative amount of order ``sigma 2^-31 / g`` (``1.4e-3``
+for the reference MLP's ``d = 670k``, ``z = 1.1``), unaccounted, like the continuous mode's float
+discretisation; (2) the clipped sum ``s`` itself is a float32 sum whose rounding the snapping
+does not undo (``s_g`` moves by a grid step where ``s`` is within float error of a cell edge;
+the charged ``g sqrt(d)`` covers a rounding of ``g/2`` per coordinate of each of two sums, not
+this); (3) values above ``2^24 g`` lose low bits in the final float32 cast, a function of the
+exact grid value (post-processing). Cost: one float64 draw instead of a float32 one, measured
+with ``bench/step_time.py`` (``docs/queries.md``): too slow to be the default.
+Under ``tf.distribute`` the DP optimizers reduce the clipped sums first and noise the global sum
+in grid mode (the continuous mode adds replica 0's noised sum to the others' clipped sums, which
+would put unrounded sums back into the low bits).
+
 """
 
 from __future__ import annotations
@@ -238,14 +281,27 @@ def box_muller_lazy(hi: tf.Tensor, angle: tf.Tensor, draw_low, stddev: Any = Non
 
 
 def _polar(u1: tf.Tensor, angle: tf.Tensor, dtype: tf.DType, stddev: Any) -> tf.Tensor:
-    """``r (cos theta, sin theta)`` with ``r = stddev sqrt(-2 ln u1)`` and the angle word."""
+    """``r (cos theta, sin theta)`` with ``r = stddev sqrt(-2 ln u1)`` and the angle word.
+
+    ``u1`` is capped at the largest float below 1 (the high words that round to 1.0 would give
+    ``r = 0``, a pair of exact zeros), and the angle is the centre of its cell (never 0, where
+    ``sin`` is exactly 0); see "Exact zeros" in the module docstring.
+    """
+    u1 = tf.minimum(u1, _BELOW_ONE[dtype])
     scale = -2.0 if stddev is None else -2.0 * tf.square(tf.cast(stddev, dtype))
     r = tf.sqrt(tf.math.log(u1) * scale)  # stddev folded into the radius: one pass fewer
     if dtype == tf.float32:
-        theta = tf.cast(tf.bitwise.right_shift(angle, 8), dtype) * (2.0 * math.pi * 2.0**-24)
+        # 23 angle bits: the cell centres (2k + 1) pi 2^-23, with 2k + 1 < 2^24 exact in float32
+        k = tf.bitwise.right_shift(angle, 9)
+        odd = tf.bitwise.bitwise_or(tf.bitwise.left_shift(k, 1), 1)
+        theta = tf.cast(odd, dtype) * (math.pi * 2.0**-23)
     else:
-        theta = tf.cast(angle, dtype) * (2.0 * math.pi * _TWO32)
+        theta = (tf.cast(angle, dtype) + 0.5) * (2.0 * math.pi * _TWO32)
     return tf.concat([r * tf.cos(theta), r * tf.sin(theta)], axis=0)
+
+
+#: The largest value below 1 of each dtype: the cap on ``u1`` in :func:`_polar`.
+_BELOW_ONE = {tf.float32: 1.0 - 2.0**-24, tf.float64: 1.0 - 2.0**-53}
 
 
 def add_gaussian_noise_structure(
@@ -302,3 +358,95 @@ def _size(t: tf.Tensor) -> Any:
 def add_gaussian_noise(generator: tf.random.Generator, value, stddev):
     """Returns ``value + N(0, stddev^2)`` elementwise (noise drawn in float32 or wider)."""
     return add_gaussian_noise_structure(generator, [value], stddev)[0]
+
+
+# -- grid (snapped) noise ------------------------------------------------------------------------
+
+#: Noise modes of the Gaussian sum queries (see :func:`add_grid_noise_structure`).
+NOISE_MODES = ("grid", "continuous")
+
+#: The noise mode of ``GaussianSumQuery`` and the DP optimizers unless one is given.
+DEFAULT_NOISE_MODE = "continuous"
+
+#: In grid mode the rounding adds at most ``2^-GRID_BITS`` of the clip to the sensitivity.
+GRID_BITS = 10
+
+
+def check_noise_mode(noise_mode: Any) -> str:
+    """Returns ``noise_mode`` if it is one of :data:`NOISE_MODES`, else raises ``ValueError``."""
+    if not isinstance(noise_mode, str) or noise_mode not in NOISE_MODES:
+        raise ValueError(f"noise_mode must be one of {NOISE_MODES}, got {noise_mode!r}")
+    return noise_mode
+
+
+def num_coordinates(values: Any) -> Any:
+    """The number ``d`` of coordinates of a structure of tensors (an int when shapes are known)."""
+    sizes = [_size(tf.convert_to_tensor(v)) for v in tf.nest.flatten(values)]
+    if all(isinstance(s, int) for s in sizes):
+        return sum(sizes)
+    return tf.add_n([tf.cast(s, tf.int64) for s in sizes])
+
+
+def grid_spacing(l2_norm_clip: Any, dimension: Any) -> tf.Tensor:
+    """The grid of grid-mode noise: the largest power of two ``g`` with
+    ``g sqrt(d) <= C 2^-GRID_BITS`` (float64 scalar; exponent kept in ``[-126, 127]``).
+
+    Example::
+
+        grid_spacing(1.0, 4)   # 2^-11: 2^-11 * sqrt(4) <= 2^-10
+    """
+    bound = tf.cast(l2_norm_clip, tf.float64) * 2.0**-GRID_BITS / tf.sqrt(
+        tf.cast(dimension, tf.float64))
+    e = tf.clip_by_value(tf.floor(tf.math.log(tf.maximum(bound, 2.0**-126)) / math.log(2.0)),
+                         -126.0, 127.0)
+    g = tf.pow(tf.constant(2.0, tf.float64), e)
+    # log2 rounding near a power of two: step to the exact largest power of two <= bound
+    g = tf.where((g > bound) & (e > -126.0), g * 0.5, g)
+    return tf.where((2.0 * g <= bound) & (e < 127.0), g * 2.0, g)
+
+
+def grid_sensitivity(l2_sensitivity: Any, grid: Any, dimension: Any) -> tf.Tensor:
+    """``Delta + g sqrt(d)`` (float64, rounded up): the L2 sensitivity of the rounded sum
+    ``g round(s / g)`` when ``s`` has sensitivity ``Delta`` (each of the two rounded sums moves
+    each of its ``d`` coordinates by at most ``g / 2``)."""
+    extra = tf.cast(grid, tf.float64) * tf.sqrt(tf.cast(dimension, tf.float64))
+    total = tf.cast(l2_sensitivity, tf.float64) + extra
+    return tf.math.nextafter(total, tf.constant(math.inf, tf.float64))
+
+
+def add_grid_noise_structure(
+    generator: tf.random.Generator, values: Any, stddev: Any, grid: Any
+) -> Any:
+    """Grid-mode noise: ``s_g + g round(eta / g)`` leaf by leaf, with ``s_g = g round(s / g)``.
+
+    Args:
+      generator: the noise generator (see :func:`make_generator`).
+      values: a structure of float tensors (the clipped sum ``s``).
+      stddev: the noise stddev (a scalar).
+      grid: the grid spacing ``g``, a power of two (see :func:`grid_spacing`).
+
+    Everything is computed in float64 (``eta`` from the float64 sampler) and cast to each leaf's
+    dtype at the end. Since ``s_g`` is on the grid, the output equals ``g round((s_g + eta) / g)``
+    (ties aside, probability 0 for a continuous ``eta``): a function of the Gaussian mechanism's
+    output ``s_g + eta`` alone, i.e. post-processing. Both terms are integer multiples of ``g``
+    below ``2^53 g`` in magnitude, so their float64 sum is exact and its bits depend on ``s`` only
+    through ``s_g``; the final cast is a function of that exact value. So the low bits of a
+    released value carry nothing about ``s`` beyond ``s_g``, whose sensitivity is
+    :func:`grid_sensitivity` (what the ledger records).
+
+    Example::
+
+        gen = make_generator()
+        g = grid_spacing(1.0, 3)
+        y = add_grid_noise_structure(gen, [tf.constant([0.6, 0.8, 0.0])], 1.1, g)
+    """
+    leaves = tf.nest.flatten(values)
+    zeros = [tf.zeros(tf.shape(v), tf.float64) for v in leaves]
+    etas = tf.nest.flatten(add_gaussian_noise_structure(generator, zeros, stddev))
+    g = tf.cast(grid, tf.float64)
+    out = []
+    for v, eta in zip(leaves, etas):
+        v = tf.convert_to_tensor(v)
+        s_g = tf.round(tf.cast(v, tf.float64) / g) * g
+        out.append(tf.cast(s_g + tf.round(eta / g) * g, v.dtype))
+    return tf.nest.pack_sequence_as(values, out)

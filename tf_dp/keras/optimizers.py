@@ -31,6 +31,7 @@ import tensorflow as tf
 
 from tf_dp.dp_query.dp_query import DPQuery
 from tf_dp.dp_query.gaussian_query import GaussianGlobalState, GaussianSumQuery
+from tf_dp.dp_query.noise import DEFAULT_NOISE_MODE, check_noise_mode
 from tf_dp.dp_query.normalized_query import NormalizedQuery
 from tf_dp.dp_query.serialization import deserialize_query, serialize_query
 from tf_dp.dp_query.xla import in_xla_context
@@ -61,7 +62,16 @@ class DPOptimizerMixin:
         jl_method: str = "auto",
         noise_stddev: Any = None,
         max_physical_batch_size: Optional[int] = None,
+        noise_mode: Optional[str] = None,
     ) -> None:
+        if noise_mode is not None:
+            check_noise_mode(noise_mode)
+            if dp_sum_query is not None:
+                raise ValueError(
+                    "noise_mode applies to the query the optimizer builds from l2_norm_clip; "
+                    "with dp_sum_query, pass noise_mode to the query instead"
+                )
+        mode = DEFAULT_NOISE_MODE if noise_mode is None else noise_mode
         self._dp_schedules: Optional[tuple[tf.Variable, tf.Variable]] = None
         l2_norm_clip, noise_multiplier, noise_stddev = (
             _python_number(v) for v in (l2_norm_clip, noise_multiplier, noise_stddev)
@@ -104,7 +114,9 @@ class DPOptimizerMixin:
                         for v, name in ((clip0, "dp_l2_norm_clip"), (std0, "dp_noise_stddev"))
                     )
                 self._dp_schedules = (clip_var, std_var)
-                query: DPQuery = GaussianSumQuery(clip_var, std_var, seed=noise_seed)
+                query: DPQuery = GaussianSumQuery(
+                    clip_var, std_var, seed=noise_seed, noise_mode=mode
+                )
             else:
                 _check_number("l2_norm_clip", l2_norm_clip, positive=True)
                 _check_number(noise_name, noise, positive=False)
@@ -112,7 +124,7 @@ class DPOptimizerMixin:
                     float(noise_multiplier) * float(l2_norm_clip)
                     if noise_stddev is None else float(noise_stddev)
                 )
-                query = GaussianSumQuery(l2_norm_clip, stddev, seed=noise_seed)
+                query = GaussianSumQuery(l2_norm_clip, stddev, seed=noise_seed, noise_mode=mode)
         else:
             if l2_norm_clip is not None or noise_multiplier is not None or (
                 noise_stddev is not None
@@ -198,6 +210,8 @@ class DPOptimizerMixin:
         self._sampling_configured = False
         self._sampling_from_fit = False
         self._noise_seed = noise_seed
+        self._noise_mode = noise_mode
+        self._grid_noise = _snaps_to_grid(query)
         self._strategy: Optional[GradientStrategy] = None
         self._dp_applying = False
         with tf.init_scope():
@@ -462,14 +476,22 @@ class DPOptimizerMixin:
             clipped.norms,
             getattr(clipped, "record_mask", None),
         )
+        replicas = _replicas_in_sync()
+        grid_replicas = replicas > 1 and self._grid_noise
+        if grid_replicas:
+            # Grid noise is snapped with the sum it is added to: noise the global clipped sum
+            # (every replica reduces first, then releases the same value; replica 0's is kept).
+            state = _all_reduce_sum(state)
         with tf.control_dependencies(
             tf.nest.flatten(clipped.clipped_sum, expand_composites=True) if after else []
         ):
             noised, _ = q.get_noised_result(state, self._dp_global_state)
         records = tf.cast(clipped.num_records, tf.float32)
-        replicas = _replicas_in_sync()
         if replicas > 1:
-            noised, records = _all_reduce_with_one_noise(clipped.clipped_sum, noised, records)
+            others = tf.nest.map_structure(
+                lambda t: tf.zeros_like(tf.convert_to_tensor(t)), noised
+            ) if grid_replicas else clipped.clipped_sum
+            noised, records = _all_reduce_with_one_noise(others, noised, records)
         if self._normalized:
             return _share(list(noised), replicas)
         if self._num_microbatches is not None and self._strategy is not None and (
@@ -650,6 +672,7 @@ class DPOptimizerMixin:
                 "jl_projections": self._jl_projections,
                 "jl_method": self._jl_method,
                 "max_physical_batch_size": self._max_physical_batch_size,
+                "noise_mode": self._noise_mode,
             }
         )
         return config
@@ -677,12 +700,31 @@ def _replicas_in_sync() -> int:
     return 1 if ctx is None else int(ctx.num_replicas_in_sync)
 
 
+def _snaps_to_grid(query: Any) -> bool:
+    """Whether any Gaussian sum query inside ``query`` uses grid-mode noise."""
+    if getattr(query, "noise_mode", None) == "grid":
+        return True
+    inner = [getattr(query, "numerator_query", None)]
+    if hasattr(query, "queries"):
+        inner += tf.nest.flatten(query.queries)
+    return any(q is not None and _snaps_to_grid(q) for q in inner)
+
+
+def _all_reduce_sum(state: Any) -> Any:
+    """The SUM over replicas of every leaf of ``state`` (dense)."""
+    ctx = tf.distribute.get_replica_context()
+    leaves = [tf.convert_to_tensor(t) for t in tf.nest.flatten(state)]
+    return tf.nest.pack_sequence_as(state, ctx.all_reduce(tf.distribute.ReduceOp.SUM, leaves))
+
+
 def _all_reduce_with_one_noise(clipped_sum, noised, records):
     """Across replicas: the sum of every replica's clipped sum plus the noise of replica 0 only.
 
     Each replica noised its own clipped sum; replica 0 contributes its noised sum and the others
     their clipped sums, so one SUM all-reduce gives every replica the same global clipped sum
     with exactly one draw of noise (variance sigma^2 C^2, not k times that, and not k copies).
+    In grid mode the replicas noised the global sum already and the others pass zeros, so the
+    sum is replica 0's grid value exactly.
     The record counts are summed too (the global batch).
     """
     ctx = tf.distribute.get_replica_context()
@@ -848,6 +890,7 @@ def make_dp_optimizer_class(optimizer_class: type) -> type:
         jl_method: str = "auto",
         noise_stddev: Any = None,
         max_physical_batch_size: Optional[int] = None,
+        noise_mode: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
         optimizer_class.__init__(self, *args, **kwargs)
@@ -862,6 +905,7 @@ def make_dp_optimizer_class(optimizer_class: type) -> type:
             jl_method,
             noise_stddev,
             max_physical_batch_size,
+            noise_mode,
         )
 
     name = f"DPKeras{optimizer_class.__name__}"
@@ -888,6 +932,9 @@ def make_dp_optimizer_class(optimizer_class: type) -> type:
         "  max_physical_batch_size: None, or clip each sampled batch in pieces of at most this\n"
         "    many examples (integer >= 1), one after another: the same clipped sum, noise and\n"
         "    ledger entry, with a step's memory bounded by the piece size (slower per step).\n"
+        "  noise_mode: None (the default, 'continuous'), 'continuous' or 'grid': see\n"
+        "    tf_dp.GaussianSumQuery. 'grid' releases multiples of a power of two g, so the low\n"
+        "    bits of the update carry nothing about the data; the ledger charges C + g sqrt(d).\n"
         "  noise_seed: tests and debugging only (a known seed voids the guarantee).\n"
     )
     cls = type(name, (DPOptimizerMixin, optimizer_class), {"__init__": __init__, "__doc__": doc})

@@ -101,6 +101,9 @@ class SumQueryEvent:
       tree_step: for ``mechanism == "tree"``, the 0-based index of this step's leaf in its tree
         (an integer >= 0; 0 starts a new tree); else None. ``noise_stddev`` is then the stddev of
         each tree node.
+      noise_grid: the grid spacing ``g`` of grid-mode noise (every released value a multiple of
+        ``g``; ``l2_sensitivity`` then includes the rounding term ``g sqrt(d)``); None for
+        continuous floating-point noise.
     """
 
     l2_sensitivity: float
@@ -109,6 +112,7 @@ class SumQueryEvent:
     jl_projections: Optional[int] = None
     noise_seed: Optional[int] = None
     tree_step: Optional[int] = None
+    noise_grid: Optional[float] = None
 
     def __post_init__(self):
         seed = self.noise_seed
@@ -135,6 +139,11 @@ class SumQueryEvent:
                 raise ValueError(f"tree_step must be an integer >= 0 for a tree event, got {t!r}")
         elif self.tree_step is not None:
             raise ValueError("tree_step is only allowed for mechanism='tree'")
+        g = self.noise_grid
+        if g is not None and (
+            isinstance(g, bool) or not (isinstance(g, (int, float)) and math.isfinite(g) and g > 0)
+        ):
+            raise ValueError(f"noise_grid must be None or a finite number > 0, got {g!r}")
 
     @property
     def private(self) -> bool:

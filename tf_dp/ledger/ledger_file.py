@@ -1,6 +1,6 @@
 """The ledger file: a versioned, checksummed JSON record of a run's sampling and sum-query events.
 
-Format (version 1)::
+Format (version 2; version 1 is the same without ``pass_start``)::
 
     {
       "format": "tf_dp.privacy_ledger",
@@ -19,9 +19,12 @@ Format (version 1)::
 
 Optional query keys (still version 1: files without them read as before, and files written
 without them are byte for byte what earlier versions wrote): ``noise_seed`` (seeded test/debug
-runs only) and ``tree_step`` (``"mechanism": "tree"`` queries only: the leaf's 0-based index in
-its tree-aggregation tree); optional sampling key ``pass_start`` (``true`` on the draws that start
-a new pass over shuffled data; a file without it is one pass from its first draw). A reader that predates a mechanism rejects the file as a malformed
+runs only), ``tree_step`` (``"mechanism": "tree"`` queries only: the leaf's 0-based index in
+its tree-aggregation tree) and ``noise_grid`` (grid-mode noise only: the grid spacing; the
+sensitivity already includes the rounding term, so a reader that ignores the key still accounts
+correctly); optional sampling key ``pass_start`` (``true`` on the draws that start a new pass over
+shuffled data; a file without it is one pass from its first draw). A reader that predates a
+mechanism rejects the file as a malformed
 event naming the mechanism, never misreads it.
 
 Files are written atomically (temporary file in the same directory, fsync, rename), so a reader
@@ -53,7 +56,11 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent, compress
 
 FORMAT_NAME = "tf_dp.privacy_ledger"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Versions this reader understands. Version 2 adds the sampling key ``pass_start``, which an
+#: accountant must not ignore (it would under-count epochs), so files that use it say version 2
+#: and readers that predate it reject them; files without it are still written as version 1.
+READ_VERSIONS = (1, 2)
 
 
 class LedgerFileError(ValueError):
@@ -87,6 +94,8 @@ def _query_payload(q: SumQueryEvent) -> dict[str, Any]:
         out["noise_seed"] = q.noise_seed
     if q.tree_step is not None:  # only tree-aggregation queries carry the key
         out["tree_step"] = q.tree_step
+    if q.noise_grid is not None:  # only grid-mode noise carries the key
+        out["noise_grid"] = q.noise_grid
     return out
 
 
@@ -95,7 +104,8 @@ def entries_to_payload(
 ) -> dict[str, Any]:
     """Builds the JSON payload (with checksum) for ``entries``."""
     runs = []
-    for entry, count in compress(entries):
+    compressed = compress(entries)
+    for entry, count in compressed:
         sampling: dict[str, Any] = {
             "population_size": entry.sampling.population_size,
             "selection_probability": entry.sampling.selection_probability,
@@ -112,7 +122,7 @@ def entries_to_payload(
         )
     payload: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": FORMAT_VERSION if any(e.sampling.pass_start for e, _ in compressed) else 1,
         "num_samples": len(entries),
         "runs": runs,
         "metadata": dict(metadata or {}),
@@ -127,10 +137,10 @@ def payload_to_entries(payload: Any) -> list[SampleEntry]:
         raise LedgerFileError("ledger file must hold a JSON object")
     if payload.get("format") != FORMAT_NAME:
         raise LedgerFileError(f"not a tf_dp ledger file (format={payload.get('format')!r})")
-    if payload.get("version") != FORMAT_VERSION:
+    if payload.get("version") not in READ_VERSIONS or isinstance(payload.get("version"), bool):
         raise LedgerFileError(
             f"unsupported ledger version {payload.get('version')!r}; this tf_dp reads version "
-            f"{FORMAT_VERSION}"
+            f"{' and '.join(map(str, READ_VERSIONS))}"
         )
     body = {k: v for k, v in payload.items() if k != "sha256"}
     try:
@@ -163,6 +173,7 @@ def payload_to_entries(payload: Any) -> list[SampleEntry]:
                         jl_projections=q["jl_projections"],
                         noise_seed=q.get("noise_seed"),
                         tree_step=q.get("tree_step"),
+                        noise_grid=q.get("noise_grid"),
                     )
                     for q in run["queries"]
                 ),

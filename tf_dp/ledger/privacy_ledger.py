@@ -47,8 +47,8 @@ from tf_dp.ledger.ledger_file import LedgerFileError, read_ledger_file, write_le
 # Column layouts of the two buffers.
 _SAMPLE_COLS = 4  # population_size, selection_probability, policy code, pass start (0/1)
 # sample index, l2_sensitivity, noise_stddev, mechanism code, jl_projections (jl) or tree_step
-# (tree), noise seed (NaN: none)
-_QUERY_COLS = 6
+# (tree), noise seed (NaN: none), noise grid (NaN: continuous noise)
+_QUERY_COLS = 7
 _INITIAL_CAPACITY = 64
 
 
@@ -334,6 +334,7 @@ class PrivacyLedger(tf.Module):
     def record_sum_query(
         self, l2_sensitivity, noise_stddev, mechanism="gaussian", jl_projections=0,
         noise_seed: Optional[int] = None,
+        noise_grid: Any = None,
     ) -> tf.Tensor:
         """Records one sum query of the current sample (values as used at run time).
 
@@ -341,7 +342,9 @@ class PrivacyLedger(tf.Module):
         serves both: a query is never both).
 
         ``noise_seed`` is the explicit seed of the noise generator, if the user gave one (the
-        noise is then predictable and the run has no privacy guarantee; statements say so)."""
+        noise is then predictable and the run has no privacy guarantee; statements say so).
+
+        ``noise_grid`` is the grid spacing of grid-mode noise (None: continuous float noise)."""
         if isinstance(mechanism, str):
             mechanism = mechanism_code(mechanism)
         sample_index = self._samples.total() - 1
@@ -354,6 +357,7 @@ class PrivacyLedger(tf.Module):
                 _f64(mechanism),
                 _f64(jl_projections),
                 _f64(seed),
+                _f64(float("nan") if noise_grid is None else noise_grid),
             ]
         )
         return self._queries.append(row)
@@ -375,7 +379,7 @@ class PrivacyLedger(tf.Module):
         samples = self._samples.numpy()
         queries = self._queries.numpy()
         per_sample: list[list[SumQueryEvent]] = [[] for _ in range(samples.shape[0])]
-        for idx, sens, std, mech, r, seed in queries:
+        for idx, sens, std, mech, r, seed, grid in queries:
             i = int(idx)
             if not 0 <= i < len(per_sample):
                 raise ValueError(
@@ -393,6 +397,7 @@ class PrivacyLedger(tf.Module):
                     jl_projections=int(r) if mech_name == "jl" else None,
                     noise_seed=None if np.isnan(seed) else int(seed),
                     tree_step=int(r) if mech_name == "tree" else None,
+                    noise_grid=None if np.isnan(grid) else float(grid),
                 )
             )
         return [
@@ -440,7 +445,8 @@ class PrivacyLedger(tf.Module):
             [
                 [i, q.l2_sensitivity, q.noise_stddev, mechanism_code(q.mechanism),
                  q.jl_projections or q.tree_step or 0,
-                 float("nan") if q.noise_seed is None else float(q.noise_seed)]
+                 float("nan") if q.noise_seed is None else float(q.noise_seed),
+                 float("nan") if q.noise_grid is None else float(q.noise_grid)]
                 for i, e in enumerate(entries)
                 for q in e.queries
             ],
@@ -461,7 +467,10 @@ class PrivacyLedger(tf.Module):
             # tables saved before pass boundaries were recorded: no pass starts
             samples = np.concatenate([samples, np.zeros([samples.shape[0], 1])], axis=1)
         samples = samples.reshape(-1, _SAMPLE_COLS)
-        queries = np.asarray(queries, np.float64).reshape(-1, _QUERY_COLS)
+        queries = np.asarray(queries, np.float64)
+        if queries.ndim == 2 and queries.shape[1] == _QUERY_COLS - 1:  # saved before noise_grid
+            queries = np.concatenate([queries, np.full([len(queries), 1], np.nan)], axis=1)
+        queries = queries.reshape(-1, _QUERY_COLS)
         probe = PrivacyLedger.__new__(PrivacyLedger)
         tf.Module.__init__(probe, name="probe")
         probe._samples, probe._queries = _Buffer(_SAMPLE_COLS, "s"), _Buffer(_QUERY_COLS, "q")

@@ -167,10 +167,10 @@ class QueryWithLedger(DPQuery):
     ) -> Any:
         return self._query.accumulate_norms(params, sample_state, norms, record_mask)
 
-    def _event_values(self, specs: list[SumQuerySpec]) -> list[tuple[Any, Any, Any, Any, Any]]:
-        """(l2_sensitivity, noise_stddev, mechanism code, jl_projections, noise_seed) of each sum
-        query, as the
-        ledger records them: the clip times the sensitivity multiplier for private queries."""
+    def _event_values(self, specs: list[SumQuerySpec]) -> list[tuple[Any, ...]]:
+        """(l2_sensitivity, noise_stddev, mechanism code, jl_projections, noise_seed, noise_grid)
+        of each sum query, as the ledger records them: the clip times the sensitivity multiplier
+        for private queries (plus the grid's rounding term ``g sqrt(d)`` in grid mode)."""
         jl = self._jl_projections.read_value()
         values = []
         for spec in specs:
@@ -181,8 +181,9 @@ class QueryWithLedger(DPQuery):
                 check = _refuse_tree_with_jl(jl)
                 with tf.control_dependencies(check):
                     sens = tf.cast(spec.l2_sensitivity, tf.float32) * self._sensitivity_multiplier
-                values.append((sens, spec.noise_stddev, tf.constant(mechanism_code("tree")),
-                               tree_step, spec.noise_seed))
+                values.append((_plus_grid(sens, spec), spec.noise_stddev,
+                               tf.constant(mechanism_code("tree")), tree_step, spec.noise_seed,
+                               getattr(spec, "noise_grid", None)))
                 continue
             if spec.private and getattr(spec, "exact_gaussian", False):
                 # e.g. a count of unclipped records: Gaussian whatever the gradient mode
@@ -194,7 +195,9 @@ class QueryWithLedger(DPQuery):
             else:
                 mech = tf.constant(mechanism_code("none"))
                 sens = tf.cast(spec.l2_sensitivity, tf.float32)
-            values.append((sens, spec.noise_stddev, mech, jl, spec.noise_seed))
+            grid = getattr(spec, "noise_grid", None) if spec.private else None
+            values.append((_plus_grid(sens, spec) if grid is not None else sens,
+                           spec.noise_stddev, mech, jl, spec.noise_seed, grid))
         return values
 
     def next_sample_entry(
@@ -209,7 +212,7 @@ class QueryWithLedger(DPQuery):
         clipping) override the current settings, e.g. before the first step has set them."""
         entries = []
         spec_list = self._query.sum_query_specs(global_state)
-        for sens, std, mech, jl, seed in self._event_values(spec_list):
+        for sens, std, mech, jl, seed, grid in self._event_values(spec_list):
             name = MECHANISMS[int(mech)]
             exact = bool(getattr(spec_list[len(entries)], "exact_gaussian", False))
             if name == "tree" and jl_projections:
@@ -219,7 +222,10 @@ class QueryWithLedger(DPQuery):
                 name = "jl" if jl_projections > 0 else "gaussian"
             sens = float(sens)
             if sensitivity_multiplier is not None and name != "none":
-                sens = sens / float(self._sensitivity_multiplier.numpy()) * sensitivity_multiplier
+                spec = spec_list[len(entries)]
+                extra = 0.0 if grid is None else float(spec.grid_sensitivity)
+                sens = (sens - extra) / float(self._sensitivity_multiplier.numpy()) * (
+                    sensitivity_multiplier) + extra
             entries.append(
                 SumQueryEvent(
                     l2_sensitivity=sens,
@@ -228,6 +234,7 @@ class QueryWithLedger(DPQuery):
                     jl_projections=int(jl) if name == "jl" else None,
                     noise_seed=seed,
                     tree_step=int(jl) if name == "tree" else None,
+                    noise_grid=None if grid is None else float(grid),
                 )
             )
         sampling = SamplingEvent(
@@ -254,6 +261,14 @@ class QueryWithLedger(DPQuery):
         checks = _check_specs(specs)
         room = self._ledger.has_room(len(specs))
         result, new_state = self._query.get_noised_result(sample_state, global_state)
+        # the values of the step (read before the result: an adaptive query updates its clip
+        # there), with the grid of a grid-mode query, known once it has seen the sum's size
+        later = self._query.sum_query_specs(global_state)
+        specs = [
+            s._replace(noise_grid=t.noise_grid, grid_sensitivity=t.grid_sensitivity)
+            if t.noise_grid is not None else s
+            for s, t in zip(specs, later)
+        ]
         # Record only once the result exists (and the run-time clip and noise values passed their
         # checks): a step that fails, or a call that meets the end of its data before the step
         # runs, leaves the ledger unchanged. Every recording op, the sum queries' included,
@@ -272,8 +287,8 @@ class QueryWithLedger(DPQuery):
             )
             with tf.control_dependencies([index]):
                 recorded = [
-                    self._ledger.record_sum_query(sens, std, mech, jl, seed)
-                    for sens, std, mech, jl, seed in self._event_values(specs)
+                    self._ledger.record_sum_query(sens, std, mech, jl, seed, noise_grid=grid)
+                    for sens, std, mech, jl, seed, grid in self._event_values(specs)
                 ]
                 with tf.control_dependencies(recorded):
                     self._pass_start.assign(0)
@@ -282,6 +297,15 @@ class QueryWithLedger(DPQuery):
                 lambda t: _where(room, t), result
             )
         return result, new_state
+
+
+def _plus_grid(sens: Any, spec: SumQuerySpec) -> Any:
+    """The recorded sensitivity: ``sens`` plus the grid's rounding term (float64, rounded up)."""
+    extra = getattr(spec, "grid_sensitivity", None)
+    if extra is None:
+        return sens
+    total = tf.cast(sens, tf.float64) + tf.cast(extra, tf.float64)
+    return tf.math.nextafter(total, tf.constant(float("inf"), tf.float64))
 
 
 def _refuse_tree_with_jl(jl: Any) -> list[Any]:
