@@ -26,6 +26,8 @@ setup(
         "absl-py>=1.4,<3",
     ],
     extras_require={
+        # tf_dp.accounting.dp_events.ledger_to_dp_event (dp_accounting interoperability)
+        "accounting": ["dp-accounting>=0.4,<0.7"],
         "test": [
             "pytest>=7.4",
             "dp-accounting>=0.4,<0.7",

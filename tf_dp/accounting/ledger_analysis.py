@@ -444,8 +444,8 @@ def _epsilon(runs, steps, delta, accountant, orders, discretization) -> PrivacyR
     if accountant in ("rdp", "moments"):
         _refuse_jl(units, accountant)
         o = tuple(orders) if orders is not None else _rdp.DEFAULT_ORDERS
-        curve = sum(u.count * _rdp.rdp_poisson_gaussian(u.q, u.z, o) for u in units)
-        eps, order = _rdp.epsilon_from_rdp(o, curve, delta, conversion=accountant)
+        eps, order = _rdp.rdp_epsilon([u.q for u in units], [u.z for u in units],
+                                      [u.count for u in units], delta, o, accountant)
         return PrivacyResult(epsilon=eps, certified=True, order=order, **common)
     if accountant == "gdp":
         _refuse_jl(units, accountant)
@@ -494,8 +494,8 @@ def _delta(runs, steps, epsilon, accountant, orders, discretization) -> PrivacyR
     if accountant in ("rdp", "moments"):
         _refuse_jl(units, accountant)
         o = tuple(orders) if orders is not None else _rdp.DEFAULT_ORDERS
-        curve = sum(u.count * _rdp.rdp_poisson_gaussian(u.q, u.z, o) for u in units)
-        d, order = _rdp.delta_from_rdp(o, curve, epsilon, conversion=accountant)
+        d, order = _rdp.rdp_delta([u.q for u in units], [u.z for u in units],
+                                  [u.count for u in units], epsilon, o, accountant)
         return result(d, order=order)
     if accountant == "gdp":
         _refuse_jl(units, accountant)

@@ -36,7 +36,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Sequence
 
@@ -48,6 +47,9 @@ __all__ = [
     "MOMENTS_ORDERS",
     "rdp_poisson_gaussian",
     "rdp_gaussian",
+    "rdp_curve",
+    "rdp_epsilon",
+    "rdp_delta",
     "epsilon_from_rdp",
     "delta_from_rdp",
 ]
@@ -87,61 +89,162 @@ def _log_abs_binom(a: float, k: np.ndarray) -> np.ndarray:
     return special.gammaln(a + 1.0) - special.gammaln(k + 1.0) - special.gammaln(a - k + 1.0)
 
 
-def _log_a_integer(q: float, s: float, a: int) -> float:
+def _log_ndtr_upper(x: np.ndarray) -> np.ndarray:
+    """Cheap upper bound on ``log Phi(x)``: ``0``, and for ``x < -1`` the Mills-ratio bound
+    ``Phi(x) <= phi(x) / |x|``."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mills = -0.5 * x * x - 0.5 * math.log(2.0 * math.pi) - np.log(-x)
+    return np.where(x < -1.0, np.minimum(mills, 0.0), 0.0)
+
+
+#: A term of a log-moment series below this (log scale) is negligible: ``A_a >= 1`` (Renyi
+#: divergences are >= 0), so it is below 1e-19 of the sum. Such terms keep their cheap upper bound
+#: instead of the exact Gaussian tail, so the series stays an upper bound.
+_NEGLIGIBLE = -45.0
+
+
+def _log_a_integer(log_q: np.ndarray, log_1mq: np.ndarray, inv2s2: np.ndarray, a: int
+                   ) -> np.ndarray:
+    """``log A_a`` for an integer order ``a``, every unit at once (finite binomial sum)."""
     k = np.arange(a + 1, dtype=np.float64)
-    terms = (
-        _log_abs_binom(float(a), k)
-        + k * math.log(q)
-        + (a - k) * math.log1p(-q)
-        + (k * k - k) / (2.0 * s * s)
-    )
-    return float(special.logsumexp(terms))
+    lb = _log_abs_binom(float(a), k)
+    out = np.empty(log_q.size)
+    # Bound the work array to ~4e6 elements.
+    step = max(1, 4_000_000 // (a + 1))
+    for i in range(0, log_q.size, step):
+        sl = slice(i, i + step)
+        terms = (lb + k * log_q[sl, None] + (a - k) * log_1mq[sl, None]
+                 + (k * k - k) * inv2s2[sl, None])
+        out[sl] = special.logsumexp(terms, axis=1)
+    return out
 
 
-def _log_a_fractional(q: float, s: float, a: float) -> float:
-    # Split point where q*N(1,s^2) and (1-q)*N(0,s^2) have equal density.
-    z0 = s * s * math.log(1.0 / q - 1.0) + 0.5
-    log_q, log_1mq = math.log(q), math.log1p(-q)
-    total = -np.inf
-    chunk = 64
+def _series_side(lb, k, p_log, c_log, quad, tail_arg):
+    """Terms ``lb + k p_log + (a-k) c_log + quad + log Phi(tail_arg)``, with the exact Gaussian
+    tail only where the term could matter (elsewhere its upper bound)."""
+    terms = lb + p_log + c_log + quad
+    ub = terms + _log_ndtr_upper(tail_arg)
+    need = ub > _NEGLIGIBLE
+    if np.any(need):
+        ub[need] = terms[need] + special.log_ndtr(tail_arg[need])
+    return ub
+
+
+def _log_a_fractional(log_q: np.ndarray, log_1mq: np.ndarray, s: np.ndarray, a: float,
+                      max_terms: int = 100_000) -> np.ndarray:
+    """``log A_a`` for a fractional order, every unit at once (Mironov, Talwar & Zhang 2019,
+    Sec. 3.3): both halves of the integral, split at ``z0``, expanded in binomial series whose
+    terms are summed in absolute value (an upper bound).
+
+    A unit stops at ``K`` terms once the certified bound on the rest of both series
+    (:func:`_log_tail_bound`) is below ``1e-7`` of ``log A_a``, and the bound is added; or (where
+    that bound does not apply yet, ``K`` below the split point) once its last terms are
+    decreasing and below ``1e-17`` of its sum. A unit still running after ``max_terms`` terms
+    gets ``inf`` unless the tail bound applies."""
+    n = log_q.size
+    total = np.full(n, -np.inf)
+    active = np.arange(n)
+    # Split point where q N(1, s^2) and (1-q) N(0, s^2) have equal density.
+    z0 = s * s * (log_1mq - log_q) + 0.5
+    inv2s2 = 0.5 / (s * s)
+    chunk = 16
     start = 0
-    while start < 100000:
+    while active.size:
         k = np.arange(start, start + chunk, dtype=np.float64)
         lb = _log_abs_binom(a, k)
         j = a - k
-        # Left half (x <= z0): expand in powers of the (smaller) q-component.
-        left = (
-            lb + k * log_q + j * log_1mq + (k * k - k) / (2 * s * s)
-            + special.log_ndtr((z0 - k) / s)
-        )
-        # Right half (x > z0): expand in powers of the (smaller) (1-q)-component.
-        right = (
-            lb + j * log_q + k * log_1mq + (j * j - j) / (2 * s * s)
-            + special.log_ndtr((j - z0) / s)
-        )
-        block = special.logsumexp(np.concatenate([left, right]))
-        new_total = np.logaddexp(total, block)
-        tail_small = max(left[-1], right[-1]) < new_total - 40
-        decreasing = left[-1] < left[-2] and right[-1] < right[-2]
-        total = new_total
-        if start > a and tail_small and decreasing:
-            return float(total)
+        lq, l1 = log_q[active, None], log_1mq[active, None]
+        ss, zz, w = s[active, None], z0[active, None], inv2s2[active, None]
+        # Left half (x <= z0): powers of the smaller q-component; right half: of the other.
+        left = _series_side(lb, k, k * lq, j * l1, (k * k - k) * w, (zz - k) / ss)
+        right = _series_side(lb, k, j * lq, k * l1, (j * j - j) * w, (j - zz) / ss)
+        block = special.logsumexp(np.concatenate([left, right], axis=1), axis=1)
+        new_total = np.logaddexp(total[active], block)
         start += chunk
-    return math.inf  # did not converge: drop this order (inf is always a valid bound)
+        tail = _log_tail_bound(a, start, log_1mq[active], s[active], z0[active])
+        last = np.maximum(left[:, -1], right[:, -1])
+        small = ((start - 1 > a + 1) & (last < new_total - 40)
+                 & (left[:, -1] < left[:, -2]) & (right[:, -1] < right[:, -2]))
+        # The rest is below 1e-7 of log A_a (~ A_a - 1, small for small divergences).
+        with np.errstate(divide="ignore"):
+            certified = tail < np.log(np.expm1(np.minimum(new_total, 700.0))) - 16.0
+        final = start >= max_terms
+        done = certified | small | final
+        with_tail = done & np.isfinite(tail)
+        new_total[with_tail] = np.logaddexp(new_total[with_tail], tail[with_tail])
+        new_total[final & ~certified & ~small & ~np.isfinite(tail)] = np.inf
+        total[active] = new_total
+        active = active[~done]
+        chunk = min(2 * chunk, 8192)  # slowly converging units: fewer, larger blocks
+    return total
 
 
-def _rdp_one(q: float, s: float, a: float) -> float:
-    if q == 0:
-        return 0.0
-    if s == 0:
-        return math.inf
-    if q == 1.0:
-        return a / (2.0 * s * s)
-    if float(a).is_integer():
-        log_a = _log_a_integer(q, s, int(a))
-    else:
-        log_a = _log_a_fractional(q, s, a)
-    return max(log_a / (a - 1.0), 0.0)
+def _log_tail_bound(a: float, K: int, log_1mq: np.ndarray, s: np.ndarray, z0: np.ndarray
+                    ) -> np.ndarray:
+    """log of an upper bound on the sum of the absolute terms ``k >= K`` of both series of
+    :func:`_log_a_fractional` (``inf`` where it does not apply: ``K <= a + 1`` or ``K`` not past
+    the split point).
+
+    With the Mills-ratio bound ``Phi(-x) <= phi(x) / x``, each term ``k`` of the left series is at
+    most ``|C(a, k)| (1-q)^a exp(-z0^2 / 2s^2) / (sqrt(2 pi) (k - z0) / s)`` (the powers of
+    ``q``, ``1-q`` and the Gaussian exponents cancel exactly, by the choice of ``z0``), and of
+    the right series the same with ``k - a + z0`` in place of ``k - z0``. For ``k >= K > a + 1``,
+    ``|C(a, k)| <= |C(a, K)| ((K+1) / (k+1))^(a+1)`` (each ratio is ``1 - (a+1)/(i+1) <=
+    exp(-(a+1)/(i+1))``), and ``sum_{k >= K} ((K+1)/(k+1))^(a+1) <= 1 + (K+1)/a``."""
+    d_left, d_right = K - z0, K - a + z0
+    ok = (K > a + 1) & (d_left > 0) & (d_right > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_c = (a * log_1mq - z0 * z0 / (2.0 * s * s) - 0.5 * math.log(2.0 * math.pi)
+                 + np.log(s))
+        val = (float(_log_abs_binom(a, np.array([float(K)]))[0]) + math.log1p((K + 1.0) / a)
+               + log_c + np.log(1.0 / d_left + 1.0 / d_right))
+    return np.where(ok, val, np.inf)
+
+
+def _prepare_units(q, s):
+    q = np.asarray(q, dtype=np.float64).ravel()
+    s = np.asarray(s, dtype=np.float64).ravel()
+    if q.shape != s.shape:
+        raise ValueError("q and noise_multiplier must have the same length")
+    if q.size and not (np.all((q >= 0) & (q <= 1)) and np.all(s >= 0)):
+        raise ValueError("q must be in [0, 1] and noise_multipliers >= 0")
+    return q, s
+
+
+def _rdp_matrix(q: np.ndarray, s: np.ndarray, orders: np.ndarray) -> np.ndarray:
+    """``R(a)`` for every unit (rows) and order (columns), vectorised over the units."""
+    out = np.zeros((q.size, orders.size))
+    gauss = (q == 1.0) & (s > 0)
+    inf = (q > 0) & (s == 0)
+    sub = (q > 0) & (q < 1) & (s > 0) & np.isfinite(s)
+    with np.errstate(divide="ignore"):
+        out[gauss] = orders[None, :] / (2.0 * s[gauss, None] ** 2)
+    out[inf] = np.inf
+    if np.any(sub):
+        qs, ss = q[sub], s[sub]
+        log_q, log_1mq = np.log(qs), np.log1p(-qs)
+        inv2s2 = 0.5 / (ss * ss)
+        cols = np.empty((qs.size, orders.size))
+        integer: dict = {1: np.zeros(qs.size)}  # log A_a at integer orders (log A_1 = 0)
+
+        def log_a_int(a: int) -> np.ndarray:
+            if a not in integer:
+                integer[a] = _log_a_integer(log_q, log_1mq, inv2s2, a)
+            return integer[a]
+
+        for i, a in enumerate(orders):
+            if float(a).is_integer():
+                log_a = log_a_int(int(a))
+            else:
+                # log A_a is convex in a (a log moment generating function), so it lies below
+                # its chord between the neighbouring integer orders: a valid upper bound, used
+                # where it is below the series (which is slow and loose for q near 1, a near 1).
+                lo, hi = math.floor(a), math.ceil(a)
+                chord = (hi - a) * log_a_int(lo) + (a - lo) * log_a_int(hi)
+                log_a = np.minimum(_log_a_fractional(log_q, log_1mq, ss, float(a)), chord)
+            cols[:, i] = np.maximum(log_a / (a - 1.0), 0.0)
+        out[sub] = cols
+    return out
 
 
 def rdp_poisson_gaussian(
@@ -156,15 +259,196 @@ def rdp_poisson_gaussian(
 
     Returns:
       array of ``R(a)`` per order (multiply by the number of steps to compose).
+
+    Example: ``rdp_poisson_gaussian(0.01, 1.1) * 1000`` is the curve of 1000 steps.
     """
     _check_q_sigma(q, noise_multiplier)
     arr = _check_orders(orders)
-    return _rdp_cached(float(q), float(noise_multiplier), tuple(float(a) for a in arr)).copy()
+    return _rdp_matrix(np.array([float(q)]), np.array([float(noise_multiplier)]), arr)[0]
 
 
-@functools.lru_cache(maxsize=4096)
-def _rdp_cached(q: float, s: float, orders: tuple[float, ...]) -> np.ndarray:
-    return np.array([_rdp_one(q, s, a) for a in orders])
+def _unique_units(q, s, counts):
+    q, s = _prepare_units(q, s)
+    c = np.asarray(counts, dtype=np.float64).ravel()
+    if c.shape != q.shape or np.any(c < 0):
+        raise ValueError("counts must be >= 0, one per unit")
+    keep = (c > 0) & (q > 0) & ~np.isinf(s)  # these spend nothing
+    q, s, c = q[keep], s[keep], c[keep]
+    if q.size == 0:
+        return q, s, c
+    pairs, inverse = np.unique(np.stack([q, s], axis=1), axis=0, return_inverse=True)
+    return pairs[:, 0], pairs[:, 1], np.bincount(inverse.ravel(), weights=c)
+
+
+def rdp_curve(
+    q: Sequence[float], noise_multipliers: Sequence[float], counts: Sequence[float],
+    orders: Sequence[float] = DEFAULT_ORDERS,
+) -> np.ndarray:
+    """Composed RDP curve of ``counts[i]`` steps with rate ``q[i]`` and noise ``noise_multipliers[i]``.
+
+    Identical ``(q, noise)`` pairs are merged and every order is computed for all distinct pairs
+    at once (numpy arrays over the pairs).
+
+    Example: ``rdp_curve([0.01, 0.02], [1.0, 2.0], [500, 300])``.
+    """
+    arr = _check_orders(orders)
+    q, s, c = _unique_units(q, noise_multipliers, counts)
+    if q.size == 0:
+        return np.zeros(arr.size)
+    with np.errstate(invalid="ignore"):
+        return np.nan_to_num(c @ _rdp_matrix(q, s, arr), nan=np.inf)
+
+
+def _conversion_values(a: np.ndarray, r: np.ndarray, target: float, what: str, conversion: str
+                       ) -> np.ndarray:
+    """Per order: the epsilon (``what="epsilon"``, ``target`` = delta) or the log delta
+    (``what="delta"``, ``target`` = epsilon) the curve value ``r`` implies; each is
+    non-decreasing in ``r``."""
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        if what == "epsilon":
+            if conversion == "moments":
+                v = r + math.log(1.0 / target) / (a - 1.0)
+            elif conversion == "rdp":
+                v = r + np.log1p(-1.0 / a) - (math.log(target) + np.log(a)) / (a - 1.0)
+                # KL route: delta >= sqrt(1 - exp(-R)) already gives eps = 0.
+                v = np.where(target**2 + np.expm1(-r) > 0, 0.0, v)
+            else:
+                raise ValueError(f"conversion must be 'rdp' or 'moments', got {conversion!r}")
+        else:
+            if conversion == "moments":
+                v = (a - 1.0) * (r - target)
+            elif conversion == "rdp":
+                v = (a - 1.0) * (r - target + np.log1p(-1.0 / a)) - np.log(a)
+                kl = np.where(r > 0, 0.5 * np.log1p(-np.exp(-r)), -np.inf)
+                v = np.minimum(v, kl)
+            else:
+                raise ValueError(f"conversion must be 'rdp' or 'moments', got {conversion!r}")
+    return np.where(np.isnan(v), np.inf, v)
+
+
+def _log_moment_lower_bounds(orders: np.ndarray, known: dict) -> np.ndarray:
+    """Lower bounds on ``f(a) = (a - 1) R(a)`` (the log moment ``log A_a`` of the composition)
+    at ``orders`` from its values at the ``known`` orders, by convexity: ``f`` is a log moment
+    generating function of the privacy loss, hence convex in ``a``, and ``f(1) = 0``; so beyond
+    two known points ``f`` lies above the line through them. Also ``f >= 0``."""
+    pts = sorted([(1.0, 0.0)] + [(a, v) for a, v in known.items()])
+    xs = np.array([p[0] for p in pts])
+    fs = np.array([p[1] for p in pts])
+    lb = np.zeros(orders.size)
+    pos = np.searchsorted(xs, orders)  # xs[pos - 1] < a < xs[pos]
+    last = xs.size - 1
+    with np.errstate(invalid="ignore", over="ignore"):
+        for i0 in (pos - 2, pos):  # the two known points left of a, the two right of a
+            ok = (i0 >= 0) & (i0 + 1 <= last)
+            j0, j1 = np.clip(i0, 0, last), np.clip(i0 + 1, 0, last)
+            f0, f1 = fs[j0], fs[j1]
+            ok &= np.isfinite(f0) & np.isfinite(f1) & (xs[j1] > xs[j0])
+            line = f0 + (f1 - f0) / np.where(ok, xs[j1] - xs[j0], 1.0) * (orders - xs[j0])
+            lb = np.where(ok & np.isfinite(line), np.maximum(lb, line), lb)
+    return lb
+
+
+def _kl_lower_bound(q: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """A lower bound on ``KL(mu || mu0)`` per unit (the Renyi divergence at order 1, below every
+    order's): by data processing, the binary KL of the event ``{x > t}`` (best of a few
+    thresholds ``t``), minus a round-off allowance."""
+    out = np.zeros(q.size)
+    for t in (0.5, 1.0, 2.0):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r = special.ndtr(-t / s)
+            p = (1.0 - q) * r + q * special.ndtr((1.0 - t) / s)
+            kl = special.rel_entr(p, r) + special.rel_entr(1.0 - p, 1.0 - r)
+        out = np.maximum(out, np.nan_to_num(kl - 1e-15, nan=0.0, posinf=0.0))
+    return np.maximum(out, 0.0)
+
+
+def _optimise_orders(q, s, counts, orders, target, what, conversion):
+    """Best order for the composed curve, evaluating only the orders that can be best.
+
+    A few orders (geometrically spaced, the cheapest) are evaluated first; convexity of the log
+    moment (:func:`_log_moment_lower_bounds`) then gives a lower bound on the value at every other
+    order, and only the orders whose bound beats the best value so far are evaluated (a few at a
+    time, best bound first), until none is left. The result is the optimum over all of
+    ``orders`` as the full evaluation would find it, and a valid bound in any case (every order
+    gives one)."""
+    arr = _check_orders(orders)
+    q, s, c = _unique_units(q, s, counts)
+    if q.size == 0:
+        v = _conversion_values(arr, np.zeros(arr.size), target, what, conversion)
+        i = int(np.argmin(v))
+        return float(v[i]), float(arr[i])
+    uniq = np.unique(arr)
+    known: dict = {}
+    kl_lb = float(c @ _kl_lower_bound(q, s))  # R(a) >= KL for every order a > 1
+
+    def evaluate(idx):
+        sub = uniq[idx]
+        with np.errstate(invalid="ignore"):
+            curve = np.nan_to_num(c @ _rdp_matrix(q, s, sub), nan=np.inf)
+        for a, r in zip(sub, curve):
+            known[float(a)] = r
+
+    # Seed: orders spaced by a factor >= 1.5 up to 64 (integers preferred: finite sums).
+    seed, last = [], 0.0
+    for i, a in enumerate(uniq):
+        if a <= 64 and (not seed or a >= 1.5 * last) and a.is_integer():
+            seed.append(i)
+            last = a
+    if len(seed) < 2:
+        seed = list(range(min(2, uniq.size)))
+    evaluate(np.array(seed))
+    while True:
+        ks = np.array(sorted(known))
+        vals = _conversion_values(ks, np.array([known[a] for a in ks]), target, what, conversion)
+        best = float(np.min(vals))
+        rest = np.array([i for i, a in enumerate(uniq) if float(a) not in known], dtype=int)
+        if rest.size == 0:
+            break
+        a_rest = uniq[rest]
+        f_lb = _log_moment_lower_bounds(a_rest, {a: known[a] * (a - 1.0) for a in known})
+        r_lb = np.maximum(f_lb / (a_rest - 1.0), kl_lb)
+        lb = _conversion_values(a_rest, r_lb, target, what, conversion)
+        cand = np.nonzero(lb < best - 1e-12 * abs(best))[0]
+        if cand.size == 0:
+            break
+        evaluate(rest[cand[np.argsort(lb[cand])[:8]]])
+    ks = np.array(sorted(known))
+    vals = _conversion_values(ks, np.array([known[a] for a in ks]), target, what, conversion)
+    i = int(np.argmin(vals))
+    return float(vals[i]), float(ks[i])
+
+
+def rdp_epsilon(
+    q: Sequence[float], noise_multipliers: Sequence[float], counts: Sequence[float],
+    delta: float, orders: Sequence[float] = DEFAULT_ORDERS, conversion: str = "rdp",
+) -> tuple[float, float]:
+    """``(epsilon, optimal_order)`` of the composition of ``counts[i]`` Poisson-subsampled
+    Gaussian steps ``(q[i], noise_multipliers[i])``, at ``delta``.
+
+    Equal to ``epsilon_from_rdp(orders, rdp_curve(...), delta, conversion)``, but only the orders
+    that can be optimal are computed (see :func:`_optimise_orders`), all distinct steps at once.
+
+    Example: ``rdp_epsilon([0.01] * 3, [1.0, 1.1, 1.2], [100, 100, 100], 1e-5)``.
+    """
+    _check_delta(delta)
+    eps, order = _optimise_orders(q, noise_multipliers, counts, orders, delta, "epsilon",
+                                  conversion)
+    return max(0.0, eps), order
+
+
+def rdp_delta(
+    q: Sequence[float], noise_multipliers: Sequence[float], counts: Sequence[float],
+    epsilon: float, orders: Sequence[float] = DEFAULT_ORDERS, conversion: str = "rdp",
+) -> tuple[float, float]:
+    """``(delta, optimal_order)`` at ``epsilon`` for the same composition as :func:`rdp_epsilon`.
+
+    Example: ``rdp_delta([0.01], [1.1], [1000], 2.0)``.
+    """
+    if not (isinstance(epsilon, (int, float)) and epsilon >= 0):
+        raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
+    logd, order = _optimise_orders(q, noise_multipliers, counts, orders, float(epsilon), "delta",
+                                   conversion)
+    return float(min(1.0, math.exp(min(logd, 0.0)))), order
 
 
 def rdp_gaussian(noise_multiplier: float, orders: Sequence[float] = DEFAULT_ORDERS) -> np.ndarray:
@@ -196,16 +480,7 @@ def epsilon_from_rdp(
     r = np.asarray(rdp, dtype=np.float64)
     if r.shape != a.shape:
         raise ValueError("orders and rdp must have the same length")
-    with np.errstate(invalid="ignore", over="ignore"):
-        if conversion == "moments":
-            eps = r + math.log(1.0 / delta) / (a - 1.0)
-        elif conversion == "rdp":
-            eps = r + np.log1p(-1.0 / a) - (math.log(delta) + np.log(a)) / (a - 1.0)
-            # KL route: delta >= sqrt(1 - exp(-R)) already gives eps = 0.
-            eps = np.where(delta**2 + np.expm1(-r) > 0, 0.0, eps)
-        else:
-            raise ValueError(f"conversion must be 'rdp' or 'moments', got {conversion!r}")
-    eps = np.where(np.isnan(eps), np.inf, eps)
+    eps = _conversion_values(a, r, delta, "epsilon", conversion)
     i = int(np.argmin(eps))
     return max(0.0, float(eps[i])), float(a[i])
 
@@ -225,15 +500,6 @@ def delta_from_rdp(
     r = np.asarray(rdp, dtype=np.float64)
     if r.shape != a.shape:
         raise ValueError("orders and rdp must have the same length")
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        if conversion == "moments":
-            logd = (a - 1.0) * (r - epsilon)
-        elif conversion == "rdp":
-            logd = (a - 1.0) * (r - epsilon + np.log1p(-1.0 / a)) - np.log(a)
-            kl = np.where(r > 0, 0.5 * np.log1p(-np.exp(-r)), -np.inf)
-            logd = np.minimum(logd, kl)
-        else:
-            raise ValueError(f"conversion must be 'rdp' or 'moments', got {conversion!r}")
-    logd = np.where(np.isnan(logd), np.inf, logd)
+    logd = _conversion_values(a, r, epsilon, "delta", conversion)
     i = int(np.argmin(logd))
     return float(min(1.0, math.exp(min(logd[i], 0.0)))), float(a[i])
