@@ -129,14 +129,14 @@ class OneRunBound:
 def default_guess_counts(num_canaries: int) -> list[int]:
     """Guess counts ``k`` tried by default (``k_plus = k_minus = k``): 1, 2, 5, 10, 20, 50, ...
 
-    Capped at ``num_canaries // 2``; the list is fixed by ``m`` alone, so a union bound over it is
-    valid.
+    Up to ``num_canaries // 2``, which is included (every canary guessed); the list depends on
+    ``m`` alone, so a union bound over it is valid.
     """
     ks, base = [], 1
     while base <= num_canaries // 2:
         ks += [k for k in (base, 2 * base, 5 * base) if k <= num_canaries // 2]
         base *= 10
-    return sorted(set(ks)) or [1]
+    return sorted(set(ks) | {max(num_canaries // 2, 1)})
 
 
 def epsilon_lower_bound(
