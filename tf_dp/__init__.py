@@ -57,7 +57,7 @@ _EXPORTS = {
     "compute_epsilon": "tf_dp.accounting",
 }
 
-_SUBMODULES = ("dp_query", "ledger", "accounting", "gradients", "keras", "cli", "data")
+_SUBMODULES = ("dp_query", "ledger", "accounting", "gradients", "keras", "cli", "data", "auditing")
 
 
 def __getattr__(name):

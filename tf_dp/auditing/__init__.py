@@ -42,7 +42,8 @@ def __getattr__(name):
     raise AttributeError(f"module 'tf_dp.auditing' has no attribute {name!r}")
 
 
-__all__ = sorted([
-    "clopper_pearson", "gaussian", "many_run", "many_run_epsilon_lower_bound", "mu_estimate",
-    "mu_lower_bound", "one_run", "one_run_epsilon_lower_bound", *_LAZY,
-])
+__all__ = [
+    "AuditReport", "CanaryHead", "THREAT_MODELS", "audit_dp_sgd", "clopper_pearson",
+    "draw_inclusion", "gaussian", "many_run", "many_run_epsilon_lower_bound", "mislabeled_canaries",
+    "mu_estimate", "mu_lower_bound", "one_run", "one_run_epsilon_lower_bound",
+]

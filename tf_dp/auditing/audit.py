@@ -226,7 +226,8 @@ def audit_dp_sgd(
         raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
     x, y = np.asarray(x), np.asarray(y)
     if len(x) != len(y) or len(x) < 1:
-        raise ValueError(f"x and y must have the same number of rows (>= 1), got {len(x)}, {len(y)}")
+        raise ValueError(
+            f"x and y must have the same number of rows (>= 1), got {len(x)} and {len(y)}")
     if canary_gradient_norm is not None and not (
         isinstance(canary_gradient_norm, (int, float)) and math.isfinite(canary_gradient_norm)
         and canary_gradient_norm > 0
