@@ -61,7 +61,7 @@ _EXPORTS = {
     "compute_epsilon": "tf_dp.accounting",
 }
 
-_SUBMODULES = ("dp_query", "ledger", "accounting", "gradients", "keras", "cli", "data")
+_SUBMODULES = ("dp_query", "ledger", "accounting", "gradients", "keras", "cli", "data", "auditing")
 
 
 def _require_tensorflow_backend() -> None:

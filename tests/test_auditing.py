@@ -1,0 +1,249 @@
+"""tf_dp.auditing: estimators against closed forms and dp_accounting; audits of real DP-SGD runs.
+
+The Keras audits use seeded noise (deterministic; the certificate is then marked as not a
+guarantee, but its value is what an unseeded run gets, and that is what is compared).
+"""
+
+import math
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import dp_accounting  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from scipy import special, stats  # noqa: E402
+
+from tf_dp.auditing import gaussian, many_run, one_run  # noqa: E402
+
+
+def _gaussian_eps(mu, delta):
+    """Exact epsilon of the Gaussian mechanism with sensitivity/std = mu, from dp_accounting."""
+    return dp_accounting.pld.PLDAccountant().compose(
+        dp_accounting.GaussianDpEvent(1.0 / mu)).get_epsilon(delta)
+
+
+def _gaussian_trials(mu, n, seed):
+    rng = np.random.default_rng(seed)
+    included = rng.random(n) < 0.5
+    return rng.normal(mu * included, 1.0), included
+
+
+# ---------------------------------------------------------------- Clopper-Pearson / many-run
+
+@pytest.mark.parametrize("k,n", [(0, 50), (3, 50), (25, 50), (50, 50), (7, 1000)])
+def test_clopper_pearson_is_the_binomial_tail_inversion(k, n):
+    alpha = 0.025
+    low, high = many_run.clopper_pearson(k, n, alpha)
+    if k < n:  # P[Bin(n, high) <= k] = alpha
+        assert stats.binom.cdf(k, n, high) == pytest.approx(alpha, rel=1e-6)
+    else:
+        assert high == 1.0
+    if k > 0:  # P[Bin(n, low) >= k] = alpha
+        assert stats.binom.sf(k - 1, n, low) == pytest.approx(alpha, rel=1e-6)
+    else:
+        assert low == 0.0
+
+
+def test_epsilon_from_rates_closed_form():
+    # TPR = e^eps FPR + delta exactly -> eps
+    eps, delta, fpr = 1.3, 1e-3, 0.05
+    assert many_run.epsilon_from_rates(math.exp(eps) * fpr + delta, fpr, delta) == pytest.approx(
+        eps)
+    # the complementary test: 1 - FPR = e^eps (1 - TPR) + delta
+    # (at FPR = 0.5 the first inequality allows a smaller eps, so this one decides)
+    tpr = 1.0 - (1.0 - 0.5 - delta) / math.exp(eps)
+    assert many_run.epsilon_from_rates(tpr, 0.5, delta) == pytest.approx(eps)
+
+
+@pytest.mark.parametrize("mu", [1.0, 2.0])
+def test_many_run_gaussian_mechanism_below_and_near_true_epsilon(mu):
+    # 40000 trials, 20000 used for the bound: Clopper-Pearson at 95% then resolves rates down to
+    # ~1e-4, enough for at least half of the true epsilon at delta = 1e-3 (the bound must never
+    # exceed it: it holds with probability 95% per seed, and the slack here is >= 0.5 eps).
+    delta = 1e-3
+    true = _gaussian_eps(mu, delta)
+    for seed in range(3):
+        bound = many_run.epsilon_lower_bound(*_gaussian_trials(mu, 40000, seed), delta)
+        assert 0.5 * true < bound.epsilon < true
+
+
+def test_many_run_fixed_thresholds_union_bound():
+    scores, included = _gaussian_trials(2.0, 20000, 0)
+    one = many_run.epsilon_lower_bound(scores, included, 1e-3, thresholds=[3.0])
+    many = many_run.epsilon_lower_bound(scores, included, 1e-3,
+                                        thresholds=np.linspace(2.0, 4.0, 21))
+    # a single threshold at 3 with the full level vs the same threshold at level / 21: recompute
+    tp = int((scores[included] >= 3.0).sum())
+    fp = int((scores[~included] >= 3.0).sum())
+    low, _ = many_run.clopper_pearson(tp, int(included.sum()), 0.025)
+    _, high = many_run.clopper_pearson(fp, int((~included).sum()), 0.025)
+    assert one.epsilon == pytest.approx(math.log((low - 1e-3) / high))
+    assert many.method == "fixed thresholds (21)"
+    assert many.epsilon < _gaussian_eps(2.0, 1e-3)
+
+
+# ---------------------------------------------------------------- one-run (Steinke et al. 2023)
+
+@pytest.mark.parametrize("r", [10, 100, 1000])
+def test_one_run_all_correct_pure_dp_closed_form(r):
+    # delta = 0, v = r: P[Bin(r, p) >= r] = p^r = beta  ->  eps = logit(beta^(1/r))
+    beta = 0.05
+    expected = special.logit(beta ** (1.0 / r))
+    assert one_run.epsilon_from_guesses(2 * r, r, r, 0.0, beta) == pytest.approx(expected,
+                                                                                  abs=1e-9)
+    scores = np.concatenate([np.ones(r), np.zeros(r)])
+    included = scores > 0
+    bound = one_run.epsilon_lower_bound(scores, included, 0.0, 1 - beta, guess_counts=[(r, 0)])
+    assert bound.correct == r and bound.epsilon == pytest.approx(expected, abs=1e-9)
+
+
+def _slow_p_value(m, r, v, eps, delta):
+    p = math.exp(eps) / (1 + math.exp(eps))
+    pmf = [math.comb(r, j) * p**j * (1 - p) ** (r - j) for j in range(r + 1)]
+    tail = sum(pmf[v:])
+    worst = max(sum(pmf[v - i:v]) / i for i in range(1, v + 1))
+    return min(tail + 2 * m * delta * worst, 1.0)
+
+
+@pytest.mark.parametrize("m,r,v,eps,delta", [
+    (100, 40, 35, 1.0, 1e-3), (1000, 60, 60, 3.0, 1e-5), (50, 50, 30, 0.2, 1e-2)])
+def test_one_run_p_value_matches_the_theorem_term_by_term(m, r, v, eps, delta):
+    assert one_run.p_value(m, r, v, eps, delta) == pytest.approx(
+        _slow_p_value(m, r, v, eps, delta), rel=1e-9)
+
+
+@pytest.mark.parametrize("eps0", [0.5, 1.0, 2.0])
+def test_one_run_randomized_response_is_below_and_near_its_epsilon(eps0):
+    # Every guess is right with probability e^eps0 / (1 + e^eps0) (eps0-DP randomized response):
+    # the bound holds (<= eps0) and, with r = 2000 guesses, is within ~2 binomial standard
+    # deviations of the rate, i.e. about 0.25 in epsilon.
+    m = 4000
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        included = rng.random(m) < 0.5
+        flip = rng.random(m) >= special.expit(eps0)
+        scores = np.where(included ^ flip, 1.0, -1.0) + 1e-6 * rng.random(m)
+        bound = one_run.epsilon_lower_bound(scores, included, 0.0, 0.95, guess_counts=[1000])
+        assert eps0 - 0.3 < bound.epsilon <= eps0
+
+
+def test_one_run_gaussian_mechanism_below_true_epsilon():
+    for mu in (1.0, 3.0):
+        bound = one_run.epsilon_lower_bound(*_gaussian_trials(mu, 2000, 0), 1e-5)
+        assert 0.0 < bound.epsilon < _gaussian_eps(mu, 1e-5)
+
+
+# ---------------------------------------------------------------- Gaussian DP
+
+def test_gdp_estimate_and_lower_bound_cover_true_mu():
+    mu = 1.5
+    covered = 0
+    for seed in range(10):
+        scores, included = _gaussian_trials(mu, 4000, seed)
+        est = gaussian.mu_estimate(scores, included, 0.95)
+        covered += est.low <= mu <= est.high
+        assert gaussian.mu_lower_bound(scores, included, 0.95, seed=seed).mu < mu
+    assert covered >= 8  # 95% intervals: P[<= 7 of 10 cover] < 1.2%
+    assert "ESTIMATE" in str(est)
+
+
+def test_estimators_name_bad_arguments():
+    scores, included = _gaussian_trials(1.0, 100, 0)
+    with pytest.raises(ValueError, match="confidence"):
+        many_run.epsilon_lower_bound(scores, included, 1e-5, confidence=1.5)
+    with pytest.raises(ValueError, match="delta"):
+        one_run.epsilon_lower_bound(scores, included, delta=-1)
+    with pytest.raises(ValueError, match="included"):
+        one_run.epsilon_lower_bound(scores, np.ones(100, bool), 1e-5)
+    with pytest.raises(ValueError, match="guess_counts"):
+        one_run.epsilon_lower_bound(scores, included, 1e-5, guess_counts=[80])
+
+
+# ---------------------------------------------------------------- audits of DP-SGD through fit
+
+def _audit(optimizer_fn, **kw):
+    import keras
+
+    from tf_dp.auditing import audit_dp_sgd
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    kw.setdefault("seed", 0)
+    return audit_dp_sgd(
+        model_fn=lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]),
+        optimizer_fn=optimizer_fn, x=x, y=y,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), **kw)
+
+
+def _sgd(clip=1.0, **kw):
+    import tf_dp.keras
+
+    kw.setdefault("gradient_mode", "vectorized")
+    return lambda: tf_dp.keras.DPKerasSGDOptimizer(l2_norm_clip=clip, learning_rate=0.1, **kw)
+
+
+def _certified(noise_multiplier, steps, q, delta=1e-5):
+    from tf_dp.accounting import dp_sgd_epsilon
+
+    return dp_sgd_epsilon(1000, q * 1000, noise_multiplier, delta, steps=steps).epsilon
+
+
+def test_dirac_canary_goes_through_clipping_exactly():
+    # No noise, full batch: every included canary's gradient (norm 10) is clipped to C = 1 and
+    # divided by the batch size (64 real rows + k canaries) each step; excluded canaries stay 0.
+    report = _audit(_sgd(noise_multiplier=0.0), sampling_probability=1.0, steps=3,
+                    num_canaries=20)
+    k = int(report.included.sum())
+    expected = 3 * 0.1 * 1.0 / (64 + k)
+    np.testing.assert_allclose(report.scores[report.included], expected, rtol=1e-5)
+    np.testing.assert_array_equal(report.scores[~report.included], 0.0)
+
+
+@pytest.mark.parametrize("q,noise,steps", [(1.0, 2.0, 10), (1.0, 4.0, 8), (0.5, 1.0, 10)])
+def test_correct_mechanism_never_audits_above_its_certificate(q, noise, steps):
+    for seed in range(2):
+        report = _audit(_sgd(noise_multiplier=noise, noise_seed=seed), sampling_probability=q,
+                        steps=steps, num_canaries=600, seed=seed)
+        assert report.lower_bound <= report.certified.epsilon
+        assert not report.violation, str(report)
+    assert report.certified.epsilon == pytest.approx(_certified(noise, steps, q), rel=0.05)
+
+
+def test_no_noise_audits_far_above_the_correct_certificate():
+    certified = _certified(10.0, 10, 1.0)  # the configuration that was meant: sigma = 10
+    report = _audit(_sgd(noise_multiplier=0.0), sampling_probability=1.0, steps=10,
+                    num_canaries=600)
+    assert report.lower_bound > 4.0 > 3 * certified
+    assert report.one_run.correct == report.one_run.guesses  # perfect separation
+
+
+def test_disabled_clip_audits_far_above_the_correct_certificate():
+    # Clip 1e4 with the noise meant for clip 1: canaries of norm 100 pass unclipped, noise std 10.
+    certified = _certified(10.0, 10, 1.0)
+    report = _audit(_sgd(clip=1e4, noise_stddev=10.0, noise_seed=0), sampling_probability=1.0,
+                    steps=10, num_canaries=600, canary_gradient_norm=100.0)
+    assert report.lower_bound > 4.0 > 3 * certified
+
+
+def test_black_box_audit_reports_consistent_bounds():
+    report = _audit(_sgd(noise_multiplier=1.0, noise_seed=0), sampling_probability=0.5,
+                    steps=5, num_canaries=40, threat_model="black_box", num_classes=2)
+    assert report.many_run is None and report.gdp_estimate is None  # canaries share a model
+    assert 0.0 <= report.lower_bound <= report.certified.epsilon
+    text = str(report)
+    assert "black-box" in text and "certified" in text and "one-run" in text
+
+
+def test_audit_refuses_bad_arguments_before_training():
+    with pytest.raises(ValueError, match="threat_model"):
+        _audit(_sgd(noise_multiplier=1.0), threat_model="grey")
+    with pytest.raises(ValueError, match="sampling_probability"):
+        _audit(_sgd(noise_multiplier=1.0), sampling_probability=0.0)
+    with pytest.raises(ValueError, match="num_classes"):
+        _audit(_sgd(noise_multiplier=1.0), threat_model="black_box")
+    with pytest.raises(TypeError, match="DP optimizer"):
+        import keras
+
+        _audit(lambda: keras.optimizers.SGD(0.1))

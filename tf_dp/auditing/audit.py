@@ -1,0 +1,303 @@
+"""Audit a DP-SGD configuration end to end: train with canaries, attack, report.
+
+:func:`audit_dp_sgd` trains fresh private models (``tf_dp.keras.make_private`` + the DP optimizer
+you build, through the ordinary ``model.fit`` on ``tf_dp.data.poisson_batches``) with canaries
+included at random, scores the canaries, and returns an :class:`AuditReport`: the certified
+epsilon from each run's ledger next to the measured lower bounds.
+
+Example::
+
+    import keras, numpy as np, tf_dp
+    from tf_dp.auditing import audit_dp_sgd
+
+    report = audit_dp_sgd(
+        model_fn=lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]),
+        optimizer_fn=lambda: tf_dp.keras.DPKerasSGDOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=2.0, learning_rate=0.1,
+            gradient_mode="vectorized"),
+        x=x, y=y, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        sampling_probability=1.0, steps=10, num_canaries=1000, delta=1e-5)
+    print(report)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Optional
+
+import keras
+import numpy as np
+
+from tf_dp.accounting import compute_epsilon
+from tf_dp.accounting.ledger_analysis import PrivacyResult
+from tf_dp.auditing import _checks, gaussian, many_run, one_run
+from tf_dp.auditing.canaries import (
+    CanaryHead,
+    draw_inclusion,
+    mislabeled_canaries,
+    per_example_output_loss,
+)
+
+__all__ = ["AuditReport", "audit_dp_sgd", "THREAT_MODELS"]
+
+#: ``white_box``: Dirac gradient canaries, all iterates visible (their sum is the score);
+#: ``black_box``: mislabeled input canaries, the final model's loss is the score.
+THREAT_MODELS = ("white_box", "black_box")
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+    """What an audit measured, beside what the ledger certifies.
+
+    Attributes:
+      certified: the largest certified statement over the trainings (each canary is in one
+        training only, so this is the guarantee the audit tests).
+      one_run: Steinke et al. 2023 bound over all canaries (valid whatever their dependence).
+      many_run: Clopper-Pearson bound treating canaries as independent trials (white-box Dirac
+        canaries under Poisson sampling, or black-box with one canary per training), else None.
+      gdp_bound: ``mu`` lower bound (Clopper-Pearson, split threshold) and its epsilon, valid when
+        the mechanism is Gaussian-DP (exactly so for full-batch DP-SGD); None when ``many_run`` is.
+      gdp_estimate: white-box only: ``mu`` from the mean/std of the scores, an ESTIMATE.
+      threat_model: ``"white_box"`` or ``"black_box"``.
+      num_canaries: canaries per training.
+      trainings: number of trainings.
+      sampling_probability: Poisson rate ``q`` of the trainings.
+      scores, included: every canary's score and inclusion (all trainings, in order).
+      minutes: wall-clock minutes of the audit.
+    """
+
+    certified: PrivacyResult
+    one_run: one_run.OneRunBound
+    many_run: Optional[many_run.ManyRunBound]
+    gdp_bound: Optional[gaussian.GaussianEstimate]
+    gdp_estimate: Optional[gaussian.GaussianEstimate]
+    threat_model: str
+    num_canaries: int
+    trainings: int
+    sampling_probability: float
+    scores: np.ndarray = dataclasses.field(repr=False)
+    included: np.ndarray = dataclasses.field(repr=False)
+    minutes: float = 0.0
+
+    @property
+    def lower_bound(self) -> float:
+        """The largest ``(eps, delta)`` lower bound that needs no assumption on the mechanism."""
+        bounds = [self.one_run.epsilon]
+        if self.many_run is not None:
+            bounds.append(self.many_run.epsilon)
+        return max(bounds)
+
+    @property
+    def violation(self) -> bool:
+        """True when a measured bound exceeds the certified epsilon (the certificate is wrong).
+
+        Counts :attr:`lower_bound`, and the GDP bound for full-batch runs, where DP-SGD is exactly
+        Gaussian-DP.
+        """
+        measured = self.lower_bound
+        if self.gdp_bound is not None and self.sampling_probability == 1.0:
+            measured = max(measured, self.gdp_bound.epsilon)
+        return measured > self.certified.epsilon
+
+    def __str__(self) -> str:
+        c = self.certified
+        seeded = " (seeded noise: no guarantee, the figure an unseeded run would get)" if (
+            c.noise_seeds) else ""
+        threat = ("white-box: Dirac gradient canaries, every iterate visible (score: the sum of "
+                  "the noised updates on the canary's coordinate)"
+                  if self.threat_model == "white_box" else
+                  "black-box: mislabeled input canaries, final model only (score: minus the loss)")
+        lines = [
+            f"Privacy audit ({self.trainings} training(s) x {self.num_canaries} canaries, each "
+            f"included with probability 1/2; Poisson rate q = {self.sampling_probability:g}; "
+            f"{self.minutes:.1f} min)",
+            f"  threat model: {threat}",
+            f"  certified [{c.accountant}]: epsilon = {c.epsilon:.3f} at delta = {c.delta:.3g}"
+            f"{seeded}",
+            f"  {self.one_run}",
+        ]
+        if self.many_run is not None:
+            lines.append(f"  {self.many_run}")
+        if self.gdp_bound is not None:
+            lines.append(f"  {self.gdp_bound}")
+        if self.gdp_estimate is not None:
+            lines.append(f"  {self.gdp_estimate}")
+        ratio = self.lower_bound / c.epsilon if c.epsilon > 0 else math.inf
+        lines.append(f"  audited lower bound / certified = {ratio:.2f}")
+        if self.violation:
+            lines.append("  VIOLATION: a measured lower bound exceeds the certified epsilon: the "
+                         "mechanism or its accounting is broken.")
+        else:
+            lines.append("  consistent: no measured bound exceeds the certified epsilon (an audit "
+                         "can show a certificate wrong, never prove it right).")
+        return "\n".join(lines)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _default_canary_norm(optimizer) -> float:
+    clip = optimizer.get_config().get("l2_norm_clip")
+    if not isinstance(clip, (int, float)) or isinstance(clip, bool):
+        raise ValueError(
+            "canary_gradient_norm is needed when the optimizer's l2_norm_clip is not a number "
+            f"(got {clip!r}); pass a norm >= the largest clip"
+        )
+    return 10.0 * float(clip)
+
+
+def _white_box_model(model_fn, x, y, loss, num_canaries, norm):
+    base = model_fn()
+    x_in = keras.Input(shape=x.shape[1:], dtype=str(x.dtype), name="x")
+    y_in = keras.Input(shape=y.shape[1:], dtype=str(y.dtype), name="y")
+    id_in = keras.Input(shape=(), dtype="int32", name="canary_id")
+    out = CanaryHead(num_canaries, loss, norm, name="canary_head")([base(x_in), y_in, id_in])
+    return keras.Model({"x": x_in, "y": y_in, "canary_id": id_in}, out)
+
+
+def audit_dp_sgd(
+    model_fn: Callable[[], keras.Model],
+    optimizer_fn: Callable[[], keras.optimizers.Optimizer],
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    loss: Any,
+    sampling_probability: float = 1.0,
+    steps: int = 10,
+    num_canaries: int = 1000,
+    trainings: int = 1,
+    threat_model: str = "white_box",
+    canary_gradient_norm: Optional[float] = None,
+    num_classes: Optional[int] = None,
+    delta: float = 1e-5,
+    confidence: float = 0.95,
+    accountant: str = "rdp",
+    seed: Optional[int] = None,
+) -> AuditReport:
+    """Train ``trainings`` private models with canaries and audit them.
+
+    Args:
+      model_fn: builds a fresh (non-private) Keras model; it is made private here.
+      optimizer_fn: builds a fresh tf_dp DP optimizer (its ledger gives the certified epsilon).
+      x, y: real training data (numpy arrays, one row per example).
+      loss: the Keras loss (name, function or ``keras.losses.Loss``).
+      sampling_probability: Poisson rate ``q`` in (0, 1]; 1 is full-batch DP-SGD.
+      steps: DP steps per training (one ``fit`` epoch of that many Poisson batches).
+      num_canaries: canaries per training, ``m >= 2``.
+      trainings: independent trainings; their canaries are pooled.
+      threat_model: ``"white_box"`` (Dirac gradient canaries) or ``"black_box"`` (mislabeled
+        canaries: ``num_canaries`` rows of ``x`` are taken out of the real data, relabelled).
+      canary_gradient_norm: white-box: the canary gradients' norm; default 10 x the optimizer's
+        ``l2_norm_clip`` (clipping brings it to the clip; a broken clip lets it through).
+      num_classes: black-box: number of classes of the integer labels ``y``.
+      delta: the delta of every ``(eps, delta)`` figure, in (0, 1).
+      confidence: confidence level of the bounds, in (0, 1).
+      accountant: for the certified epsilon (see ``tf_dp.accounting.compute_epsilon``).
+      seed: canary inclusion, relabelling and Poisson sampling (None: OS entropy). The noise
+        is the optimizer's (its own ``noise_seed``).
+
+    Returns:
+      An :class:`AuditReport`.
+    """
+    import tensorflow as tf  # noqa: F401  (the Keras backend)
+
+    import tf_dp.keras as dpk
+    from tf_dp.accounting.ledger_analysis import ACCOUNTANTS
+    from tf_dp.data import poisson_batches
+
+    if threat_model not in THREAT_MODELS:
+        raise ValueError(f"threat_model must be one of {THREAT_MODELS}, got {threat_model!r}")
+    q = sampling_probability
+    if not (isinstance(q, (int, float)) and not isinstance(q, bool) and 0.0 < q <= 1.0):
+        raise ValueError(f"sampling_probability must be in (0, 1], got {q!r}")
+    steps = _positive_int("steps", steps)
+    m = _positive_int("num_canaries", num_canaries)
+    if m < 2:
+        raise ValueError(f"num_canaries must be an integer >= 2, got {num_canaries!r}")
+    trainings = _positive_int("trainings", trainings)
+    delta = _checks.probability("delta", delta)
+    confidence = _checks.probability("confidence", confidence)
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+    x, y = np.asarray(x), np.asarray(y)
+    if len(x) != len(y) or len(x) < 1:
+        raise ValueError(
+            f"x and y must have the same number of rows (>= 1), got {len(x)} and {len(y)}")
+    if canary_gradient_norm is not None and not (
+        isinstance(canary_gradient_norm, (int, float)) and math.isfinite(canary_gradient_norm)
+        and canary_gradient_norm > 0
+    ):
+        raise ValueError(
+            f"canary_gradient_norm must be a finite number > 0, got {canary_gradient_norm!r}")
+    if threat_model == "black_box":
+        if num_classes is None:
+            raise ValueError("num_classes (an integer >= 2) is needed for black_box audits")
+        if len(x) <= m:
+            raise ValueError(
+                f"black_box audits take num_canaries rows out of x: need len(x) > num_canaries "
+                f"({len(x)} <= {m})")
+
+    rng = np.random.default_rng(seed)
+    start = time.time()
+    scores, included, certificates = [], [], []
+    for _ in range(trainings):
+        inc = draw_inclusion(m, rng)
+        optimizer = optimizer_fn()
+        if not getattr(optimizer, "_tf_dp_optimizer", False):
+            raise TypeError(
+                "optimizer_fn must return a tf_dp DP optimizer (e.g. "
+                f"tf_dp.keras.DPKerasSGDOptimizer), got {type(optimizer).__name__}")
+        batch_seed = int(rng.integers(0, 2**62))
+        if threat_model == "white_box":
+            norm = (canary_gradient_norm if canary_gradient_norm is not None
+                    else _default_canary_norm(optimizer))
+            model = dpk.make_private(_white_box_model(model_fn, x, y, loss, m, norm))
+            model.compile(optimizer=optimizer, loss=per_example_output_loss)
+            k = int(inc.sum())
+            feats = {
+                "x": np.concatenate([x, np.zeros((k,) + x.shape[1:], x.dtype)]),
+                "y": np.concatenate([y, np.zeros((k,) + y.shape[1:], y.dtype)]),
+                "canary_id": np.concatenate(
+                    [np.full(len(x), -1, np.int32), np.flatnonzero(inc).astype(np.int32)]),
+            }
+            targets = np.zeros(len(x) + k, np.float32)
+            head = model.get_layer("canary_head")
+            batches = poisson_batches(feats, targets, sampling_probability=q,
+                                      steps_per_epoch=steps, seed=batch_seed)
+            model.fit(batches, epochs=1, verbose=0)
+            scores.append(np.asarray(keras.ops.convert_to_numpy(head.canary_weights),
+                                     np.float64).copy())
+        else:
+            order = rng.permutation(len(x))
+            pool, real = order[:m], order[m:]
+            x_c, y_c = mislabeled_canaries(x[pool], y[pool], num_classes, rng)
+            model = dpk.make_private(model_fn())
+            model.compile(optimizer=optimizer, loss=loss)
+            x_train = np.concatenate([x[real], x_c[inc]])
+            y_train = np.concatenate([y[real], y_c[inc]])
+            batches = poisson_batches(x_train, y_train, sampling_probability=q,
+                                      steps_per_epoch=steps, seed=batch_seed)
+            model.fit(batches, epochs=1, verbose=0)
+            per_example = CanaryHead(1, loss, 1.0)._loss_fn
+            pred = model.predict(x_c, verbose=0)
+            scores.append(-np.asarray(keras.ops.convert_to_numpy(per_example(y_c, pred)),
+                                      np.float64))
+        included.append(inc)
+        certificates.append(compute_epsilon(optimizer.ledger, delta, accountant))
+    s, inc = np.concatenate(scores), np.concatenate(included)
+    certified = max(certificates, key=lambda r: r.epsilon)
+    one = one_run.epsilon_lower_bound(s, inc, delta, confidence)
+    independent = threat_model == "white_box" or m == 1
+    many = gdp_lb = gdp_est = None
+    if independent and inc.sum() >= 2 and (~inc).sum() >= 2:
+        many = many_run.epsilon_lower_bound(s, inc, delta, confidence)
+        gdp_lb = gaussian.mu_lower_bound(s, inc, confidence, delta)
+    if threat_model == "white_box":
+        gdp_est = gaussian.mu_estimate(s, inc, confidence, delta)
+    return AuditReport(certified, one, many, gdp_lb, gdp_est, threat_model, m, trainings,
+                       float(q), s, inc, (time.time() - start) / 60.0)
