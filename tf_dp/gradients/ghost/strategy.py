@@ -389,15 +389,18 @@ class GhostStrategy(base.GradientStrategy):
         return plan
 
     def supports(self, model: Optional[Any]) -> Optional[str]:
+        """``None`` for any built model with trainable variables: variables of layers without a
+        norm rule get per-example gradients in the same step (``mode == "mixed"``)."""
         if model is None:
             return "the ghost strategy needs the model"
         if not getattr(model, "built", True) or not model.trainable_variables:
             return "the model is not built (or has no trainable variables)"
-        plan = self._plan_for(model, list(model.trainable_variables))
-        if not plan.ghost:
-            reasons = "; ".join(str(r) for _, r, _ in plan.local[:3])
-            return f"no layer of the model has a ghost norm rule ({reasons})"
+        self._plan_for(model, list(model.trainable_variables))
         return None
+
+    def has_rules(self, model: Any) -> bool:
+        """True when a norm rule covers at least one of ``model``'s trainable variables."""
+        return bool(self._plan_for(model, list(model.trainable_variables)).ghost)
 
     def __repr__(self) -> str:
         return f"GhostStrategy(mode={self.mode!r}, description={self.description!r})"
