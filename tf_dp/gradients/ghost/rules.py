@@ -115,9 +115,24 @@ def registered_layer_classes() -> tuple[type, ...]:
     return tuple(_RULES)
 
 
+_KERAS_HUB_RULES = {"loaded": False}
+
+
+def _load_keras_hub_rules() -> None:
+    """Registers the rules for keras-hub layers the first time a keras-hub layer is met (so that
+    importing tf_dp never imports keras-hub)."""
+    _KERAS_HUB_RULES["loaded"] = True
+    from tf_dp.gradients.ghost import embeddings, normalization
+
+    embeddings.register_keras_hub()
+    normalization.register_keras_hub()
+
+
 def find_rule(layer: Any) -> tuple[Optional[RuleEntry], Optional[str]]:
     """The rule entry for ``layer`` (or None, with the reason)."""
     cls = type(layer)
+    if not _KERAS_HUB_RULES["loaded"] and cls.__module__.startswith("keras_hub"):
+        _load_keras_hub_rules()
     for base in cls.__mro__:
         entry = _RULES.get(base)
         if entry is None:
@@ -443,9 +458,11 @@ def _register_builtins() -> None:
     register_layer_norm_rule(L.Embedding, embedding_rule, supports=_plain)
     register_layer_norm_rule(L.LayerNormalization, layer_norm_rule)
     register_layer_norm_rule(L.GroupNormalization, group_norm_rule)
-    from tf_dp.gradients.ghost import recurrent
+    from tf_dp.gradients.ghost import embeddings, normalization, recurrent
 
     recurrent.register()
+    embeddings.register()
+    normalization.register()
 
 
 _register_builtins()
