@@ -36,6 +36,8 @@ setup(
             "nbformat>=5.7",
             "ipykernel>=6.0",
             "matplotlib>=3.7",
+            # tests/test_finetuning.py builds keras-hub models from tiny configs
+            "keras-hub>=0.32,<0.33",
         ],
         "tutorials": [
             "matplotlib>=3.7",

@@ -157,7 +157,9 @@ def test_xla():
     data = (tf.constant(ids), tf.constant(y), tf.constant(mask))
     ref = [np.asarray(g) for g in _sum_fn(LoopReference(), model, (ids, y, mask))()]
     scale = max(np.abs(g).max() for g in ref)
-    xla = _sum_fn(GhostStrategy(), model, data, True)()
+    strategy = GhostStrategy()
+    xla = _sum_fn(strategy, model, data, True)()
+    assert strategy.mode == "ghost", strategy.description  # every variable by a rule
     for got, want in zip(xla, ref):
         np.testing.assert_allclose(np.asarray(got) / scale, want / scale, rtol=0, atol=RTOL)
 
