@@ -256,7 +256,8 @@ def vectorized_map_blocker(model: Optional[Any]) -> Optional[str]:
 
     On TF 2.21, vectorising the gradient of an ``EinsumDense`` whose kernel has rank >= 3 (every
     ``MultiHeadAttention`` has some) kills the process with a segmentation fault inside
-    TensorFlow, so the strategies built on it refuse such models up front.
+    TensorFlow, so the strategies built on it refuse such models up front (each strategy adds
+    what to use instead).
     """
     if model is None:
         return None
@@ -272,7 +273,7 @@ def vectorized_map_blocker(model: Optional[Any]) -> Optional[str]:
             return (
                 f"layer {layer.name!r} (EinsumDense with a rank-{len(kernel.shape)} kernel, e.g. "
                 "inside MultiHeadAttention) crashes TensorFlow's vectorized_map (segmentation "
-                "fault in TF 2.21); use gradient_mode='ghost' or 'auto', which cover it"
+                "fault in TF 2.21)"
             )
     return None
 

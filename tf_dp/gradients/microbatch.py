@@ -56,7 +56,13 @@ class MicrobatchStrategy(base.GradientStrategy):
     name = "microbatch"
 
     def supports(self, model):
-        return base.vectorized_map_blocker(model)
+        reason = base.vectorized_map_blocker(model)
+        if reason is None:
+            return None
+        return (
+            reason + "; microbatch gradients are computed with vectorized_map: leave "
+            "num_microbatches unset and use gradient_mode='ghost' or 'auto', which cover it"
+        )
 
     def __init__(self, num_microbatches: int, seed: Optional[int] = None):
         if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or (

@@ -46,20 +46,30 @@ def make_strategy(
 ) -> GradientStrategy:
     """Builds the strategy for ``gradient_mode``.
 
-    ``"auto"``: with ``num_microbatches`` set, ``microbatch``; otherwise ``ghost`` when at least
-    one layer of ``model`` has a ghost norm rule (layers without one get per-example gradients of
-    their own variables in the same step: ``ghost`` strategy in mode ``"mixed"``), else
-    ``vectorized``.
+    ``"auto"``: with ``num_microbatches`` set, ``microbatch``. Otherwise ``ghost`` when at least
+    one layer holding trainable variables has a ghost norm rule, or when ``tf.vectorized_map``
+    cannot take per-example gradients of ``model`` (layers without a rule then get per-example
+    gradients of their own variables in the same step: ``ghost`` strategy in mode ``"mixed"``);
+    else ``vectorized``. Only trainable variables count: a frozen backbone with LoRA factors or a
+    new head is planned from the trainable variables alone.
+
+    Example::
+
+        strategy = make_strategy("auto", model=model)
+        strategy.description   # e.g. "ghost" (ghost strategy) -- see GhostStrategy
     """
     _load_optional()
     if gradient_mode == "auto":
         if num_microbatches is not None:
             return MicrobatchStrategy(num_microbatches)
+        vectorized = VectorizedStrategy()
         if "ghost" in _FACTORIES and model is not None:
             ghost = _FACTORIES["ghost"](**options)
-            if ghost.supports(model) is None:
+            if ghost.supports(model) is None and (
+                ghost.has_rules(model) or vectorized.supports(model) is not None
+            ):
                 return ghost
-        return VectorizedStrategy()
+        return vectorized
     if gradient_mode == "microbatch":
         if num_microbatches is None:
             raise ValueError("gradient_mode='microbatch' needs num_microbatches (an integer >= 1)")

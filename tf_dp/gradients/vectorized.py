@@ -248,7 +248,10 @@ class VectorizedStrategy(base.GradientStrategy):
     name = "vectorized"
 
     def supports(self, model):
-        return base.vectorized_map_blocker(model)
+        reason = base.vectorized_map_blocker(model)
+        if reason is None:
+            return None
+        return reason + "; gradient_mode='ghost' covers it ('auto' picks ghost for this model)"
 
     def __init__(
         self,

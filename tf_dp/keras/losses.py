@@ -37,6 +37,20 @@ def _to_per_example(values: tf.Tensor, batch: tf.Tensor) -> tf.Tensor:
     return tf.reduce_mean(tf.reshape(values, [batch, -1]), axis=1)
 
 
+def _weights_like(sample_weight: Any, values: tf.Tensor) -> tf.Tensor:
+    """``sample_weight`` broadcastable against the unreduced loss ``values``: per-example weights
+    ``[B]`` (or ``[B, 1]``) get trailing axes of size 1, per-time-step weights ``[B, T]`` stay."""
+    w = tf.cast(tf.convert_to_tensor(sample_weight), values.dtype)
+    rank, w_rank = values.shape.rank, w.shape.rank
+    if rank is None or w_rank is None:
+        return w
+    if w_rank == rank + 1 and w.shape[-1] == 1:
+        return tf.squeeze(w, -1)
+    if w_rank < rank:
+        return tf.reshape(w, tf.concat([tf.shape(w), tf.ones([rank - w_rank], tf.int32)], 0))
+    return w
+
+
 class PerExampleLoss:
     """``loss_fn(x, y, sample_weight) -> (per_example_losses [B], y_pred)`` for a compiled model.
 
@@ -240,10 +254,9 @@ class PerExampleLoss:
 
     @staticmethod
     def _one(loss_fn, y, y_pred, sample_weight, batch):
-        if isinstance(loss_fn, keras.losses.Loss):
-            values = loss_fn(y, y_pred, sample_weight=sample_weight)
-            return _to_per_example(values, batch)
-        values = _to_per_example(loss_fn(y, y_pred), batch)
+        # the unreduced values ([B] or [B, T, ...], a mask of y_pred already applied), then the
+        # sample weight: one per example ([B], e.g. Poisson padding) or per time step
+        values = tf.convert_to_tensor(loss_fn(y, y_pred))
         if sample_weight is not None:
-            values *= tf.reshape(tf.cast(sample_weight, values.dtype), [batch])
-        return values
+            values = values * _weights_like(sample_weight, values)
+        return _to_per_example(values, batch)

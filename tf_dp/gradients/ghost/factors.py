@@ -105,7 +105,7 @@ class PerExample:
         self.grads = _f32(self.grads)
 
 
-Factor = (Outer, Rows, PerExample)
+Factor = (Outer, Rows, PerExample)  # what a rule returns (RowsPlus is built by combine)
 
 
 # -- combining the factors of several calls --------------------------------------------------------
@@ -129,9 +129,22 @@ def combine(factors: list, variable_shape: Sequence[int]):
             tf.concat([f.g for f in factors], axis=1),
             factors[0].num_rows,
         )
-    if Rows in kinds:
-        raise TypeError("a variable described by Rows in one call must be described by Rows in all")
+    if Rows in kinds:  # a tied table: looked up (Rows) and used as a matrix (Outer/PerExample)
+        rows = combine([f for f in factors if isinstance(f, Rows)], variable_shape)
+        dense = combine([f for f in factors if not isinstance(f, Rows)], variable_shape)
+        return RowsPlus(rows, dense)
     return PerExample(tf.add_n([materialize(f, variable_shape) for f in factors]))
+
+
+@dataclasses.dataclass
+class RowsPlus:
+    """The per-example gradient ``R + M`` of a ``[V, D]`` table used both as a lookup table
+    (``R``, :class:`Rows`) and as a matrix (``M``, :class:`Outer` or :class:`PerExample`), e.g. a
+    tied input/output embedding. Its squared norm is ``|R|^2 + |M|^2 + 2 <R, M>``; the cross term
+    reads ``M`` only at the looked-up rows (see :func:`_rows_inner`). Built by :func:`combine`."""
+
+    rows: Rows
+    dense: object
 
 
 def _same_layout(factors) -> bool:
@@ -218,6 +231,12 @@ def squared_norm_and_sum(f, variable_shape):
         )
     if isinstance(f, Rows):
         return _rows_sq(f), lambda w: _rows_weighted(f, w, variable_shape)
+    if isinstance(f, RowsPlus):
+        sq_r, sum_r = squared_norm_and_sum(f.rows, variable_shape)
+        sq_m, sum_m = squared_norm_and_sum(f.dense, variable_shape)
+        # exact up to rounding; rounding must not make a squared norm negative
+        sq = tf.maximum(sq_r + sq_m + 2.0 * _rows_inner(f.rows, f.dense, variable_shape), 0.0)
+        return sq, lambda w: sum_r(w) + sum_m(w)
     raise TypeError(f"a norm rule returned {type(f).__name__}; expected Outer, Rows or PerExample")
 
 
@@ -259,3 +278,24 @@ def _rows_weighted(f: Rows, w: tf.Tensor, variable_shape) -> tf.Tensor:
         tf.reshape(g, [-1, d]), tf.reshape(f.ids, [-1]), tf.cast(f.num_rows, tf.int64)
     )
     return tf.reshape(out, variable_shape)
+
+
+def _rows_inner(r: Rows, m, variable_shape) -> tf.Tensor:
+    """Per-example ``<R, M>``: ``sum_t <r.g[b, t], M_b[ids[b, t]]>``.
+
+    For ``M = Outer(a [B, S, V], g [B, S, D])`` (``M_b = sum_s a_s g_s^T``, no reshape):
+    ``sum_{t, s} a[b, s, ids[b, t]] (r.g[b, t] . g[b, s])``, cost ``B T S (D + 1)``; otherwise
+    ``M`` is materialised and its looked-up rows are gathered."""
+    ids = r.ids
+    if (
+        isinstance(m, Outer)
+        and m.unflat_shape is None
+        and m.perm is None
+        and m.a.shape[2] == variable_shape[0]
+    ):
+        a_at = tf.gather(m.a, ids, axis=2, batch_dims=1)  # [B, S, T]
+        gg = tf.matmul(m.g, r.g, transpose_b=True)  # [B, S, T]
+        return tf.reduce_sum(a_at * gg, axis=[1, 2])
+    full = materialize(m, variable_shape)  # [B, V, D]
+    picked = tf.gather(full, ids, axis=1, batch_dims=1)  # [B, T, D]
+    return tf.reduce_sum(picked * r.g, axis=[1, 2])

@@ -115,9 +115,24 @@ def registered_layer_classes() -> tuple[type, ...]:
     return tuple(_RULES)
 
 
+_KERAS_HUB_RULES = {"loaded": False}
+
+
+def _load_keras_hub_rules() -> None:
+    """Registers the rules for keras-hub layers the first time a keras-hub layer is met (so that
+    importing tf_dp never imports keras-hub)."""
+    _KERAS_HUB_RULES["loaded"] = True
+    from tf_dp.gradients.ghost import embeddings, normalization
+
+    embeddings.register_keras_hub()
+    normalization.register_keras_hub()
+
+
 def find_rule(layer: Any) -> tuple[Optional[RuleEntry], Optional[str]]:
     """The rule entry for ``layer`` (or None, with the reason)."""
     cls = type(layer)
+    if not _KERAS_HUB_RULES["loaded"] and cls.__module__.startswith("keras_hub"):
+        _load_keras_hub_rules()
     for base in cls.__mro__:
         entry = _RULES.get(base)
         if entry is None:
@@ -146,10 +161,23 @@ def _batch(t):
 
 def _plain(layer) -> Optional[str]:
     if getattr(layer, "lora_enabled", False):
-        return f"{layer.name}: LoRA-enabled layers have no built-in norm rule"
+        return f"{layer.name}: LoRA-enabled layers of this kind have no built-in norm rule"
+    return _not_quantized(layer)
+
+
+def _not_quantized(layer) -> Optional[str]:
     if getattr(layer, "quantization_mode", None) is not None:
         return f"{layer.name}: quantized layers have no built-in norm rule"
     return None
+
+
+def _trainable(v) -> bool:
+    return v is not None and bool(getattr(v, "trainable", True))
+
+
+def kernel_variable(layer):
+    """The kernel *variable* of a Dense/EinsumDense (``layer.kernel`` is a tensor under LoRA)."""
+    return getattr(layer, "_kernel", None) if hasattr(layer, "_kernel") else layer.kernel
 
 
 def _bias_per_example(g, bias):
@@ -162,11 +190,25 @@ def _bias_per_example(g, bias):
 # -- Dense ----------------------------------------------------------------------------------------
 
 
+def _dense_supports(layer) -> Optional[str]:
+    return _not_quantized(layer)
+
+
 def dense_rule(layer, inputs, grad_output):
+    """Kernel ``Outer(x, g)``, bias, and (with LoRA enabled) the LoRA factors."""
     x, g = _f32(inputs), _f32(grad_output)
-    d, p = layer.kernel.shape
-    out = [(layer.kernel, Outer(tf.reshape(x, [_batch(x), -1, d]), tf.reshape(g, [_batch(g), -1, p])))]
-    if layer.bias is not None:
+    kernel = kernel_variable(layer)
+    d, p = kernel.shape
+    x = tf.reshape(x, [_batch(x), -1, d])
+    g = tf.reshape(g, [_batch(g), -1, p])
+    out = []
+    if _trainable(kernel):
+        out.append((kernel, Outer(x, g)))
+    if getattr(layer, "lora_enabled", False):
+        from tf_dp.gradients.ghost.lora import lora_factors
+
+        out.extend(lora_factors(layer, "btc,cd->btd", x, g))
+    if _trainable(layer.bias):
         out.append((layer.bias, _bias_per_example(g, layer.bias)))
     return out
 
@@ -181,9 +223,9 @@ def _parse_einsum(equation: str):
 
 
 def _einsum_supports(layer) -> Optional[str]:
-    plain = _plain(layer)
-    if plain:
-        return plain
+    reason = _not_quantized(layer)
+    if reason:
+        return reason
     try:
         x_spec, k_spec, o_spec = _parse_einsum(layer.equation)
     except ValueError:
@@ -196,12 +238,15 @@ def _einsum_supports(layer) -> Optional[str]:
         return f"{layer.name}: kernel axes must appear in the input or the output"
     if layer.bias_axes and o_spec[0] in layer.bias_axes:
         return f"{layer.name}: a bias over the batch axis is not supported"
+    if getattr(layer, "lora_enabled", False) and (k_spec[-1] in x_spec or k_spec[-1] not in o_spec):
+        return f"{layer.name}: LoRA needs the kernel's last axis to be an output-only axis"
     return None
 
 
-def einsum_dense_rule(layer, inputs, grad_output):
-    x_spec, k_spec, o_spec = _parse_einsum(layer.equation)
-    x, g = _f32(inputs), _f32(grad_output)
+def einsum_kernel_factor(equation: str, x, g, kernel_shape):
+    """The factor of the per-example gradient of ``kernel`` in ``einsum(equation, x, kernel)``
+    (batch on the first axis of ``x`` and the output; ``g`` the output gradient)."""
+    x_spec, k_spec, o_spec = _parse_einsum(equation)
     b = x_spec[0]
     xs, ks, os_ = set(x_spec), set(k_spec), set(o_spec)
     # Sum away input axes that appear nowhere else.
@@ -211,40 +256,44 @@ def einsum_dense_rule(layer, inputs, grad_output):
         x = tf.einsum(f"{x_spec}->{x_spec_r}", x)
         x_spec = x_spec_r
     shared = [c for c in k_spec if c in xs and c in os_]
-    kernel = layer.kernel
-    out = []
     if shared:
-        per_ex = tf.einsum(f"{x_spec},{o_spec}->{b}{k_spec}", x, g)
-        out.append((kernel, PerExample(per_ex)))
-    else:
-        t_letters = [c for c in x_spec[1:] if c in os_ and c not in ks]
-        c_letters = [c for c in k_spec if c in xs]
-        d_letters = [c for c in k_spec if c in os_]
-        x_t = tf.einsum(f"{x_spec}->{b}{''.join(t_letters + c_letters)}", x)
-        g_t = tf.einsum(f"{o_spec}->{b}{''.join(t_letters + d_letters)}", g)
-        kdims = dict(zip(k_spec, kernel.shape))
-        cn = 1
-        for c in c_letters:
-            cn *= kdims[c]
-        dn = 1
-        for c in d_letters:
-            dn *= kdims[c]
-        order = c_letters + d_letters
-        perm = [order.index(c) for c in k_spec]
-        out.append(
-            (
-                kernel,
-                Outer(
-                    tf.reshape(x_t, [_batch(x_t), -1, cn]),
-                    tf.reshape(g_t, [_batch(g_t), -1, dn]),
-                    unflat_shape=[kdims[c] for c in order],
-                    perm=None if perm == list(range(len(perm))) else perm,
-                ),
-            )
-        )
-    if layer.bias is not None:
+        return PerExample(tf.einsum(f"{x_spec},{o_spec}->{b}{k_spec}", x, g))
+    t_letters = [c for c in x_spec[1:] if c in os_ and c not in ks]
+    c_letters = [c for c in k_spec if c in xs]
+    d_letters = [c for c in k_spec if c in os_]
+    x_t = tf.einsum(f"{x_spec}->{b}{''.join(t_letters + c_letters)}", x)
+    g_t = tf.einsum(f"{o_spec}->{b}{''.join(t_letters + d_letters)}", g)
+    kdims = dict(zip(k_spec, kernel_shape))
+    cn = 1
+    for c in c_letters:
+        cn *= kdims[c]
+    dn = 1
+    for c in d_letters:
+        dn *= kdims[c]
+    order = c_letters + d_letters
+    perm = [order.index(c) for c in k_spec]
+    return Outer(
+        tf.reshape(x_t, [_batch(x_t), -1, cn]),
+        tf.reshape(g_t, [_batch(g_t), -1, dn]),
+        unflat_shape=[kdims[c] for c in order],
+        perm=None if perm == list(range(len(perm))) else perm,
+    )
+
+
+def einsum_dense_rule(layer, inputs, grad_output):
+    x, g = _f32(inputs), _f32(grad_output)
+    kernel = kernel_variable(layer)
+    out = []
+    if _trainable(kernel):
+        out.append((kernel, einsum_kernel_factor(layer.equation, x, g, kernel.shape)))
+    if getattr(layer, "lora_enabled", False):
+        from tf_dp.gradients.ghost.lora import lora_factors
+
+        out.extend(lora_factors(layer, layer.equation, x, g))
+    if _trainable(layer.bias):
+        _, _, o_spec = _parse_einsum(layer.equation)
         bias_letters = "".join(c for c in o_spec if c in layer.bias_axes)
-        per_ex = tf.einsum(f"{o_spec}->{b}{bias_letters}", g)
+        per_ex = tf.einsum(f"{o_spec}->{o_spec[0]}{bias_letters}", g)
         out.append((layer.bias, PerExample(tf.reshape(per_ex, [_batch(g)] + list(layer.bias.shape)))))
     return out
 
@@ -400,7 +449,7 @@ def group_norm_rule(layer, inputs, grad_output):
 
 def _register_builtins() -> None:
     L = keras.layers
-    register_layer_norm_rule(L.Dense, dense_rule, supports=_plain, split_activation=True)
+    register_layer_norm_rule(L.Dense, dense_rule, supports=_dense_supports, split_activation=True)
     register_layer_norm_rule(
         L.EinsumDense, einsum_dense_rule, supports=_einsum_supports, split_activation=True
     )
@@ -409,9 +458,11 @@ def _register_builtins() -> None:
     register_layer_norm_rule(L.Embedding, embedding_rule, supports=_plain)
     register_layer_norm_rule(L.LayerNormalization, layer_norm_rule)
     register_layer_norm_rule(L.GroupNormalization, group_norm_rule)
-    from tf_dp.gradients.ghost import recurrent
+    from tf_dp.gradients.ghost import embeddings, normalization, recurrent
 
     recurrent.register()
+    embeddings.register()
+    normalization.register()
 
 
 _register_builtins()

@@ -84,7 +84,7 @@ class Plan:
 
     @property
     def description(self) -> str:
-        recurrent = [layer.name for layer, entry in self.ghost if entry.forward is not None]
+        recurrent = [layer.name for layer, entry in self.ghost if entry.variables is not None]
         suffix = f" (recurrent rule: {', '.join(recurrent)})" if recurrent else ""
         if self.mode == "ghost":
             return "ghost" + suffix
@@ -389,15 +389,18 @@ class GhostStrategy(base.GradientStrategy):
         return plan
 
     def supports(self, model: Optional[Any]) -> Optional[str]:
+        """``None`` for any built model with trainable variables: variables of layers without a
+        norm rule get per-example gradients in the same step (``mode == "mixed"``)."""
         if model is None:
             return "the ghost strategy needs the model"
         if not getattr(model, "built", True) or not model.trainable_variables:
             return "the model is not built (or has no trainable variables)"
-        plan = self._plan_for(model, list(model.trainable_variables))
-        if not plan.ghost:
-            reasons = "; ".join(str(r) for _, r, _ in plan.local[:3])
-            return f"no layer of the model has a ghost norm rule ({reasons})"
+        self._plan_for(model, list(model.trainable_variables))
         return None
+
+    def has_rules(self, model: Any) -> bool:
+        """True when a norm rule covers at least one of ``model``'s trainable variables."""
+        return bool(self._plan_for(model, list(model.trainable_variables)).ghost)
 
     def __repr__(self) -> str:
         return f"GhostStrategy(mode={self.mode!r}, description={self.description!r})"
@@ -435,6 +438,7 @@ class GhostStrategy(base.GradientStrategy):
                 model_level.update(_key(v) for v in vs)
         records = [r for r in records if id(r.layer) not in capture.nested]
         parts: dict[int, list] = {}
+        covered: dict[int, set] = {}  # layer -> variables its rule gave factors for (all calls)
         pos = 0
         for rec in records:
             grads = out_grads[pos : pos + len(rec.outputs)]
@@ -443,14 +447,7 @@ class GhostStrategy(base.GradientStrategy):
                 own = [v for v in _rule_variables(rec.layer, rec.entry) if _key(v) in index]
                 g = grads[0] if len(grads) == 1 and rec.entry.forward is None else grads
                 pairs = list(rec.entry.rule(rec.layer, rec.inputs, g))
-                got = {_key(v) for v, _ in pairs}
-                missing = [v for v in own if _key(v) not in got]
-                if missing:
-                    raise ValueError(
-                        f"the ghost norm rule for {type(rec.layer).__name__} returned no factor for "
-                        f"{[getattr(v, 'path', v.name) for v in missing]} of layer "
-                        f"{rec.layer.name!r}; a rule must cover every trainable variable"
-                    )
+                covered.setdefault(id(rec.layer), set()).update(_key(v) for v, _ in pairs)
                 for v, factor in pairs:
                     if _key(v) in index:
                         parts.setdefault(_key(v), []).append(factor)
@@ -460,6 +457,18 @@ class GhostStrategy(base.GradientStrategy):
                 for v, pe in zip(own, per_ex):
                     parts.setdefault(_key(v), []).append(F.PerExample(pe))
 
+        for rec in records:
+            if rec.entry is None or id(rec.layer) not in covered:
+                continue
+            got = covered.pop(id(rec.layer))
+            own = [v for v in _rule_variables(rec.layer, rec.entry) if _key(v) in index]
+            missing = [v for v in own if _key(v) not in got]
+            if missing:
+                raise ValueError(
+                    f"the ghost norm rule for {type(rec.layer).__name__} returned no factor for "
+                    f"{[getattr(v, 'path', v.name) for v in missing]} of layer "
+                    f"{rec.layer.name!r}; a rule must cover every trainable variable"
+                )
         if model_level:
             fallback_vars = [v for v in variables if _key(v) in model_level]
             per_ex = _whole_model_per_example(loss_fn, data, fallback_vars)

@@ -1,0 +1,122 @@
+"""Norm rules for embedding layers beyond ``keras.layers.Embedding``.
+
+- ``keras.layers.ReversibleEmbedding`` (also ``keras_hub.layers.ReversibleEmbedding``, a subclass
+  that keeps its ``call``): called with token ids it looks rows up (:class:`Rows`); called with
+  ``reverse=True`` on hidden states ``h`` it returns logits ``h E^T`` (tied weights) or
+  ``h R`` (``tie_weights=False``, a separate ``reverse_embeddings`` matrix). For the tied table the
+  rule gives ``Outer(dlogits, h)`` for the reverse call, and the strategy combines it with the
+  lookup's :class:`Rows` into one per-example gradient whose squared norm includes the cross term
+  (:class:`~tf_dp.gradients.ghost.factors.RowsPlus`). With ``logit_soft_cap`` the recorded pass
+  runs the reverse call without the cap and applies it after the watched logits, so the output
+  gradient is taken before the cap.
+- ``keras_hub.layers.PositionEmbedding``: the output is the rows ``start_index ...
+  start_index + T - 1`` (or ``positions``) of the table broadcast over the batch: :class:`Rows`
+  with those ids and the output gradient summed over any axes between the batch and the sequence.
+
+Embeddings with LoRA or quantization enabled have no rule here (their variables fall back to
+per-example gradients of the layer's own call).
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tf_dp.gradients.ghost.factors import Outer, Rows
+
+
+def _f32(t):
+    t = tf.convert_to_tensor(t)
+    return t if t.dtype in (tf.float32, tf.float64) else tf.cast(t, tf.float32)
+
+
+def _arg(args, kwargs, name, index, default):
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else default
+
+
+def _table(layer):
+    table = getattr(layer, "_embeddings", None)
+    return layer.embeddings if table is None else table
+
+
+def _reversible_supports(layer):
+    if getattr(layer, "lora_enabled", False):
+        return f"{layer.name}: LoRA-enabled embeddings have no built-in norm rule"
+    if getattr(layer, "quantization_mode", None) is not None:
+        return f"{layer.name}: quantized embeddings have no built-in norm rule"
+    return None
+
+
+def reversible_forward(layer, call, args, kwargs, watch):
+    inputs = _arg(args, kwargs, "inputs", 0, None)
+    if not _arg(args, kwargs, "reverse", 1, False):
+        return watch(call(*args, **kwargs)), ("lookup", inputs)
+    cap = layer.logit_soft_cap
+    object.__setattr__(layer, "logit_soft_cap", None)
+    try:
+        logits = watch(call(*args, **kwargs))
+    finally:
+        object.__setattr__(layer, "logit_soft_cap", cap)
+    if cap is not None:
+        logits = tf.tanh(logits / cap) * cap
+    return logits, ("reverse", inputs)
+
+
+def reversible_embedding_rule(layer, context, grads):
+    kind, inputs = context
+    g = _f32(grads[0])
+    batch = tf.shape(g)[0]
+    table = _table(layer)
+    if kind == "lookup":
+        if not getattr(table, "trainable", True):
+            return []
+        ids = tf.reshape(tf.convert_to_tensor(inputs), [batch, -1])
+        return [(table, Rows(ids, tf.reshape(g, [batch, -1, g.shape[-1]]), layer.input_dim))]
+    h = _f32(inputs)
+    h = tf.reshape(h, [batch, -1, h.shape[-1]])
+    g = tf.reshape(g, [batch, -1, g.shape[-1]])
+    if layer.tie_weights:
+        return [(table, Outer(g, h))] if getattr(table, "trainable", True) else []  # [V, D]
+    reverse = layer.reverse_embeddings
+    return [(reverse, Outer(h, g))] if getattr(reverse, "trainable", True) else []  # [D, V]
+
+
+def position_forward(layer, call, args, kwargs, watch):
+    out = watch(call(*args, **kwargs))
+    return out, (_arg(args, kwargs, "start_index", 1, 0), _arg(args, kwargs, "positions", 2, None))
+
+
+def position_embedding_rule(layer, context, grads):
+    start, positions = context
+    g = _f32(grads[0])
+    batch, t, d = tf.shape(g)[0], tf.shape(g)[-2], g.shape[-1]
+    g = tf.reduce_sum(tf.reshape(g, [batch, -1, t, d]), axis=1)  # [B, T, D]
+    if positions is None:
+        ids = tf.range(t, dtype=tf.int64) + tf.cast(start, tf.int64)
+    else:
+        ids = tf.cast(positions, tf.int64)
+    ids = tf.broadcast_to(ids, [batch, t])
+    return [(layer.position_embeddings, Rows(ids, g, layer.sequence_length))]
+
+
+def register() -> None:
+    from tf_dp.gradients.ghost.rules import register_layer_norm_rule
+
+    reversible = getattr(keras.layers, "ReversibleEmbedding", None)
+    if reversible is not None:
+        register_layer_norm_rule(
+            reversible,
+            reversible_embedding_rule,
+            supports=_reversible_supports,
+            forward=reversible_forward,
+        )
+
+
+def register_keras_hub() -> None:
+    from keras_hub.layers import PositionEmbedding
+
+    from tf_dp.gradients.ghost.rules import register_layer_norm_rule
+
+    register_layer_norm_rule(PositionEmbedding, position_embedding_rule, forward=position_forward)
