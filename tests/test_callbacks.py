@@ -158,7 +158,9 @@ def test_backup_and_restore_resumes_with_the_same_ledger(digits, tmp_path):
     assert len(after) == 4 * STEPS and after[: 2 * STEPS] == before
     # The spent budget carries over: epsilon after epoch 3 is that of 30 steps, not 10.
     assert history.history["epsilon"][0] == pytest.approx(_eps(3 * STEPS), rel=1e-12)
-    assert not os.path.exists(backup)  # deleted at the end, as Keras does
+    # Keras's weights and epoch are deleted at the end; the finished ledger stays.
+    assert sorted(os.listdir(backup)) == [dpcb.LEDGER_BACKUP_NAME]
+    assert read_ledger_file(os.path.join(backup, dpcb.LEDGER_BACKUP_NAME)) == after
 
 
 def test_backup_and_restore_refuses_weights_without_a_ledger(digits, tmp_path):

@@ -219,7 +219,7 @@ def test_failed_load_leaves_nothing_half_read(tmp_path):
 def test_atomic_write_leaves_no_temp_files(tmp_path):
     path = tmp_path / "ledger.json"
     write_ledger_file(path, make_entries())
-    write_ledger_file(path, make_entries()[:2])  # overwrite
+    write_ledger_file(path, make_entries()[:2], overwrite=True)  # a shorter ledger: opt in
     assert sorted(os.listdir(tmp_path)) == ["ledger.json"]
     assert read_ledger_file(path) == make_entries()[:2]
     # A write that fails (a value JSON cannot hold) leaves the old file intact and no temp file.
@@ -229,7 +229,7 @@ def test_atomic_write_leaves_no_temp_files(tmp_path):
         SumQueryEvent(1.0, float("inf"))  # events themselves refuse it
     bad = [SampleEntry(SamplingEvent(10, 0.5), (event,))]
     with pytest.raises(ValueError):
-        write_ledger_file(path, bad)
+        write_ledger_file(path, bad, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["ledger.json"]
     assert read_ledger_file(path) == make_entries()[:2]
     # Saving through the ledger: same.
