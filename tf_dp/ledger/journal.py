@@ -52,22 +52,16 @@ def _digest(start: int, runs: list) -> str:
     return hashlib.sha256(_canonical({"start": start, "runs": runs})).hexdigest()
 
 
-def _parse_record(line: bytes, expected_start: int) -> Optional[list[SampleEntry]]:
-    """The entries of one complete record, or None if the line is not a valid record."""
+def _parse_record(line: bytes) -> Optional[tuple[int, list[SampleEntry]]]:
+    """``(start, entries)`` of one complete record, or None if the line is not a valid record."""
     try:
         record = json.loads(line.decode())
         start, runs = record["start"], record["runs"]
         if record.get("sha256") != _digest(start, runs):
             return None
-        entries = runs_to_entries(runs)
+        return start, runs_to_entries(runs)
     except (ValueError, KeyError, TypeError, LedgerFileError):
         return None
-    if start != expected_start:
-        raise LedgerFileError(
-            f"journal record starts at step {start}, expected {expected_start}: the journal was "
-            "written by two writers or edited"
-        )
-    return entries
 
 
 def _scan(path: str) -> tuple[list[SampleEntry], int]:
@@ -98,7 +92,7 @@ def _scan(path: str) -> tuple[list[SampleEntry], int]:
         end = data.find(b"\n", pos)
         if end < 0:  # no newline: a torn last record
             break
-        parsed = _parse_record(data[pos:end], len(entries))
+        parsed = _parse_record(data[pos:end])
         if parsed is None:
             bad_at = pos if bad_at is None else bad_at
         else:
@@ -107,7 +101,13 @@ def _scan(path: str) -> tuple[list[SampleEntry], int]:
                     f"journal {path!r} is corrupted at byte {bad_at} (an invalid record before "
                     "valid ones)"
                 )
-            entries.extend(parsed)
+            start, records = parsed
+            if start != len(entries):
+                raise LedgerFileError(
+                    f"journal {path!r}: a record starts at step {start}, expected "
+                    f"{len(entries)}: the journal was written by two writers or edited"
+                )
+            entries.extend(records)
             valid = end + 1
         pos = end + 1
     return entries, valid
