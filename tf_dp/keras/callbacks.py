@@ -484,7 +484,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 "backup_dir for a new run"
             )
         if has_ledger:
-            _logger.info("tf_dp: restored %d ledger entries from %s", len(backed_up), self.ledger_path)
+            _logger.info(
+                "tf_dp: restored %d ledger entries from %s", len(backed_up), self.ledger_path
+            )
             with open(self.ledger_path) as f:
                 finished = json.load(f)["metadata"].get("finished", False)
             if finished:

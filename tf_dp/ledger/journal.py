@@ -12,7 +12,7 @@ journal charges every step that ran, including those no checkpoint kept.
 Format (version 1): UTF-8 text, one JSON object per line. The first line is
 ``{"format": "tf_dp.privacy_journal", "version": 1}``; each further line is a record::
 
-    {"start": 120, "runs": [...], "sha256": "<hex digest of the canonical JSON of start and runs>"}
+    {"start": 120, "runs": [...], "sha256": "<hex SHA-256 of f'{start}:{canonical runs JSON}'>"}
 
 ``runs`` has the layout of a ledger file's runs (``tf_dp/ledger/ledger_file.py``) and holds the
 steps ``start, start + 1, ...``; each record starts where the previous one ended. A record is
@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from tf_dp.ledger.events import SampleEntry
 from tf_dp.ledger.ledger_file import LedgerFileError, _canonical, runs_payload, runs_to_entries
@@ -48,8 +48,13 @@ _HEADER = (
 ).encode()
 
 
-def _digest(start: int, runs: list) -> str:
-    return hashlib.sha256(_canonical({"start": start, "runs": runs})).hexdigest()
+def encode_runs(entries: Sequence[SampleEntry]) -> str:
+    """The canonical JSON text of ``entries``'s runs, as a journal record holds it."""
+    return _canonical(runs_payload(entries)).decode()
+
+
+def _digest(start: int, runs_json: str) -> str:
+    return hashlib.sha256(f"{start}:{runs_json}".encode()).hexdigest()
 
 
 def _parse_record(line: bytes) -> Optional[tuple[int, list[SampleEntry]]]:
@@ -57,7 +62,7 @@ def _parse_record(line: bytes) -> Optional[tuple[int, list[SampleEntry]]]:
     try:
         record = json.loads(line.decode())
         start, runs = record["start"], record["runs"]
-        if record.get("sha256") != _digest(start, runs):
+        if record.get("sha256") != _digest(start, _canonical(runs).decode()):
             return None
         return start, runs_to_entries(runs)
     except (ValueError, KeyError, TypeError, LedgerFileError):
@@ -181,6 +186,12 @@ class LedgerJournal:
     def append(self, entries: Sequence[SampleEntry], start: int) -> None:
         """Appends ``entries`` as steps ``start, start + 1, ...``; ``start`` must be
         :attr:`num_samples` (a journal has no gaps)."""
+        if entries:
+            self.append_encoded(encode_runs(entries), len(entries), start)
+
+    def append_encoded(self, runs_json: str, count: int, start: int) -> None:
+        """:meth:`append` for ``count`` steps already encoded by :func:`encode_runs` (a writer
+        that appends the same kind of step again and again encodes it once)."""
         if self._fd is None:
             raise ValueError(f"journal {self.path!r} is closed")
         if start != self._num_samples:
@@ -188,24 +199,21 @@ class LedgerJournal:
                 f"journal {self.path!r} holds {self._num_samples} steps; cannot append from "
                 f"step {start}"
             )
-        if not entries:
-            return
         size = os.fstat(self._fd).st_size
         if size != self._size:
             raise LedgerFileError(
                 f"journal {self.path!r} changed under its writer ({size} bytes, expected "
                 f"{self._size}): another process or ledger writes to it"
             )
-        runs = runs_payload(entries)
-        record: dict[str, Any] = {"start": start, "runs": runs, "sha256": _digest(start, runs)}
-        line = (json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n").encode()
+        digest = _digest(start, runs_json)
+        line = f'{{"start":{start},"runs":{runs_json},"sha256":"{digest}"}}\n'.encode()
         written = os.pwrite(self._fd, line, self._size)
         if written != len(line):  # pragma: no cover (a full disk)
             raise OSError(f"journal {self.path!r}: wrote {written} of {len(line)} bytes")
         if self.fsync:
             os.fsync(self._fd)
         self._size += len(line)
-        self._num_samples += len(entries)
+        self._num_samples += count
 
     def close(self) -> None:
         """Closes the file (appending afterwards raises)."""

@@ -41,7 +41,7 @@ from tf_dp.ledger.events import (
     SamplingEvent,
     SumQueryEvent,
 )
-from tf_dp.ledger.journal import LedgerJournal
+from tf_dp.ledger.journal import LedgerJournal, encode_runs
 from tf_dp.ledger.ledger_file import LedgerFileError, read_ledger_file, write_ledger_file
 
 # Column layouts of the two buffers.
@@ -302,6 +302,7 @@ class PrivacyLedger(tf.Module):
         self._queries = _Buffer(_QUERY_COLS, "queries")
         self._journal: Optional[LedgerJournal] = None
         self._journal_queries = 0  # query rows already in the journal
+        self._journal_memo: tuple[bytes, str] = (b"", "")  # the last rows appended, encoded
 
     # -- compiled (XLA) steps ----------------------------------------------------------------------
 
@@ -407,9 +408,16 @@ class PrivacyLedger(tf.Module):
         if s1 == s0:
             return
         q0, q1 = self._journal_queries, int(self._queries.count.numpy())
-        samples = self._samples.data[s0:s1].numpy()
-        queries = self._queries.data[q0:q1].numpy()
-        journal.append(_to_entries(samples, queries, first=s0), start=s0)
+        # a gather of the new rows: O(rows), and much cheaper than slicing a variable eagerly
+        samples = self._samples.data.sparse_read(np.arange(s0, s1)).numpy()
+        queries = self._queries.data.sparse_read(np.arange(q0, q1)).numpy()
+        relative = queries.copy()
+        relative[:, 0] -= s0
+        key = samples.tobytes() + b"|" + relative.tobytes()
+        if key != self._journal_memo[0]:  # steps unlike the last ones: encode them
+            entries = _to_entries(samples, relative)
+            self._journal_memo = (key, encode_runs(entries))
+        journal.append_encoded(self._journal_memo[1], s1 - s0, start=s0)
         self._journal_queries = q1
 
     # -- recording (graph-safe) ------------------------------------------------------------------
