@@ -284,6 +284,15 @@ def _to_entries(samples: np.ndarray, queries: np.ndarray, first: int = 0) -> lis
     ]
 
 
+def _read_rows(table: tf.Variable, start: int, stop: int) -> np.ndarray:
+    """Rows ``start:stop`` of a ledger table, eagerly: a gather, O(rows) (slicing a variable
+    eagerly reads the whole table); under ``tf.distribute`` from the first component (every
+    component holds the same rows)."""
+    if isinstance(table, tf.distribute.DistributedValues):
+        table = table.values[0]
+    return table.sparse_read(np.arange(start, stop)).numpy()
+
+
 class LedgerOverflowError(RuntimeError):
     """Steps recorded inside compiled calls did not fit the ledger's staging table."""
 
@@ -408,9 +417,8 @@ class PrivacyLedger(tf.Module):
         if s1 == s0:
             return
         q0, q1 = self._journal_queries, int(self._queries.count.numpy())
-        # a gather of the new rows: O(rows), and much cheaper than slicing a variable eagerly
-        samples = self._samples.data.sparse_read(np.arange(s0, s1)).numpy()
-        queries = self._queries.data.sparse_read(np.arange(q0, q1)).numpy()
+        samples = _read_rows(self._samples.data, s0, s1)
+        queries = _read_rows(self._queries.data, q0, q1)
         relative = queries.copy()
         relative[:, 0] -= s0
         key = samples.tobytes() + b"|" + relative.tobytes()
