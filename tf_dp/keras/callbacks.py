@@ -400,7 +400,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
       epoch 0 with new weights and *continues* that ledger: the second run's steps are counted
       on top of the first's, and a :class:`PrivacyBudget` stops it when the budget is spent
       (at once, with :class:`BudgetExhaustedError`, if nothing is left). A genuinely new run on
-      other data needs a new ``backup_dir``.
+      other data needs a new ``backup_dir``. With ``delete_checkpoint=False`` the weights and
+      epoch stay as well, and a rerun resumes after the last epoch (no step runs).
     - The ledger restored from ``backup_dir`` and the optimizer's own must record the same run
       (one a prefix of the other): otherwise ``fit`` raises before any step runs.
 
@@ -489,7 +490,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             )
             with open(self.ledger_path) as f:
                 finished = json.load(f)["metadata"].get("finished", False)
-            if finished:
+            if finished and not os.path.exists(self._training_metadata_path):
                 _logger.warning(
                     "tf_dp: %s holds the ledger of a finished run (%d steps); this fit starts "
                     "again from epoch 0 and continues that ledger, so both runs are charged. "

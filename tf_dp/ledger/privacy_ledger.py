@@ -311,7 +311,8 @@ class PrivacyLedger(tf.Module):
         self._queries = _Buffer(_QUERY_COLS, "queries")
         self._journal: Optional[LedgerJournal] = None
         self._journal_queries = 0  # query rows already in the journal
-        self._journal_memo: tuple[bytes, str] = (b"", "")  # the last rows appended, encoded
+        self._journal_key = b""  # the rows last appended to the journal...
+        self._journal_runs = ""  # ...and their encoding
 
     # -- compiled (XLA) steps ----------------------------------------------------------------------
 
@@ -421,11 +422,11 @@ class PrivacyLedger(tf.Module):
         queries = _read_rows(self._queries.data, q0, q1)
         relative = queries.copy()
         relative[:, 0] -= s0
-        key = samples.tobytes() + b"|" + relative.tobytes()
-        if key != self._journal_memo[0]:  # steps unlike the last ones: encode them
-            entries = _to_entries(samples, relative)
-            self._journal_memo = (key, encode_runs(entries))
-        journal.append_encoded(self._journal_memo[1], s1 - s0, start=s0)
+        key = f"{len(samples)},{len(relative)}:".encode() + samples.tobytes() + relative.tobytes()
+        if key != self._journal_key:  # steps unlike the last ones: encode them
+            self._journal_runs = encode_runs(_to_entries(samples, relative))
+            self._journal_key = key
+        journal.append_encoded(self._journal_runs, s1 - s0, start=s0)
         self._journal_queries = q1
 
     # -- recording (graph-safe) ------------------------------------------------------------------
