@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 import keras
+import numpy as np
 import pytest
 
 import tf_dp
@@ -187,3 +188,23 @@ def test_steps_discarded_by_a_kill_are_charged_on_resume(tmp_path):
         ledger.samples()
     )
     keras.backend.clear_session()
+
+
+def test_compiled_calls_are_journaled_one_record_per_call(tmp_path):
+    # XLA with 4 steps per compiled call: the staging table is flushed and journaled per call
+    path = str(tmp_path / "j.jsonl")
+    x = np.random.default_rng(0).normal(size=(200, 8)).astype("float32")
+    y = (x[:, 0] > 0).astype("int64")
+    model = tf_dp.keras.make_private(keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)]))
+    model.compile(optimizer=tf_dp.keras.DPKerasSGDOptimizer(
+                      l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=True, steps_per_execution=4)
+    model.optimizer.ledger.attach_journal(path)
+    model.fit(x, y, batch_size=20, epochs=1, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 10
+    assert read_journal(path) == model.optimizer.ledger.samples()
+    assert len(read_journal(path)) == 10
+    with open(path) as f:
+        assert len(f.read().splitlines()) == 1 + 3  # header, then calls of 4, 4 and 2 steps
+    model.optimizer.ledger.detach_journal()
