@@ -107,7 +107,9 @@ def split_journal(mode: str) -> tuple[str, Optional[str]]:
     if "+" in mode:
         base, suffix = mode.split("+", 1)
         if suffix not in ("journal", "journal_fsync"):
-            raise SystemExit(f"mode {mode!r}: the suffix after '+' must be journal or journal_fsync")
+            raise SystemExit(
+                f"mode {mode!r}: the suffix after '+' must be journal or journal_fsync"
+            )
         return base, suffix
     return mode, None
 
