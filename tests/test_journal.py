@@ -70,6 +70,17 @@ def test_journal_corrupted_before_a_valid_record_is_refused(tmp_path):
         read_journal(path)
 
 
+def test_two_writers_on_one_journal_are_detected(tmp_path):
+    path = str(tmp_path / "j.jsonl")
+    first, second = LedgerJournal(path), LedgerJournal(path)
+    first.append([_entry(0)], start=0)
+    second.append([_entry(1)], start=0)  # each thinks it holds step 0
+    with pytest.raises(LedgerFileError, match="two writers"):
+        read_journal(path)
+    first.close()
+    second.close()
+
+
 def test_a_journaled_ledger_never_forgets_a_step(tmp_path):
     path = str(tmp_path / "j.jsonl")
     steps = [_entry(i) for i in range(4)]

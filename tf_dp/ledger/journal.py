@@ -136,10 +136,11 @@ class LedgerJournal:
     """Appends a ledger's steps to an append-only journal file (see the module docstring).
 
     Opening reads the existing journal (:attr:`num_samples`, :meth:`entries`) and cuts off a
-    torn last record. :meth:`append` writes the steps from ``start`` with one ``write`` call;
-    with ``fsync=True`` it also waits until the record is on disk (survives a machine crash,
-    not only a killed process; slower on most disks). A journal file has one writer at a
-    time: a write finds the file longer than it left it raises.
+    torn last record. :meth:`append` writes the steps from ``start`` with one ``write`` call
+    at the end of the file; with ``fsync=True`` it also waits until the record is on disk
+    (survives a machine crash, not only a killed process; slower on most disks). A journal file
+    has one writer at a time: records appended by a second writer break the sequence of
+    ``start`` values, and reading the journal then raises.
 
     Normally you do not use this class directly:
     :meth:`~tf_dp.ledger.PrivacyLedger.attach_journal` does.
@@ -158,7 +159,9 @@ class LedgerJournal:
         exists = os.path.exists(self.path)
         entries, valid = _scan(self.path) if exists else ([], 0)
         self._num_samples = len(entries)
-        self._fd: Optional[int] = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o666)
+        self._fd: Optional[int] = os.open(
+            self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666
+        )
         try:
             if valid == 0:
                 os.ftruncate(self._fd, 0)
@@ -172,7 +175,6 @@ class LedgerJournal:
             os.close(self._fd)
             self._fd = None
             raise
-        self._size = valid
 
     @property
     def num_samples(self) -> int:
@@ -199,20 +201,13 @@ class LedgerJournal:
                 f"journal {self.path!r} holds {self._num_samples} steps; cannot append from "
                 f"step {start}"
             )
-        size = os.fstat(self._fd).st_size
-        if size != self._size:
-            raise LedgerFileError(
-                f"journal {self.path!r} changed under its writer ({size} bytes, expected "
-                f"{self._size}): another process or ledger writes to it"
-            )
         digest = _digest(start, runs_json)
         line = f'{{"start":{start},"runs":{runs_json},"sha256":"{digest}"}}\n'.encode()
-        written = os.pwrite(self._fd, line, self._size)
+        written = os.write(self._fd, line)  # O_APPEND: at the end, whoever else appends
         if written != len(line):  # pragma: no cover (a full disk)
             raise OSError(f"journal {self.path!r}: wrote {written} of {len(line)} bytes")
         if self.fsync:
             os.fsync(self._fd)
-        self._size += len(line)
         self._num_samples += count
 
     def close(self) -> None:
