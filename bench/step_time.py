@@ -15,7 +15,9 @@ projections) and ``microbatch:M`` (``M`` microbatches; plain ``microbatch`` uses
 batches of at most ``P`` examples (``max_physical_batch_size=P``). Microbatches are random
 groups: each example goes to one of the ``M`` microbatches independently and uniformly at
 random, so with ``M = batch_size`` some hold several examples and some are empty (sensitivity
-``2C``, not the clipped sum of ``vectorized``).
+``2C``, not the clipped sum of ``vectorized``). A DP mode followed by ``+journal`` (or
+``+journal_fsync``) also journals its ledger to a file in a temporary directory
+(``PrivacyLedger.attach_journal``, ``fsync=False``/``True``): one append per step, timed with it.
 
 Timing (all modes in ONE process, see ``bench/README.md``): each mode gets its own fresh model
 (same weights), compiled and warmed up through ``model.fit`` (the real Keras 3 path, traced
@@ -100,12 +102,33 @@ def build(model_name: str, mode: str, batch_size: int, seed: int = 0) -> keras.M
         return _build(model_name, mode, batch_size, seed)
 
 
+def split_suffixes(mode: str) -> tuple[str, Optional[str], Optional[str]]:
+    """``"ghost+grid+journal"`` -> ``("ghost", "grid", "journal")``: the mode, its noise mode
+    (``continuous`` or ``grid``) and its journal (``journal`` or ``journal_fsync``), each
+    optional and in any order."""
+    base, *suffixes = mode.split("+")
+    noise_mode = journal = None
+    for suffix in suffixes:
+        if suffix in ("continuous", "grid") and noise_mode is None:
+            noise_mode = suffix
+        elif suffix in ("journal", "journal_fsync") and journal is None:
+            journal = suffix
+        else:
+            raise SystemExit(
+                f"mode {mode!r}: a suffix after '+' must be continuous or grid (noise mode) "
+                "and/or journal or journal_fsync, each at most once"
+            )
+    return base, noise_mode, journal
+
+
 def _build(model_name: str, mode: str, batch_size: int, seed: int) -> keras.Model:
     model = build_model(model_name, seed=seed)
-    mode, _, noise_mode = mode.partition("+")  # e.g. "ghost+continuous": the noise mode
+    mode, noise_mode, journal = split_suffixes(mode)
     name, option = parse_mode(mode)
     jit = SETTINGS["jit_compile"]
     if name == "nonprivate":
+        if journal is not None:
+            raise SystemExit("a non-private model has no ledger to journal")
         model.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE), loss=_loss(), jit_compile=jit)
         return model
     import tf_dp.keras as dpk
@@ -133,6 +156,11 @@ def _build(model_name: str, mode: str, batch_size: int, seed: int) -> keras.Mode
     # The dataset below repeats one batch: declare the sampling a 60000-example shuffled epoch
     # would have (it only affects the ledger, not the time).
     optimizer.set_sampling(60000, batch_size / 60000, "shuffle")
+    if journal is not None:  # the ledger journal, appended after every compiled call
+        import tempfile
+
+        path = os.path.join(tempfile.mkdtemp(prefix="tf_dp_bench_"), "privacy_journal.jsonl")
+        optimizer.ledger.attach_journal(path, fsync=journal == "journal_fsync")
     return model
 
 
@@ -152,15 +180,41 @@ def warm_up(model: keras.Model, ds: tf.data.Dataset, steps: int) -> None:
     model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False)
 
 
+def _time_flushes(ledger: Any, into: list[float]) -> None:
+    """Times every ``ledger.flush()`` (the train function calls it after each step; with a
+    journal attached it also appends the step to the journal) into ``into`` (seconds)."""
+    flush = ledger.flush
+
+    def timed_flush() -> None:
+        t0 = time.perf_counter()
+        flush()
+        into.append(time.perf_counter() - t0)
+
+    ledger.flush = timed_flush
+
+
 def time_modes(
-    model_name: str, batch_size: int, modes: list[str], warmup: int, steps: int, rounds: int
+    model_name: str,
+    batch_size: int,
+    modes: list[str],
+    warmup: int,
+    steps: int,
+    rounds: int,
+    flush_times: Optional[dict[str, list[float]]] = None,
 ) -> dict[str, list[float]]:
-    """Step times (seconds) per mode, interleaved in ``rounds`` rounds of ``steps`` steps."""
+    """Step times (seconds) per mode, interleaved in ``rounds`` rounds of ``steps`` steps.
+
+    ``flush_times``, if given, receives for each DP mode the time of each ledger flush (the
+    journal's append included) during the timed rounds."""
     ds = dataset(model_name, batch_size)
     models, iterators = {}, {}
     for mode in modes:
         model = build(model_name, mode, batch_size)
         warm_up(model, ds, warmup)
+        ledger = getattr(model.optimizer, "ledger", None)
+        if flush_times is not None and ledger is not None:
+            flush_times[mode] = []
+            _time_flushes(ledger, flush_times[mode])
         models[mode] = model
         strategy = SETTINGS["strategy"]
         iterators[mode] = iter(
@@ -275,8 +329,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if "nonprivate" not in modes:
         modes = ["nonprivate"] + modes
-    times = time_modes(args.model, args.batch_size, modes, args.warmup, args.steps, args.rounds)
+    flushes: dict[str, list[float]] = {}
+    times = time_modes(
+        args.model, args.batch_size, modes, args.warmup, args.steps, args.rounds, flushes
+    )
     medians = {m: statistics.median(t) * 1000.0 for m, t in times.items()}
+    flush_ms = {m: statistics.median(t) * 1000.0 for m, t in flushes.items() if t}
     memory: dict[str, Optional[float]] = {}
     if args.memory == "subprocess":
         for mode in modes:
@@ -304,6 +362,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "ms_per_step": round(medians[m], 3),
                 "ratio": round(medians[m] / medians["nonprivate"], 3),
                 "peak_mem_mb": None if memory.get(m) is None else round(memory[m], 1),
+                "flush_ms": None if m not in flush_ms else round(flush_ms[m], 4),
             }
             for m in modes
         },
@@ -317,11 +376,14 @@ def format_text(result: dict[str, Any]) -> str:
         f"jit_compile={result['jit_compile']} strategy={result['strategy']} "
         f"(median of {result['steps_timed']} steps per mode, same process; "
         f"memory: {result['memory_method']})",
-        f"{'mode':<16}{'ms/step':>10}{'ratio':>9}{'peak MB':>10}",
+        f"{'mode':<22}{'ms/step':>10}{'ratio':>9}{'peak MB':>10}{'flush ms':>10}",
     ]
     for mode, r in result["modes"].items():
         mem = "-" if r["peak_mem_mb"] is None else f"{r['peak_mem_mb']:.0f}"
-        lines.append(f"{mode:<16}{r['ms_per_step']:>10.1f}{r['ratio']:>8.2f}x{mem:>10}")
+        flush = "-" if r.get("flush_ms") is None else f"{r['flush_ms']:.3f}"
+        lines.append(
+            f"{mode:<22}{r['ms_per_step']:>10.1f}{r['ratio']:>8.2f}x{mem:>10}{flush:>10}"
+        )
     return "\n".join(lines)
 
 

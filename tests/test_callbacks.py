@@ -158,7 +158,9 @@ def test_backup_and_restore_resumes_with_the_same_ledger(digits, tmp_path):
     assert len(after) == 4 * STEPS and after[: 2 * STEPS] == before
     # The spent budget carries over: epsilon after epoch 3 is that of 30 steps, not 10.
     assert history.history["epsilon"][0] == pytest.approx(_eps(3 * STEPS), rel=1e-12)
-    assert not os.path.exists(backup)  # deleted at the end, as Keras does
+    # Keras's weights and epoch are deleted at the end; the finished ledger stays.
+    assert sorted(os.listdir(backup)) == [dpcb.LEDGER_BACKUP_NAME]
+    assert read_ledger_file(os.path.join(backup, dpcb.LEDGER_BACKUP_NAME)) == after
 
 
 def test_backup_and_restore_refuses_weights_without_a_ledger(digits, tmp_path):
@@ -187,6 +189,65 @@ def test_resumed_budget_counts_the_restored_ledger(digits, tmp_path):
     resumed.fit(_batches(digits), epochs=10, verbose=0,
                 callbacks=[budget, dpcb.BackupAndRestore(backup)])
     assert budget.stopped and resumed.optimizer.ledger.num_samples == 25
+
+
+class _CountSteps(keras.callbacks.Callback):
+    steps = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        _CountSteps.steps += 1
+
+
+def test_a_finished_run_run_again_continues_its_ledger(digits, tmp_path):
+    backup = str(tmp_path / "b")
+    _CountSteps.steps = 0
+    model = _model(seed=5)
+    model.fit(_batches(digits), epochs=2, verbose=0,
+              callbacks=[dpcb.BackupAndRestore(backup), _CountSteps()])
+    first = model.optimizer.ledger.samples()
+    assert len(first) == _CountSteps.steps == 2 * STEPS
+    # The same script again (a restart policy): fresh model and optimizer, same backup dir.
+    again = _model(seed=6)
+    again.build((None, 64))
+    again.fit(_batches(digits, seed=1), epochs=2, verbose=0,
+              callbacks=[dpcb.BackupAndRestore(backup), _CountSteps()])
+    entries = again.optimizer.ledger.samples()
+    # every step that ran in either run is charged, counted directly
+    assert len(entries) == _CountSteps.steps == 4 * STEPS and entries[: 2 * STEPS] == first
+    assert read_ledger_file(os.path.join(backup, dpcb.LEDGER_BACKUP_NAME)) == entries
+
+
+def test_a_finished_run_run_again_is_stopped_by_its_budget(digits, tmp_path):
+    backup = str(tmp_path / "b")
+    target = 0.5 * (_eps(2 * STEPS) + _eps(2 * STEPS + 1))  # room for the first run only
+    model = _model(seed=7)
+    model.fit(_batches(digits), epochs=2, verbose=0, callbacks=[
+        dpcb.PrivacyBudget(target, 1e-5, verbose=False), dpcb.BackupAndRestore(backup)])
+    assert model.optimizer.ledger.num_samples == 2 * STEPS
+    again = _model(seed=8)
+    again.build((None, 64))
+    weights = [w.numpy() for w in again.weights]
+    with pytest.raises(dpcb.BudgetExhaustedError):
+        again.fit(_batches(digits), epochs=2, verbose=0, callbacks=[
+            dpcb.PrivacyBudget(target, 1e-5, verbose=False), dpcb.BackupAndRestore(backup)])
+    assert again.optimizer.ledger.num_samples == 2 * STEPS
+    assert all(np.array_equal(a, w.numpy()) for a, w in zip(weights, again.weights))
+
+
+def test_ledger_checkpoint_refuses_to_overwrite_a_longer_ledger(digits, tmp_path):
+    path = str(tmp_path / "ledger.json")
+    model = _model()
+    model.fit(_batches(digits), epochs=2, verbose=0, callbacks=[dpcb.LedgerCheckpoint(path)])
+    written = read_ledger_file(path)
+    assert len(written) == 2 * STEPS
+    other = _model(seed=1)  # a second run on the same data, with a new ledger
+    with pytest.raises(tf_dp.ledger.LedgerOverwriteError, match=r"20 steps.*only 10"):
+        other.fit(_batches(digits), epochs=1, verbose=0, callbacks=[dpcb.LedgerCheckpoint(path)])
+    assert read_ledger_file(path) == written
+    with pytest.raises(tf_dp.ledger.LedgerOverwriteError, match="ledger.json"):
+        other.optimizer.ledger.save(path)
+    other.optimizer.ledger.save(path, overwrite=True)  # the explicit opt-out
+    assert read_ledger_file(path) == other.optimizer.ledger.samples()
 
 
 def test_ledger_checkpoint_writes_a_ledger_per_epoch(digits, tmp_path):

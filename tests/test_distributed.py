@@ -40,6 +40,7 @@ def test_mirrored_strategy_noises_once_per_global_step(mode):
     # Poisson batches: one sampling event per global step, the global population and rate.
     assert r["poisson_recorded"] == r["poisson_steps"] == 40
     assert r["poisson_ledger"] == [[400, 0.05, "poisson"]]
+    assert r["journal_is_ledger"]  # the journal reads the mirrored ledger tables
     if mode == "ghost:5":  # each replica's records clipped 5 at a time
         assert r["description"].endswith("in physical batches of at most 5"), r["description"]
 

@@ -12,7 +12,12 @@ import tensorflow as tf
 import tf_dp
 from tf_dp.ledger import ledger_file
 from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
-from tf_dp.ledger.ledger_file import LedgerFileError, read_ledger_file, write_ledger_file
+from tf_dp.ledger.ledger_file import (
+    LedgerFileError,
+    LedgerOverwriteError,
+    read_ledger_file,
+    write_ledger_file,
+)
 
 
 def make_entries():
@@ -219,7 +224,7 @@ def test_failed_load_leaves_nothing_half_read(tmp_path):
 def test_atomic_write_leaves_no_temp_files(tmp_path):
     path = tmp_path / "ledger.json"
     write_ledger_file(path, make_entries())
-    write_ledger_file(path, make_entries()[:2])  # overwrite
+    write_ledger_file(path, make_entries()[:2], overwrite=True)  # a shorter ledger: opt in
     assert sorted(os.listdir(tmp_path)) == ["ledger.json"]
     assert read_ledger_file(path) == make_entries()[:2]
     # A write that fails (a value JSON cannot hold) leaves the old file intact and no temp file.
@@ -229,7 +234,7 @@ def test_atomic_write_leaves_no_temp_files(tmp_path):
         SumQueryEvent(1.0, float("inf"))  # events themselves refuse it
     bad = [SampleEntry(SamplingEvent(10, 0.5), (event,))]
     with pytest.raises(ValueError):
-        write_ledger_file(path, bad)
+        write_ledger_file(path, bad, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["ledger.json"]
     assert read_ledger_file(path) == make_entries()[:2]
     # Saving through the ledger: same.
@@ -271,3 +276,19 @@ def test_file_mode_follows_the_replaced_file_or_the_umask(tmp_path):
 
 if __name__ == "__main__":  # Bazel py_test entry point (see BUILD)
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+
+
+def test_a_ledger_file_is_not_replaced_by_a_shorter_ledger(tmp_path):
+    path = tmp_path / "ledger.json"
+    entries = make_entries()
+    write_ledger_file(path, entries[:3])
+    write_ledger_file(path, entries)  # more steps (an extension): replaced
+    assert read_ledger_file(path) == entries
+    with pytest.raises(LedgerOverwriteError) as e:
+        write_ledger_file(path, entries[:2])
+    message = str(e.value)
+    assert str(path) in message and f"{len(entries)} steps" in message and "only 2" in message
+    assert read_ledger_file(path) == entries  # untouched
+    write_ledger_file(path, entries, metadata={"again": True})  # as many steps: replaced
+    write_ledger_file(path, entries[:2], overwrite=True)
+    assert read_ledger_file(path) == entries[:2]

@@ -20,7 +20,8 @@ def test_every_top_level_export_resolves():
 
 def test_accounting_and_ledger_files_do_not_import_tensorflow():
     code = (
-        "import sys, tf_dp, tf_dp.accounting, tf_dp.ledger.ledger_file, tf_dp.cli._common; "
+        "import sys, tf_dp, tf_dp.accounting, tf_dp.ledger.ledger_file, tf_dp.ledger.journal, "
+        "tf_dp.cli._common; "
         "print('tensorflow' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

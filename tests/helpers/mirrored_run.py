@@ -83,7 +83,13 @@ def main(mode):
     xs = rng.normal(size=(400, 64)).astype("float32")
     ys = rng.integers(0, 4, 400)
     batches = tf_dp.data.poisson_batches(xs, ys, sampling_probability=0.05)
+    journal = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"tf_dp_journal_{os.getpid()}.jsonl")
+    model.optimizer.ledger.attach_journal(journal)
     model.fit(batches, epochs=2, verbose=0)
+    report["journal_is_ledger"] = (
+        tf_dp.ledger.read_journal(journal) == model.optimizer.ledger.samples())
+    model.optimizer.ledger.detach_journal()
+    os.remove(journal)
     report["poisson_steps"] = int(model.optimizer.iterations.numpy())
     report["poisson_ledger"] = sorted({(e.sampling.population_size, e.sampling.selection_probability,
                                         e.sampling.policy) for e in model.optimizer.ledger.samples()})

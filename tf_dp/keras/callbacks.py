@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -43,6 +44,8 @@ _logger = logging.getLogger("tf_dp")
 
 #: Ledger file name inside a BackupAndRestore backup directory.
 LEDGER_BACKUP_NAME = "privacy_ledger.json"
+#: Journal file name inside a BackupAndRestore backup directory.
+JOURNAL_NAME = "privacy_journal.jsonl"
 
 
 def _dp_optimizer(model: keras.Model, who: str):
@@ -374,25 +377,82 @@ class PrivacyBudget(keras.callbacks.Callback):
 
 
 class BackupAndRestore(keras.callbacks.BackupAndRestore):
-    """``keras.callbacks.BackupAndRestore`` that also backs up and restores the privacy ledger.
+    """``keras.callbacks.BackupAndRestore`` that also backs up, journals and keeps the ledger.
 
-    Same arguments and behaviour as the Keras callback (use it instead). Each backup writes the
-    optimizer's ledger to ``backup_dir/privacy_ledger.json`` *before* the weights, so a crash in
-    between leaves a ledger that over-counts (a valid bound), never one that under-counts. On
-    restart, ``fit`` restores the weights, the epoch and the ledger: the resumed run continues the
-    same ledger and a :class:`PrivacyBudget` sees the budget already spent.
+    Same arguments as the Keras callback (use it instead), and the same backups: the weights and
+    the epoch at each epoch end (or every ``save_freq`` batches). What it adds, for the privacy
+    ledger:
+
+    - **Backups.** Each backup writes the optimizer's ledger to ``backup_dir/privacy_ledger.json``
+      *before* the weights, so a crash in between leaves a ledger that over-counts (a valid
+      bound), never one that under-counts.
+    - **Journal.** During ``fit`` the ledger is journaled to ``backup_dir/privacy_journal.jsonl``
+      (:meth:`tf_dp.PrivacyLedger.attach_journal`): every step is appended after the compiled
+      call that ran it, before any callback sees its results. ``journal_fsync=True`` also waits
+      for the disk at each append (a machine crash, not only a killed process).
+    - **Resume.** ``fit`` restores the weights and the epoch (Keras), and the ledger: the longest
+      of the backed-up ledger and the journal, so steps that ran after the last backup and were
+      discarded by a kill are still charged (the resumed ledger may exceed
+      ``optimizer.iterations``). A :class:`PrivacyBudget` sees the budget already spent.
+    - **A finished run keeps its ledger.** When training ends, the weights and epoch are deleted
+      as in Keras (``delete_checkpoint=True``), but ``privacy_ledger.json`` stays, marked
+      ``"finished"``. Running the same ``fit`` again with the same ``backup_dir`` trains from
+      epoch 0 with new weights and *continues* that ledger: the second run's steps are counted
+      on top of the first's, and a :class:`PrivacyBudget` stops it when the budget is spent
+      (at once, with :class:`BudgetExhaustedError`, if nothing is left). A genuinely new run on
+      other data needs a new ``backup_dir``. With ``delete_checkpoint=False`` the weights and
+      epoch stay as well, and a rerun resumes after the last epoch (no step runs).
+    - The ledger restored from ``backup_dir`` and the optimizer's own must record the same run
+      (one a prefix of the other): otherwise ``fit`` raises before any step runs.
 
     Example::
 
         model.fit(batches, epochs=30, callbacks=[
             dp_callbacks.BackupAndRestore("/tmp/backup"),
             dp_callbacks.PrivacyBudget(3.0, 1e-5)])
-        # killed at epoch 12; run the same script again: it resumes at epoch 12 with its ledger
+        # killed at epoch 12 (or mid-epoch); run the same script again: it resumes at epoch 12
+        # with every step that ran in its ledger
     """
+
+    def __init__(
+        self,
+        backup_dir: str,
+        save_freq: Any = "epoch",
+        double_checkpoint: bool = False,
+        delete_checkpoint: bool = True,
+        journal_fsync: bool = False,
+    ):
+        super().__init__(
+            backup_dir,
+            save_freq=save_freq,
+            double_checkpoint=double_checkpoint,
+            delete_checkpoint=delete_checkpoint,
+        )
+        if not isinstance(journal_fsync, bool):
+            raise TypeError(f"journal_fsync must be True or False, got {journal_fsync!r}")
+        self.journal_fsync = journal_fsync
 
     @property
     def ledger_path(self) -> str:
         return os.path.join(self.backup_dir, LEDGER_BACKUP_NAME)
+
+    @property
+    def journal_path(self) -> str:
+        return os.path.join(self.backup_dir, JOURNAL_NAME)
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)  # weights, epoch and the backed-up ledger (_load_model)
+        optimizer = _dp_optimizer(self.model, "tf_dp BackupAndRestore")
+        os.makedirs(self.backup_dir, exist_ok=True)
+        before = optimizer.ledger.num_samples
+        optimizer.ledger.attach_journal(self.journal_path, fsync=self.journal_fsync)
+        if optimizer.ledger.num_samples > before:
+            _logger.warning(
+                "tf_dp: the journal %s records %d steps that ran after the last backup; the "
+                "resumed ledger charges them (%d steps)",
+                self.journal_path, optimizer.ledger.num_samples - before,
+                optimizer.ledger.num_samples,
+            )
 
     def _save_model(self):
         optimizer = _dp_optimizer(self.model, "tf_dp BackupAndRestore")
@@ -404,20 +464,60 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def _load_model(self):
         optimizer = _dp_optimizer(self.model, "tf_dp BackupAndRestore")
-        weights_exist = os.path.exists(self._weights_path)
-        if os.path.exists(self.ledger_path):
-            entries = read_ledger_file(self.ledger_path)
-            optimizer.ledger.restore_entries(entries)
-            _logger.info(
-                "tf_dp: restored %d ledger entries from %s", len(entries), self.ledger_path
-            )
-        elif weights_exist:
+        has_ledger = os.path.exists(self.ledger_path)
+        if not has_ledger and os.path.exists(self._weights_path):
             raise FileNotFoundError(
                 f"backup {self.backup_dir!r} holds weights but no {LEDGER_BACKUP_NAME}: resuming "
                 "would forget the privacy already spent (was it written by "
                 "keras.callbacks.BackupAndRestore?)"
             )
-        super()._load_model()
+        backed_up = read_ledger_file(self.ledger_path) if has_ledger else []
+        super()._load_model()  # the weights (their own copy of the ledger) and the epoch
+        ledger = optimizer.ledger
+        current = ledger.samples()
+        if backed_up[: len(current)] == current:
+            if len(backed_up) > len(current):
+                ledger.restore_entries(backed_up)
+        elif current[: len(backed_up)] != backed_up:
+            raise ValueError(
+                f"the ledger in {self.ledger_path!r} ({len(backed_up)} steps) and the "
+                f"optimizer's ledger ({len(current)} steps) record different runs; use a new "
+                "backup_dir for a new run"
+            )
+        if has_ledger:
+            _logger.info(
+                "tf_dp: restored %d ledger entries from %s", len(backed_up), self.ledger_path
+            )
+            with open(self.ledger_path) as f:
+                finished = json.load(f)["metadata"].get("finished", False)
+            if finished and not os.path.exists(self._training_metadata_path):
+                _logger.warning(
+                    "tf_dp: %s holds the ledger of a finished run (%d steps); this fit starts "
+                    "again from epoch 0 and continues that ledger, so both runs are charged. "
+                    "Use a new backup_dir for a new run on other data",
+                    self.backup_dir, len(backed_up),
+                )
+
+    def on_train_end(self, logs=None):
+        optimizer = _dp_optimizer(self.model, "tf_dp BackupAndRestore")
+        os.makedirs(self.backup_dir, exist_ok=True)
+        optimizer.ledger.save(
+            self.ledger_path,
+            metadata={"epoch": self._current_epoch, "backup": True, "finished": True},
+        )
+        optimizer.ledger.detach_journal()
+        if not self.delete_checkpoint:
+            return
+        # The finished ledger holds every step: the journal and Keras's files can go.
+        for path in (
+            self.journal_path,
+            self._weights_path,
+            self._prev_weights_path,
+            self._training_metadata_path,
+            self._prev_training_metadata_path,
+        ):
+            if os.path.exists(path):
+                os.remove(path)
 
 
 class LedgerCheckpoint(keras.callbacks.Callback):
@@ -429,14 +529,29 @@ class LedgerCheckpoint(keras.callbacks.Callback):
     To resume from a ModelCheckpoint file, restore its ledger too:
     ``model.optimizer.ledger.restore_entries(tf_dp.ledger.read_ledger_file(path))``.
 
+    A file at ``filepath`` that records more steps than the ledger being written is not
+    replaced: :class:`~tf_dp.ledger.ledger_file.LedgerOverwriteError` (naming the path and both
+    step counts) stops training, e.g. a second run of a script whose earlier run wrote more
+    steps there. ``overwrite=True`` replaces it anyway (only for files that do not belong to
+    this data).
+
     Example::
 
         callbacks = [keras.callbacks.ModelCheckpoint("ckpt/model-{epoch:02d}.keras"),
                      dp_callbacks.LedgerCheckpoint("ckpt/ledger-{epoch:02d}.json")]
     """
 
-    def __init__(self, filepath: str, save_freq: Any = "epoch", metadata: Optional[dict] = None):
+    def __init__(
+        self,
+        filepath: str,
+        save_freq: Any = "epoch",
+        metadata: Optional[dict] = None,
+        overwrite: bool = False,
+    ):
         super().__init__()
+        if not isinstance(overwrite, bool):
+            raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
+        self.overwrite = overwrite
         if save_freq != "epoch" and (
             isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
         ):
@@ -453,7 +568,9 @@ class LedgerCheckpoint(keras.callbacks.Callback):
         path = self.filepath.format(epoch=epoch + 1, **(logs or {}))
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
-        optimizer.ledger.save(path, metadata={**self.metadata, "epoch": epoch + 1})
+        optimizer.ledger.save(
+            path, metadata={**self.metadata, "epoch": epoch + 1}, overwrite=self.overwrite
+        )
         self.last_path = path
 
     def on_epoch_begin(self, epoch, logs=None):

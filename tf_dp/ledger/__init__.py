@@ -1,11 +1,17 @@
 """Privacy ledger: sampling and sum-query events as they actually ran (McMahan et al. 2018, §6).
 
-``events`` and ``ledger_file`` are pure Python (readable without TensorFlow); the TensorFlow side
-(``PrivacyLedger``, ``QueryWithLedger``) is imported lazily.
+``events``, ``ledger_file`` and ``journal`` are pure Python (readable without TensorFlow); the
+TensorFlow side (``PrivacyLedger``, ``QueryWithLedger``) is imported lazily.
 """
 
 from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
-from tf_dp.ledger.ledger_file import LedgerFileError, read_ledger_file, write_ledger_file
+from tf_dp.ledger.journal import LedgerJournal, read_journal
+from tf_dp.ledger.ledger_file import (
+    LedgerFileError,
+    LedgerOverwriteError,
+    read_ledger_file,
+    write_ledger_file,
+)
 
 _LAZY = {
     "PrivacyLedger": "tf_dp.ledger.privacy_ledger",
@@ -27,6 +33,9 @@ __all__ = [
     "SamplingEvent",
     "SumQueryEvent",
     "LedgerFileError",
+    "LedgerOverwriteError",
+    "LedgerJournal",
+    "read_journal",
     "read_ledger_file",
     "write_ledger_file",
     "PrivacyLedger",

@@ -99,61 +99,49 @@ def _query_payload(q: SumQueryEvent) -> dict[str, Any]:
     return out
 
 
+def runs_payload(entries: Sequence[SampleEntry]) -> list[dict[str, Any]]:
+    """``entries`` as run-length-encoded JSON runs (the ``"runs"`` value of a ledger file)."""
+    return [
+        {
+            "count": count,
+            "sampling": _sampling_payload(entry.sampling),
+            "queries": [_query_payload(q) for q in entry.queries],
+        }
+        for entry, count in compress(entries)
+    ]
+
+
+def _sampling_payload(s: SamplingEvent) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "population_size": s.population_size,
+        "selection_probability": s.selection_probability,
+        "policy": s.policy,
+    }
+    if s.pass_start:  # only draws that start a pass carry the key
+        out["pass_start"] = True
+    return out
+
+
 def entries_to_payload(
     entries: Sequence[SampleEntry], metadata: Optional[Mapping[str, Any]] = None
 ) -> dict[str, Any]:
     """Builds the JSON payload (with checksum) for ``entries``."""
-    runs = []
-    compressed = compress(entries)
-    for entry, count in compressed:
-        sampling: dict[str, Any] = {
-            "population_size": entry.sampling.population_size,
-            "selection_probability": entry.sampling.selection_probability,
-            "policy": entry.sampling.policy,
-        }
-        if entry.sampling.pass_start:  # only draws that start a pass carry the key
-            sampling["pass_start"] = True
-        runs.append(
-            {
-                "count": count,
-                "sampling": sampling,
-                "queries": [_query_payload(q) for q in entry.queries],
-            }
-        )
     payload: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION if any(e.sampling.pass_start for e, _ in compressed) else 1,
+        "version": FORMAT_VERSION if any(e.sampling.pass_start for e in entries) else 1,
         "num_samples": len(entries),
-        "runs": runs,
+        "runs": runs_payload(entries),
         "metadata": dict(metadata or {}),
     }
     payload["sha256"] = hashlib.sha256(_canonical(payload)).hexdigest()
     return payload
 
 
-def payload_to_entries(payload: Any) -> list[SampleEntry]:
-    """Validates a parsed payload and expands it to a list of :class:`SampleEntry`."""
-    if not isinstance(payload, dict):
-        raise LedgerFileError("ledger file must hold a JSON object")
-    if payload.get("format") != FORMAT_NAME:
-        raise LedgerFileError(f"not a tf_dp ledger file (format={payload.get('format')!r})")
-    if payload.get("version") not in READ_VERSIONS or isinstance(payload.get("version"), bool):
-        raise LedgerFileError(
-            f"unsupported ledger version {payload.get('version')!r}; this tf_dp reads version "
-            f"{' and '.join(map(str, READ_VERSIONS))}"
-        )
-    body = {k: v for k, v in payload.items() if k != "sha256"}
-    try:
-        digest = hashlib.sha256(_canonical(body)).hexdigest()
-    except (TypeError, ValueError) as e:
-        raise LedgerFileError(f"ledger file holds values that are not valid JSON numbers: {e}")
-    if payload.get("sha256") != digest:
-        raise LedgerFileError(
-            "ledger checksum mismatch: the file was corrupted or edited after it was written"
-        )
+def runs_to_entries(runs: Any) -> list[SampleEntry]:
+    """Validates run-length-encoded JSON runs (see :func:`runs_payload`) and expands them."""
     entries: list[SampleEntry] = []
     try:
-        for run in payload["runs"]:
+        for run in runs:
             count = run["count"]
             if isinstance(count, bool) or not (isinstance(count, int) and count >= 1):
                 raise LedgerFileError(f"run count must be an integer >= 1, got {count!r}")
@@ -183,6 +171,30 @@ def payload_to_entries(payload: Any) -> list[SampleEntry]:
         raise
     except (KeyError, TypeError, ValueError) as e:
         raise LedgerFileError(f"malformed ledger event: {e}") from None
+    return entries
+
+
+def payload_to_entries(payload: Any) -> list[SampleEntry]:
+    """Validates a parsed payload and expands it to a list of :class:`SampleEntry`."""
+    if not isinstance(payload, dict):
+        raise LedgerFileError("ledger file must hold a JSON object")
+    if payload.get("format") != FORMAT_NAME:
+        raise LedgerFileError(f"not a tf_dp ledger file (format={payload.get('format')!r})")
+    if payload.get("version") not in READ_VERSIONS or isinstance(payload.get("version"), bool):
+        raise LedgerFileError(
+            f"unsupported ledger version {payload.get('version')!r}; this tf_dp reads version "
+            f"{' and '.join(map(str, READ_VERSIONS))}"
+        )
+    body = {k: v for k, v in payload.items() if k != "sha256"}
+    try:
+        digest = hashlib.sha256(_canonical(body)).hexdigest()
+    except (TypeError, ValueError) as e:
+        raise LedgerFileError(f"ledger file holds values that are not valid JSON numbers: {e}")
+    if payload.get("sha256") != digest:
+        raise LedgerFileError(
+            "ledger checksum mismatch: the file was corrupted or edited after it was written"
+        )
+    entries = runs_to_entries(payload.get("runs"))
     if len(entries) != payload.get("num_samples"):
         raise LedgerFileError(
             f"ledger says num_samples={payload.get('num_samples')!r} but holds {len(entries)}"
@@ -212,15 +224,50 @@ def _file_mode(path: str) -> int:
         return 0o666 & ~_current_umask()
 
 
+class LedgerOverwriteError(LedgerFileError):
+    """A ledger write was refused: the file at the path records more steps than the new ledger."""
+
+
+def _check_not_shorter(path: str, new_steps: int) -> None:
+    """Raises :class:`LedgerOverwriteError` if ``path`` holds a readable ledger with more steps
+    than ``new_steps`` (a file that is not a readable ledger is replaced as before)."""
+    if not os.path.exists(path):
+        return
+    try:
+        old_steps = len(read_ledger_file(path))
+    except (LedgerFileError, UnicodeDecodeError):
+        return
+    if old_steps > new_steps:
+        raise LedgerOverwriteError(
+            f"refusing to overwrite the ledger file {path!r}: it records {old_steps} steps and "
+            f"the ledger being written records only {new_steps}, so the privacy spent by the "
+            f"other {old_steps - new_steps} steps would be forgotten. Write to another path, or "
+            "pass overwrite=True if that file does not belong to this data"
+        )
+
+
 def write_ledger_file(
     path: str | os.PathLike,
     entries: Sequence[SampleEntry],
     metadata: Optional[Mapping[str, Any]] = None,
+    overwrite: bool = False,
 ) -> None:
     """Writes ``entries`` to ``path`` atomically, keeping the permission bits of a file it
-    replaces (a new file: ``0666`` less the umask)."""
-    data = json.dumps(entries_to_payload(entries, metadata), indent=1, allow_nan=False)
+    replaces (a new file: ``0666`` less the umask).
+
+    A ledger file at ``path`` that records more steps than ``entries`` is not replaced: it raises
+    :class:`LedgerOverwriteError` (naming the path and both step counts) unless
+    ``overwrite=True``. A file recording as many steps or fewer (e.g. an earlier checkpoint of
+    the same run) is replaced.
+
+    Example::
+
+        write_ledger_file("out/ledger.json", ledger.samples(), metadata={"model": "cnn"})
+    """
     path = os.fspath(path)
+    if not overwrite:
+        _check_not_shorter(path, len(entries))
+    data = json.dumps(entries_to_payload(entries, metadata), indent=1, allow_nan=False)
     directory = os.path.dirname(os.path.abspath(path))
     mode = _file_mode(path)
     fd, tmp = tempfile.mkstemp(prefix=".ledger-", suffix=".tmp", dir=directory)

@@ -42,6 +42,7 @@ from tf_dp.ledger.events import (
     SamplingEvent,
     SumQueryEvent,
 )
+from tf_dp.ledger.journal import LedgerJournal, encode_runs
 from tf_dp.ledger.ledger_file import LedgerFileError, read_ledger_file, write_ledger_file
 
 # Column layouts of the two buffers.
@@ -270,6 +271,57 @@ class _Buffer(tf.Module):
         self.overflow.assign(0)
 
 
+def _to_entries(samples: np.ndarray, queries: np.ndarray, first: int = 0) -> list[SampleEntry]:
+    """Sample-table rows (steps ``first, first + 1, ...``) and their query-table rows as
+    :class:`SampleEntry` objects."""
+    per_sample: list[list[SumQueryEvent]] = [[] for _ in range(samples.shape[0])]
+    for idx, sens, std, mech, r, seed, grid in queries:
+        i = int(idx) - first
+        if not 0 <= i < len(per_sample):
+            raise ValueError(
+                "ledger holds a sum query recorded before any sampling event; "
+                "call record_sampling first"
+            )
+        mech_name = MECHANISMS[int(mech)]
+        per_sample[i].append(
+            SumQueryEvent(
+                # Stored as float64: values recorded at run time are the float32 values the
+                # step used (exactly representable); values restored from a file stay exact.
+                l2_sensitivity=float(sens),
+                noise_stddev=float(std),
+                mechanism=mech_name,
+                jl_projections=int(r) if mech_name == "jl" else None,
+                noise_seed=None if np.isnan(seed) else int(seed),
+                tree_step=int(r) if mech_name == "tree" else None,
+                noise_grid=None if np.isnan(grid) else float(grid),
+            )
+        )
+    return [
+        SampleEntry(
+            sampling=SamplingEvent(
+                population_size=int(round(n)),
+                selection_probability=float(q),
+                policy=SAMPLING_POLICIES[int(p)],
+                pass_start=bool(start) and SAMPLING_POLICIES[int(p)] == "shuffle",
+            ),
+            queries=tuple(qs),
+        )
+        for (n, q, p, start), qs in zip(samples, per_sample)
+    ]
+
+
+def _read_rows(table: tf.Variable, start: int, stop: int) -> np.ndarray:
+    """Rows ``start:stop`` of a ledger table, eagerly: one gather op, O(rows) (slicing a
+    variable eagerly reads the whole table, and ``sparse_read`` costs several times the op);
+    under ``tf.distribute`` from the first component (every component holds the same rows)."""
+    if isinstance(table, tf.distribute.DistributedValues):
+        table = table.values[0]
+    rows = tf.raw_ops.ResourceGather(
+        resource=table.handle, indices=np.arange(start, stop), dtype=tf.float64
+    )
+    return rows.numpy()
+
+
 class LedgerOverflowError(RuntimeError):
     """Steps recorded inside compiled calls did not fit the ledger's staging table."""
 
@@ -286,6 +338,10 @@ class PrivacyLedger(tf.Module):
         super().__init__(name=name)
         self._samples = _Buffer(_SAMPLE_COLS, "samples")
         self._queries = _Buffer(_QUERY_COLS, "queries")
+        self._journal: Optional[LedgerJournal] = None
+        self._journal_queries = 0  # query rows already in the journal
+        self._journal_key = b""  # the rows last appended to the journal...
+        self._journal_runs = ""  # ...and their encoding
 
     # -- compiled (XLA) steps ----------------------------------------------------------------------
 
@@ -304,13 +360,103 @@ class PrivacyLedger(tf.Module):
         self._queries.reserve(int(samples) * max(1, int(queries_per_sample)))
 
     def flush(self) -> None:
-        """Moves rows recorded inside XLA-compiled steps into the ledger proper (eager only).
+        """Moves rows recorded inside XLA-compiled steps into the ledger proper and appends the
+        steps recorded since the last flush to the attached journal, if any (eager only).
 
         Reading methods flush by themselves; the Keras integration flushes after every compiled
         call. Raises :class:`LedgerOverflowError` if steps were withheld for lack of room.
         """
-        self._samples.flush()
-        self._queries.flush()
+        overflow: Optional[LedgerOverflowError] = None
+        for buffer in (self._samples, self._queries):
+            try:
+                buffer.flush()
+            except LedgerOverflowError as e:
+                overflow = overflow or e
+        self._sync_journal()
+        if overflow is not None:
+            raise overflow
+
+    # -- journal (eager) -------------------------------------------------------------------------
+
+    @property
+    def journal(self) -> Optional[LedgerJournal]:
+        """The attached :class:`~tf_dp.ledger.journal.LedgerJournal`, or None."""
+        return self._journal
+
+    def attach_journal(self, path: str | os.PathLike, fsync: bool = False) -> LedgerJournal:
+        """Journals every step of this ledger to the append-only file ``path``.
+
+        The journal at ``path`` (if any) and this ledger are first made to agree: if one records
+        a prefix of the other's steps, both become the longer one (a ledger restored from an
+        older checkpoint takes the steps that ran after it, so a resumed run charges every step
+        that ran); if they record different steps, ValueError. From then on every
+        :meth:`flush` (the Keras integration flushes after every compiled train call) appends
+        the new steps. ``fsync=True`` waits for the disk at each append (see
+        :class:`~tf_dp.ledger.journal.LedgerJournal`).
+
+        :class:`tf_dp.keras.callbacks.BackupAndRestore` attaches a journal in its backup
+        directory by itself; call this for a custom loop or checkpointing scheme (and call
+        :meth:`flush` after each step there).
+
+        Example::
+
+            ledger.attach_journal("run/privacy_journal.jsonl")
+            for batch in batches:
+                train_step(batch)
+                ledger.flush()
+        """
+        self.detach_journal()
+        self.flush()
+        journal = LedgerJournal(path, fsync=fsync)
+        try:
+            journaled = journal.entries()
+            current = self.samples()
+            if current[: len(journaled)] == journaled:
+                journal.append(current[len(journaled) :], start=len(journaled))
+            elif journaled[: len(current)] == current:
+                self.restore_entries(journaled)
+            else:
+                raise ValueError(
+                    f"the journal {journal.path!r} ({len(journaled)} steps) and this ledger "
+                    f"({len(current)} steps) record different steps: they belong to different "
+                    "runs. Attach a new journal path, or restore this run's ledger first"
+                )
+        except BaseException:
+            journal.close()
+            raise
+        self._journal = journal
+        self._journal_queries = int(self._queries.count.numpy())
+        return journal
+
+    def detach_journal(self) -> None:
+        """Stops journaling (after a last flush) and closes the journal file."""
+        if self._journal is None:
+            return
+        try:
+            self.flush()
+        finally:
+            self._journal.close()
+            self._journal = None
+
+    def _sync_journal(self) -> None:
+        """Appends the rows recorded since the last append to the journal (after a flush)."""
+        journal = self._journal
+        if journal is None or not tf.executing_eagerly():
+            return
+        s0, s1 = journal.num_samples, int(self._samples.count.numpy())
+        if s1 == s0:
+            return
+        q0, q1 = self._journal_queries, int(self._queries.count.numpy())
+        samples = _read_rows(self._samples.data, s0, s1)
+        queries = _read_rows(self._queries.data, q0, q1)
+        relative = queries.copy()
+        relative[:, 0] -= s0
+        key = f"{len(samples)},{len(relative)}:".encode() + samples.tobytes() + relative.tobytes()
+        if key != self._journal_key:  # steps unlike the last ones: encode them
+            self._journal_runs = encode_runs(_to_entries(samples, relative))
+            self._journal_key = key
+        journal.append_encoded(self._journal_runs, s1 - s0, start=s0)
+        self._journal_queries = q1
 
     # -- recording (graph-safe) ------------------------------------------------------------------
 
@@ -376,46 +522,20 @@ class PrivacyLedger(tf.Module):
         """The recorded samples, in order, each with its sum queries."""
         if tf.executing_eagerly():
             self.flush()
-        samples = self._samples.numpy()
-        queries = self._queries.numpy()
-        per_sample: list[list[SumQueryEvent]] = [[] for _ in range(samples.shape[0])]
-        for idx, sens, std, mech, r, seed, grid in queries:
-            i = int(idx)
-            if not 0 <= i < len(per_sample):
-                raise ValueError(
-                    "ledger holds a sum query recorded before any sampling event; "
-                    "call record_sampling first"
-                )
-            mech_name = MECHANISMS[int(mech)]
-            per_sample[i].append(
-                SumQueryEvent(
-                    # Stored as float64: values recorded at run time are the float32 values the
-                    # step used (exactly representable); values restored from a file stay exact.
-                    l2_sensitivity=float(sens),
-                    noise_stddev=float(std),
-                    mechanism=mech_name,
-                    jl_projections=int(r) if mech_name == "jl" else None,
-                    noise_seed=None if np.isnan(seed) else int(seed),
-                    tree_step=int(r) if mech_name == "tree" else None,
-                    noise_grid=None if np.isnan(grid) else float(grid),
-                )
-            )
-        return [
-            SampleEntry(
-                sampling=SamplingEvent(
-                    population_size=int(round(n)),
-                    selection_probability=float(q),
-                    policy=SAMPLING_POLICIES[int(p)],
-                    pass_start=bool(start) and SAMPLING_POLICIES[int(p)] == "shuffle",
-                ),
-                queries=tuple(qs),
-            )
-            for (n, q, p, start), qs in zip(samples, per_sample)
-        ]
+        return _to_entries(self._samples.numpy(), self._queries.numpy())
 
-    def save(self, path: str | os.PathLike, metadata: Optional[Mapping[str, Any]] = None) -> None:
-        """Writes the ledger to a versioned, checksummed JSON file (atomically)."""
-        write_ledger_file(path, self.samples(), metadata)
+    def save(
+        self,
+        path: str | os.PathLike,
+        metadata: Optional[Mapping[str, Any]] = None,
+        overwrite: bool = False,
+    ) -> None:
+        """Writes the ledger to a versioned, checksummed JSON file (atomically).
+
+        Refuses (:class:`~tf_dp.ledger.ledger_file.LedgerOverwriteError`) to replace a ledger
+        file that records more steps than this ledger, unless ``overwrite=True``.
+        """
+        write_ledger_file(path, self.samples(), metadata, overwrite=overwrite)
 
     @classmethod
     def load(cls, path: str | os.PathLike, name: str = "privacy_ledger") -> "PrivacyLedger":
@@ -432,7 +552,22 @@ class PrivacyLedger(tf.Module):
         return ledger
 
     def restore_entries(self, entries: Sequence[SampleEntry]) -> None:
-        """Replaces the ledger's content with ``entries`` (e.g. to resume from a saved file)."""
+        """Replaces the ledger's content with ``entries`` (e.g. to resume from a saved file).
+
+        With a journal attached, ``entries`` must extend the journaled steps (a journaled step
+        is never forgotten): otherwise ValueError, and the ledger is unchanged.
+        """
+        entries = list(entries)
+        journaled: list[SampleEntry] = []
+        if self._journal is not None:
+            journaled = self._journal.entries()
+            if entries[: len(journaled)] != journaled:
+                raise ValueError(
+                    f"this ledger is journaled to {self._journal.path!r} ({len(journaled)} steps "
+                    f"that ran); the {len(entries)} entries being restored do not extend them, "
+                    "so journaled steps would be forgotten. Detach the journal first "
+                    "(ledger.detach_journal()) if they did not touch this run's data"
+                )
         samples = np.array(
             [
                 [e.sampling.population_size, e.sampling.selection_probability,
@@ -454,6 +589,9 @@ class PrivacyLedger(tf.Module):
         ).reshape(-1, _QUERY_COLS)
         self._samples.load(samples)
         self._queries.load(queries)
+        if self._journal is not None:
+            self._journal_queries = sum(len(e.queries) for e in journaled)
+            self._sync_journal()
 
     def tables(self) -> tuple[np.ndarray, np.ndarray]:
         """The raw sample and query tables (float64), e.g. to store them in a weights file."""
@@ -471,15 +609,11 @@ class PrivacyLedger(tf.Module):
         if queries.ndim == 2 and queries.shape[1] == _QUERY_COLS - 1:  # saved before noise_grid
             queries = np.concatenate([queries, np.full([len(queries), 1], np.nan)], axis=1)
         queries = queries.reshape(-1, _QUERY_COLS)
-        probe = PrivacyLedger.__new__(PrivacyLedger)
-        tf.Module.__init__(probe, name="probe")
-        probe._samples, probe._queries = _Buffer(_SAMPLE_COLS, "s"), _Buffer(_QUERY_COLS, "q")
-        probe._samples.load(samples)
-        probe._queries.load(queries)
-        self.restore_entries(probe.samples())  # every event is validated on the way
+        self.restore_entries(_to_entries(samples, queries))  # every event is validated on the way
 
     def reset(self) -> None:
-        """Forgets every recorded event."""
+        """Forgets every recorded event (refused while a journal is attached: see
+        :meth:`restore_entries`)."""
         self.restore_entries([])
 
     def __repr__(self) -> str:
