@@ -83,6 +83,74 @@ def test_many_run_fixed_thresholds_union_bound():
     assert many.epsilon < _gaussian_eps(2.0, 1e-3)
 
 
+def test_design_threshold_maximises_the_expected_bound_of_a_gaussian_mechanism():
+    # Reference scores N(mu, 1) / N(0, 1): the expected bound at threshold t has the closed-form
+    # rates Phi(mu - t), Phi(-t); the designed threshold must reach the best of a fine grid.
+    mu, n, delta = 2.0, 5000, 1e-5
+    rng = np.random.default_rng(0)
+    ref_in, ref_out = rng.normal(mu, 1.0, 200_000), rng.normal(0.0, 1.0, 200_000)
+
+    def expected_bound(t):
+        low, _ = many_run.clopper_pearson(np.round(stats.norm.sf(t - mu) * n), n, 0.025)
+        _, high = many_run.clopper_pearson(np.round(stats.norm.sf(t) * n), n, 0.025)
+        return float(many_run.epsilon_from_rates(low, high, delta))
+
+    t = many_run.design_threshold(ref_in, ref_out, n, n, delta, 0.95)
+    best = max(expected_bound(g) for g in np.linspace(0.0, 4.5, 901))
+    assert expected_bound(t) >= best - 0.1  # reference sampling error on the rates, ~1/sqrt(FP)
+    with pytest.raises(ValueError, match="trials_in"):
+        many_run.design_threshold(ref_in, ref_out, 0, n, delta)
+
+
+def test_fixed_designed_threshold_beats_the_split_at_the_same_trials():
+    # The split spends half of the trials choosing the threshold; a threshold fixed from a model of
+    # the mechanism uses all of them. Gaussian mechanism mu = 2, 5000 trials, 5 seeds: the mean
+    # bound is larger (the split's bound has half the trials: its Clopper-Pearson margin at the
+    # same counts is ~sqrt(2) wider) and both stay below the true epsilon.
+    delta, true = 1e-5, _gaussian_eps(2.0, 1e-5)
+    rng = np.random.default_rng(1)
+    t = many_run.design_threshold(rng.normal(2.0, 1.0, 100_000), rng.normal(0.0, 1.0, 100_000),
+                                  2500, 2500, delta)
+    split, fixed = [], []
+    for seed in range(5):
+        scores, included = _gaussian_trials(2.0, 5000, seed)
+        split.append(many_run.epsilon_lower_bound(scores, included, delta).epsilon)
+        fixed.append(many_run.epsilon_lower_bound(scores, included, delta, thresholds=[t]).epsilon)
+    assert max(fixed) < true and max(split) < true
+    assert np.mean(fixed) > np.mean(split) + 0.1
+
+
+def test_dirac_score_is_the_log_likelihood_ratio_of_the_sampled_gaussian():
+    from tf_dp.auditing.canaries import dirac_score
+
+    q, sigma = 0.3, 0.8
+    u = np.random.default_rng(0).normal(0.5, 2.0, size=(7, 5))
+    direct = np.log(((1 - q) * stats.norm.pdf(u, 0, sigma) + q * stats.norm.pdf(u, 1, sigma))
+                    / stats.norm.pdf(u, 0, sigma)).sum(axis=1)
+    np.testing.assert_allclose(dirac_score(u, q, sigma), direct, rtol=1e-10)
+    np.testing.assert_allclose(dirac_score(u, 1.0, sigma), u.sum(axis=1))
+
+
+def test_likelihood_ratio_score_is_more_powerful_than_the_sum_under_sampling():
+    # q = 0.1, sigma = 0.5, 20 steps: a trained-on canary shows in ~2 steps as a jump of 1 = 2 sd;
+    # the sum dilutes it in 20 steps of noise. TPR at FPR 1% (50000 trials per class): the sum's is
+    # 0.12, the likelihood ratio's 0.27 (binomial sd about 0.002 at these sizes).
+    from tf_dp.auditing.canaries import dirac_score
+
+    q, sigma, steps, n = 0.1, 0.5, 20, 50_000
+    rng = np.random.default_rng(0)
+    u_in = (rng.random((n, steps)) < q) + sigma * rng.normal(size=(n, steps))
+    u_out = sigma * rng.normal(size=(n, steps))
+
+    def tpr_at_1pct(score):
+        s_in, s_out = score(u_in), score(u_out)
+        return float(np.mean(s_in > np.quantile(s_out, 0.99)))
+
+    sum_tpr = tpr_at_1pct(lambda u: u.sum(axis=1))
+    llr_tpr = tpr_at_1pct(lambda u: dirac_score(u, q, sigma))
+    assert llr_tpr > sum_tpr + 0.1
+
+
 # ---------------------------------------------------------------- one-run (Steinke et al. 2023)
 
 @pytest.mark.parametrize("r", [10, 100, 1000])
@@ -196,12 +264,13 @@ def test_dirac_canary_goes_through_clipping_exactly():
     report = _audit(_sgd(noise_multiplier=0.0), sampling_probability=1.0, steps=3,
                     num_canaries=20)
     k = int(report.included.sum())
-    expected = 3 * 0.1 * 1.0 / (64 + k)
-    np.testing.assert_allclose(report.scores[report.included], expected, rtol=1e-5)
-    np.testing.assert_array_equal(report.scores[~report.included], 0.0)
+    assert report.updates.shape == (20, 3)  # every step's update on every canary's coordinate
+    np.testing.assert_allclose(report.updates[report.included], 0.1 * 1.0 / (64 + k), rtol=1e-5)
+    np.testing.assert_array_equal(report.updates[~report.included], 0.0)
 
 
-@pytest.mark.parametrize("q,noise,steps", [(1.0, 2.0, 10), (1.0, 4.0, 8), (0.5, 1.0, 10)])
+@pytest.mark.parametrize("q,noise,steps",
+                         [(1.0, 2.0, 10), (1.0, 4.0, 8), (0.5, 1.0, 10), (0.2, 0.8, 10)])
 def test_correct_mechanism_never_audits_above_its_certificate(q, noise, steps):
     for seed in range(2):
         report = _audit(_sgd(noise_multiplier=noise, noise_seed=seed), sampling_probability=q,
@@ -209,6 +278,15 @@ def test_correct_mechanism_never_audits_above_its_certificate(q, noise, steps):
         assert report.lower_bound <= report.certified.epsilon
         assert not report.violation, str(report)
     assert report.certified.epsilon == pytest.approx(_certified(noise, steps, q), rel=0.05)
+
+
+def test_white_box_many_run_counts_every_canary_at_a_threshold_fixed_in_advance():
+    report = _audit(_sgd(noise_multiplier=1.0, noise_seed=0), sampling_probability=0.5,
+                    steps=5, num_canaries=400)
+    assert report.score == "likelihood ratio" and report.updates.shape == (400, 5)
+    assert report.many_run.method == "fixed thresholds (1)"
+    assert report.many_run.trials_in + report.many_run.trials_out == 400
+    assert report.lower_bound <= report.certified.epsilon
 
 
 def test_no_noise_audits_far_above_the_correct_certificate():
