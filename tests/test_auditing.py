@@ -325,3 +325,60 @@ def test_audit_refuses_bad_arguments_before_training():
         import keras
 
         _audit(lambda: keras.optimizers.SGD(0.1))
+
+
+# ---------------------------------------------------------------- membership inference
+
+def test_roc_auc_matches_sklearn_with_ties():
+    from sklearn.metrics import roc_auc_score
+
+    from tf_dp.auditing.membership_inference import roc_auc
+
+    rng = np.random.default_rng(0)
+    s_in = np.round(rng.normal(0.5, 1.0, 300), 1)  # rounding makes ties
+    s_out = np.round(rng.normal(0.0, 1.0, 400), 1)
+    expected = roc_auc_score(np.r_[np.ones(300), np.zeros(400)], np.r_[s_in, s_out])
+    assert roc_auc(s_in, s_out) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("fpr", [0.001, 0.01, 0.1, 0.5])
+def test_tpr_at_fpr_is_the_best_threshold_by_direct_count(fpr):
+    from tf_dp.auditing.membership_inference import tpr_at_fpr
+
+    rng = np.random.default_rng(1)
+    s_in = np.round(rng.normal(1.0, 1.0, 500), 2)
+    s_out = np.round(rng.normal(0.0, 1.0, 2000), 2)
+    best = 0.0
+    for t in np.concatenate([np.unique(np.r_[s_in, s_out]), [-np.inf]]):  # every test score > t
+        if np.mean(s_out > t) <= fpr:
+            best = max(best, float(np.mean(s_in > t)))
+    assert tpr_at_fpr(s_in, s_out, fpr) == best
+
+
+def test_loss_attack_scores_by_the_per_example_loss():
+    import keras
+
+    from tf_dp.auditing.membership_inference import loss_attack, roc_auc, tpr_at_fpr
+
+    rng = np.random.default_rng(2)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)])
+    x_in, x_out = rng.normal(size=(50, 3)).astype("float32"), rng.normal(size=(60, 3)).astype(
+        "float32")
+    y_in, y_out = rng.integers(0, 4, 50), rng.integers(0, 4, 60)
+    w, b = (np.asarray(v, np.float64) for v in model.get_weights())
+
+    def ce(x, y):  # softmax cross-entropy by hand
+        z = x @ w + b
+        return np.log(np.exp(z).sum(axis=1)) - z[np.arange(len(y)), y]
+
+    result = loss_attack(model, (x_in, y_in), (x_out, y_out),
+                         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                         fprs=(0.05,))
+    assert result.auc == pytest.approx(roc_auc(-ce(x_in, y_in), -ce(x_out, y_out)), abs=1e-6)
+    assert result.tpr_at_fpr[0.05] == tpr_at_fpr(-ce(x_in, y_in), -ce(x_out, y_out), 0.05)
+    assert result.member_loss == pytest.approx(ce(x_in, y_in).mean(), rel=1e-5)
+    assert (result.members, result.non_members) == (50, 60)
+    with pytest.raises(ValueError, match="fprs"):
+        loss_attack(model, (x_in, y_in), (x_out, y_out), fprs=(1.5,))
+    with pytest.raises(ValueError, match="non_members"):
+        loss_attack(model, (x_in, y_in), (x_out, y_out[:3]))
