@@ -111,6 +111,44 @@ class AuditReport:
             measured = max(measured, self.gdp_bound.epsilon)
         return measured > self.certified.epsilon
 
+    def summary(self) -> dict:
+        """The report's figures as a dict of JSON values (no scores), as :meth:`save` writes them.
+
+        Example::
+
+            report.summary()["lower_bound"]
+        """
+        c = self.certified
+        bounds = {"one_run": dataclasses.asdict(self.one_run)}
+        if self.many_run is not None:
+            bounds["many_run"] = dataclasses.asdict(self.many_run)
+        if self.gdp_bound is not None:
+            bounds["gdp_bound"] = dataclasses.asdict(self.gdp_bound)
+        if self.gdp_estimate is not None:
+            bounds["gdp_estimate"] = dataclasses.asdict(self.gdp_estimate)
+        return {
+            "lower_bound": float(self.lower_bound), "delta": float(self.one_run.delta),
+            "confidence": float(self.one_run.confidence),
+            "certified_epsilon": float(c.epsilon), "certified_accountant": c.accountant,
+            "certified_is_guarantee": bool(c.certified and not c.noise_seeds),
+            "violation": bool(self.violation), "threat_model": self.threat_model,
+            "score": self.score, "num_canaries": self.num_canaries, "trainings": self.trainings,
+            "sampling_probability": self.sampling_probability, "minutes": self.minutes,
+            **bounds,
+        }
+
+    def save(self, path: str) -> None:
+        """Writes :meth:`summary` as JSON (``compute_dp_sgd_privacy --audit_report=PATH`` prints it
+        beside a ledger's analysis).
+
+        Example::
+
+            report.save("audit.json")
+        """
+        from tf_dp.auditing.report_file import write_report_file
+
+        write_report_file(path, self.summary())
+
     def __str__(self) -> str:
         c = self.certified
         seeded = " (seeded noise: no guarantee, the figure an unseeded run would get)" if (
