@@ -382,3 +382,20 @@ def test_loss_attack_scores_by_the_per_example_loss():
         loss_attack(model, (x_in, y_in), (x_out, y_out), fprs=(1.5,))
     with pytest.raises(ValueError, match="non_members"):
         loss_attack(model, (x_in, y_in), (x_out, y_out[:3]))
+
+
+def test_loss_attack_resolves_confident_predictions():
+    # Logit gaps 20-28: float32 cross-entropy rounds every loss to 0 (all tied); the true losses
+    # log(1 + e^-gap) differ, and members (larger gaps) rank above every non-member: AUC 1.
+    import keras
+
+    from tf_dp.auditing.membership_inference import loss_attack
+
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(2)])
+    model.set_weights([np.array([[1.0, 0.0]], np.float32), np.zeros(2, np.float32)])
+    gaps_in, gaps_out = np.array([[26.0], [27.0], [28.0]]), np.array([[20.0], [21.0], [22.0]])
+    zeros = np.zeros(3, np.int32)
+    result = loss_attack(model, (gaps_in, zeros), (gaps_out, zeros),
+                         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                         fprs=(0.3,))
+    assert result.auc == 1.0 and result.tpr_at_fpr[0.3] == 1.0

@@ -145,8 +145,11 @@ def loss_attack(
     per_example = _per_example(loss)
 
     def losses(x, y):
-        pred = model.predict(x, batch_size=batch_size, verbose=0)
-        values = keras.ops.convert_to_numpy(per_example(keras.ops.convert_to_tensor(y), pred))
+        # float64: a float32 loss of a confidently right prediction rounds to 0, and those ties
+        # would hide the low-FPR end of the ROC curve
+        pred = np.asarray(model.predict(x, batch_size=batch_size, verbose=0), np.float64)
+        values = keras.ops.convert_to_numpy(
+            per_example(keras.ops.convert_to_tensor(np.asarray(y)), keras.ops.convert_to_tensor(pred)))
         return np.asarray(values, dtype=np.float64)
 
     loss_in, loss_out = losses(*members), losses(*non_members)
