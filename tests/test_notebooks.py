@@ -99,8 +99,9 @@ CHECKS = {
         " for k, r in mi.items()},"
         " 'private_auc_direct': __import__('sklearn.metrics').metrics.roc_auc_score("
         "np.r_[np.ones(MI_SIZE), np.zeros(MI_SIZE)], -np.r_["
-        "mi_loss.call(members[1], private.predict(members[0], verbose=0)).numpy(),"
-        "mi_loss.call(non_members[1], private.predict(non_members[0], verbose=0)).numpy()])}))"
+        "mi_loss.call(members[1], private.predict(members[0], verbose=0).astype('float64')).numpy(),"
+        "mi_loss.call(non_members[1],"
+        " private.predict(non_members[0], verbose=0).astype('float64')).numpy()])}))"
     ),
 }
 
