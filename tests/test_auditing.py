@@ -83,6 +83,74 @@ def test_many_run_fixed_thresholds_union_bound():
     assert many.epsilon < _gaussian_eps(2.0, 1e-3)
 
 
+def test_design_threshold_maximises_the_expected_bound_of_a_gaussian_mechanism():
+    # Reference scores N(mu, 1) / N(0, 1): the expected bound at threshold t has the closed-form
+    # rates Phi(mu - t), Phi(-t); the designed threshold must reach the best of a fine grid.
+    mu, n, delta = 2.0, 5000, 1e-5
+    rng = np.random.default_rng(0)
+    ref_in, ref_out = rng.normal(mu, 1.0, 200_000), rng.normal(0.0, 1.0, 200_000)
+
+    def expected_bound(t):
+        low, _ = many_run.clopper_pearson(np.round(stats.norm.sf(t - mu) * n), n, 0.025)
+        _, high = many_run.clopper_pearson(np.round(stats.norm.sf(t) * n), n, 0.025)
+        return float(many_run.epsilon_from_rates(low, high, delta))
+
+    t = many_run.design_threshold(ref_in, ref_out, n, n, delta, 0.95)
+    best = max(expected_bound(g) for g in np.linspace(0.0, 4.5, 901))
+    assert expected_bound(t) >= best - 0.1  # reference sampling error on the rates, ~1/sqrt(FP)
+    with pytest.raises(ValueError, match="trials_in"):
+        many_run.design_threshold(ref_in, ref_out, 0, n, delta)
+
+
+def test_fixed_designed_threshold_beats_the_split_at_the_same_trials():
+    # The split spends half of the trials choosing the threshold; a threshold fixed from a model of
+    # the mechanism uses all of them. Gaussian mechanism mu = 2, 5000 trials, 5 seeds: the mean
+    # bound is larger (the split's bound has half the trials: its Clopper-Pearson margin at the
+    # same counts is ~sqrt(2) wider) and both stay below the true epsilon.
+    delta, true = 1e-5, _gaussian_eps(2.0, 1e-5)
+    rng = np.random.default_rng(1)
+    t = many_run.design_threshold(rng.normal(2.0, 1.0, 100_000), rng.normal(0.0, 1.0, 100_000),
+                                  2500, 2500, delta)
+    split, fixed = [], []
+    for seed in range(5):
+        scores, included = _gaussian_trials(2.0, 5000, seed)
+        split.append(many_run.epsilon_lower_bound(scores, included, delta).epsilon)
+        fixed.append(many_run.epsilon_lower_bound(scores, included, delta, thresholds=[t]).epsilon)
+    assert max(fixed) < true and max(split) < true
+    assert np.mean(fixed) > np.mean(split) + 0.1
+
+
+def test_dirac_score_is_the_log_likelihood_ratio_of_the_sampled_gaussian():
+    from tf_dp.auditing.canaries import dirac_score
+
+    q, sigma = 0.3, 0.8
+    u = np.random.default_rng(0).normal(0.5, 2.0, size=(7, 5))
+    direct = np.log(((1 - q) * stats.norm.pdf(u, 0, sigma) + q * stats.norm.pdf(u, 1, sigma))
+                    / stats.norm.pdf(u, 0, sigma)).sum(axis=1)
+    np.testing.assert_allclose(dirac_score(u, q, sigma), direct, rtol=1e-10)
+    np.testing.assert_allclose(dirac_score(u, 1.0, sigma), u.sum(axis=1))
+
+
+def test_likelihood_ratio_score_is_more_powerful_than_the_sum_under_sampling():
+    # q = 0.1, sigma = 0.5, 20 steps: a trained-on canary shows in ~2 steps as a jump of 1 = 2 sd;
+    # the sum dilutes it in 20 steps of noise. TPR at FPR 1% (50000 trials per class): the sum's is
+    # 0.12, the likelihood ratio's 0.27 (binomial sd about 0.002 at these sizes).
+    from tf_dp.auditing.canaries import dirac_score
+
+    q, sigma, steps, n = 0.1, 0.5, 20, 50_000
+    rng = np.random.default_rng(0)
+    u_in = (rng.random((n, steps)) < q) + sigma * rng.normal(size=(n, steps))
+    u_out = sigma * rng.normal(size=(n, steps))
+
+    def tpr_at_1pct(score):
+        s_in, s_out = score(u_in), score(u_out)
+        return float(np.mean(s_in > np.quantile(s_out, 0.99)))
+
+    sum_tpr = tpr_at_1pct(lambda u: u.sum(axis=1))
+    llr_tpr = tpr_at_1pct(lambda u: dirac_score(u, q, sigma))
+    assert llr_tpr > sum_tpr + 0.1
+
+
 # ---------------------------------------------------------------- one-run (Steinke et al. 2023)
 
 @pytest.mark.parametrize("r", [10, 100, 1000])
@@ -196,12 +264,13 @@ def test_dirac_canary_goes_through_clipping_exactly():
     report = _audit(_sgd(noise_multiplier=0.0), sampling_probability=1.0, steps=3,
                     num_canaries=20)
     k = int(report.included.sum())
-    expected = 3 * 0.1 * 1.0 / (64 + k)
-    np.testing.assert_allclose(report.scores[report.included], expected, rtol=1e-5)
-    np.testing.assert_array_equal(report.scores[~report.included], 0.0)
+    assert report.updates.shape == (20, 3)  # every step's update on every canary's coordinate
+    np.testing.assert_allclose(report.updates[report.included], 0.1 * 1.0 / (64 + k), rtol=1e-5)
+    np.testing.assert_array_equal(report.updates[~report.included], 0.0)
 
 
-@pytest.mark.parametrize("q,noise,steps", [(1.0, 2.0, 10), (1.0, 4.0, 8), (0.5, 1.0, 10)])
+@pytest.mark.parametrize("q,noise,steps",
+                         [(1.0, 2.0, 10), (1.0, 4.0, 8), (0.5, 1.0, 10), (0.2, 0.8, 10)])
 def test_correct_mechanism_never_audits_above_its_certificate(q, noise, steps):
     for seed in range(2):
         report = _audit(_sgd(noise_multiplier=noise, noise_seed=seed), sampling_probability=q,
@@ -209,6 +278,15 @@ def test_correct_mechanism_never_audits_above_its_certificate(q, noise, steps):
         assert report.lower_bound <= report.certified.epsilon
         assert not report.violation, str(report)
     assert report.certified.epsilon == pytest.approx(_certified(noise, steps, q), rel=0.05)
+
+
+def test_white_box_many_run_counts_every_canary_at_a_threshold_fixed_in_advance():
+    report = _audit(_sgd(noise_multiplier=1.0, noise_seed=0), sampling_probability=0.5,
+                    steps=5, num_canaries=400)
+    assert report.score == "likelihood ratio" and report.updates.shape == (400, 5)
+    assert report.many_run.method == "fixed thresholds (1)"
+    assert report.many_run.trials_in + report.many_run.trials_out == 400
+    assert report.lower_bound <= report.certified.epsilon
 
 
 def test_no_noise_audits_far_above_the_correct_certificate():
@@ -247,3 +325,77 @@ def test_audit_refuses_bad_arguments_before_training():
         import keras
 
         _audit(lambda: keras.optimizers.SGD(0.1))
+
+
+# ---------------------------------------------------------------- membership inference
+
+def test_roc_auc_matches_sklearn_with_ties():
+    from sklearn.metrics import roc_auc_score
+
+    from tf_dp.auditing.membership_inference import roc_auc
+
+    rng = np.random.default_rng(0)
+    s_in = np.round(rng.normal(0.5, 1.0, 300), 1)  # rounding makes ties
+    s_out = np.round(rng.normal(0.0, 1.0, 400), 1)
+    expected = roc_auc_score(np.r_[np.ones(300), np.zeros(400)], np.r_[s_in, s_out])
+    assert roc_auc(s_in, s_out) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("fpr", [0.001, 0.01, 0.1, 0.5])
+def test_tpr_at_fpr_is_the_best_threshold_by_direct_count(fpr):
+    from tf_dp.auditing.membership_inference import tpr_at_fpr
+
+    rng = np.random.default_rng(1)
+    s_in = np.round(rng.normal(1.0, 1.0, 500), 2)
+    s_out = np.round(rng.normal(0.0, 1.0, 2000), 2)
+    best = 0.0
+    for t in np.concatenate([np.unique(np.r_[s_in, s_out]), [-np.inf]]):  # every test score > t
+        if np.mean(s_out > t) <= fpr:
+            best = max(best, float(np.mean(s_in > t)))
+    assert tpr_at_fpr(s_in, s_out, fpr) == best
+
+
+def test_loss_attack_scores_by_the_per_example_loss():
+    import keras
+
+    from tf_dp.auditing.membership_inference import loss_attack, roc_auc, tpr_at_fpr
+
+    rng = np.random.default_rng(2)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)])
+    x_in, x_out = rng.normal(size=(50, 3)).astype("float32"), rng.normal(size=(60, 3)).astype(
+        "float32")
+    y_in, y_out = rng.integers(0, 4, 50), rng.integers(0, 4, 60)
+    w, b = (np.asarray(v, np.float64) for v in model.get_weights())
+
+    def ce(x, y):  # softmax cross-entropy by hand
+        z = x @ w + b
+        return np.log(np.exp(z).sum(axis=1)) - z[np.arange(len(y)), y]
+
+    result = loss_attack(model, (x_in, y_in), (x_out, y_out),
+                         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                         fprs=(0.05,))
+    assert result.auc == pytest.approx(roc_auc(-ce(x_in, y_in), -ce(x_out, y_out)), abs=1e-6)
+    assert result.tpr_at_fpr[0.05] == tpr_at_fpr(-ce(x_in, y_in), -ce(x_out, y_out), 0.05)
+    assert result.member_loss == pytest.approx(ce(x_in, y_in).mean(), rel=1e-5)
+    assert (result.members, result.non_members) == (50, 60)
+    with pytest.raises(ValueError, match="fprs"):
+        loss_attack(model, (x_in, y_in), (x_out, y_out), fprs=(1.5,))
+    with pytest.raises(ValueError, match="non_members"):
+        loss_attack(model, (x_in, y_in), (x_out, y_out[:3]))
+
+
+def test_loss_attack_resolves_confident_predictions():
+    # Logit gaps 20-28: float32 cross-entropy rounds every loss to 0 (all tied); the true losses
+    # log(1 + e^-gap) differ, and members (larger gaps) rank above every non-member: AUC 1.
+    import keras
+
+    from tf_dp.auditing.membership_inference import loss_attack
+
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(2)])
+    model.set_weights([np.array([[1.0, 0.0]], np.float32), np.zeros(2, np.float32)])
+    gaps_in, gaps_out = np.array([[26.0], [27.0], [28.0]]), np.array([[20.0], [21.0], [22.0]])
+    zeros = np.zeros(3, np.int32)
+    result = loss_attack(model, (gaps_in, zeros), (gaps_out, zeros),
+                         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                         fprs=(0.3,))
+    assert result.auc == 1.0 and result.tpr_at_fpr[0.3] == 1.0

@@ -161,3 +161,65 @@ def test_pld_budget_names_pld():
     p = _run("compute_noise_from_budget", "--N=100", "--batch_size=100", "--epsilon=1e-6",
              "--epochs=1000", "--delta=1e-10", "--accountant=pld")
     assert p.returncode == 2 and "'pld' accountant" in p.stderr and "rdp" not in p.stderr
+
+
+def _audit_file(tmp_path, lower_bound, delta=1e-5):
+    # the file AuditReport.save writes, from a report's summary (the real audit runs in
+    # tests/test_auditing.py; here its figures are chosen to sit below / above the CLI's epsilon)
+    from tf_dp.auditing.report_file import write_report_file
+
+    path = tmp_path / "audit.json"
+    write_report_file(str(path), {
+        "lower_bound": lower_bound, "delta": delta, "confidence": 0.95,
+        "certified_epsilon": float("inf"), "threat_model": "white_box", "trainings": 2,
+        "num_canaries": 500})
+    return path
+
+
+def test_audit_report_is_printed_beside_the_ledger_analysis(tmp_path):
+    ref = acc.dp_sgd_epsilon(60000, 256, 1.1, 1e-5, epochs=3, accountant="rdp").epsilon
+    below = _audit_file(tmp_path, 0.5 * ref)
+    p = _run("compute_dp_sgd_privacy", *BASE, f"--audit_report={below}", "--format=json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["audit"]["lower_bound"] == pytest.approx(0.5 * ref) and out["audit"]["above"] == []
+    p = _run("compute_dp_sgd_privacy", *BASE, f"--audit_report={below}")
+    assert f"epsilon >= {0.5 * ref:.4g}" in p.stdout and "consistent" in p.stdout
+    above = _audit_file(tmp_path, 1.5 * ref)
+    p = _run("compute_dp_sgd_privacy", *BASE, f"--audit_report={above}", "--accountant=all")
+    assert p.returncode == 0 and "VIOLATION" in p.stdout and "rdp" in p.stdout.split("VIOLATION")[1]
+    other_delta = _audit_file(tmp_path, 1.5 * ref, delta=1e-3)
+    p = _run("compute_dp_sgd_privacy", *BASE, f"--audit_report={other_delta}")
+    assert "not compared" in p.stdout and "VIOLATION" not in p.stdout
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"kind": "something else"}')
+    p = _run("compute_dp_sgd_privacy", *BASE, f"--audit_report={bad}")
+    assert p.returncode == 2 and "audit report" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_audit_report_save_round_trips_through_the_cli(tmp_path):
+    import keras
+    import numpy as np
+
+    import tf_dp.keras
+    from tf_dp.auditing import audit_dp_sgd
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype("float32")
+    report = audit_dp_sgd(
+        model_fn=lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]),
+        optimizer_fn=lambda: tf_dp.keras.DPKerasSGDOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=0.0, learning_rate=0.1,
+            gradient_mode="vectorized"),
+        x=x, y=(x[:, 0] > 0).astype("int32"),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        steps=3, num_canaries=200, seed=0)
+    path = tmp_path / "audit.json"
+    report.save(str(path))
+    # noise off: the audit is far above what sigma = 4 would certify for this run
+    p = _run("compute_dp_sgd_privacy", "--N=132", "--batch_size=132", "--noise_multiplier=4",
+             "--steps=3", "--delta=1e-5", f"--audit_report={path}", "--format=json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["audit"]["lower_bound"] == pytest.approx(report.lower_bound, rel=1e-12)
+    assert out["audit"]["above"] == ["rdp"]

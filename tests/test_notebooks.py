@@ -88,6 +88,21 @@ CHECKS = {
         " 'majority': majority, 'classes': len(class_names),"
         " 'test_labels': [int(v) for v in y_test]}))"
     ),
+    "privacy_auditing": (
+        "import json\n"
+        "print(json.dumps({'certified': correct.certified.epsilon,"
+        " 'lower': correct.lower_bound, 'violation': correct.violation,"
+        " 'broken_lower': broken.lower_bound, 'delta': DELTA, 'noise': NOISE,"
+        " 'steps': AUDIT_STEPS, 'n_audit': int(len(audit_x)), 'canaries': CANARIES,"
+        " 'private_eps': private_epsilon.epsilon,"
+        " 'mi': {k: [r.auc, r.tpr_at_fpr[0.001], r.tpr_at_fpr[0.01], r.members, r.non_members]"
+        " for k, r in mi.items()},"
+        " 'private_auc_direct': __import__('sklearn.metrics').metrics.roc_auc_score("
+        "np.r_[np.ones(MI_SIZE), np.zeros(MI_SIZE)], -np.r_["
+        "mi_loss.call(members[1], private.predict(members[0], verbose=0).astype('float64')).numpy(),"
+        "mi_loss.call(non_members[1],"
+        " private.predict(non_members[0], verbose=0).astype('float64')).numpy()])}))"
+    ),
 }
 
 
@@ -232,7 +247,28 @@ def _check_text_classification(values):
     assert all(0.0 <= a <= 1.0 for a in values["accuracy"])
 
 
+def _check_privacy_auditing(values):
+    from tf_dp.accounting import dp_sgd_epsilon
+
+    # the correct run's certificate is the accountant's for full-batch DP-SGD with that noise
+    n = values["n_audit"] + values["canaries"]  # any n: q = 1
+    independent = dp_sgd_epsilon(n, n, values["noise"], values["delta"], steps=values["steps"])
+    assert math.isclose(values["certified"], independent.epsilon, rel_tol=0.05)
+    assert 0.0 <= values["lower"] <= values["certified"] and values["violation"] is False
+    assert values["broken_lower"] > 2 * values["certified"]  # noise off: caught
+    for auc, tpr_low, tpr, members, non_members in values["mi"].values():
+        assert 0.0 <= auc <= 1.0 and 0.0 <= tpr_low <= tpr <= 1.0 and members == non_members
+    # the attack's AUC is the Mann-Whitney statistic of the losses (sklearn, from the model)
+    assert math.isclose(values["mi"]["private"][0], values["private_auc_direct"], abs_tol=1e-6)
+    # the non-private model leaks more than the private one; the private model's attack stays
+    # within what its certificate allows at FPR 1% (TPR <= e^eps FPR + delta, with the sampling
+    # error of 1000 members: 3 binomial sd <= 0.05)
+    assert values["mi"]["non-private"][0] > values["mi"]["private"][0]
+    assert values["mi"]["private"][2] <= math.exp(values["private_eps"]) * 0.01 + 1e-5 + 0.05
+
+
 VALIDATORS = {
+    "privacy_auditing": _check_privacy_auditing,
     "classification_privacy": _check_classification_privacy,
     "privacy_accounting": _check_privacy_accounting,
     "custom_layers_and_ghost_clipping": _check_custom_layers_and_ghost_clipping,

@@ -45,9 +45,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(N, 4)).astype("float32")
     y = (x[:, 0] > 0).astype("int32")
-    print("| q | certified eps (rdp) | sigma | one-run | many-run (CP) | GDP bound -> eps "
+    print("| q | certified eps (rdp) | sigma | score | one-run | many-run (CP) | GDP bound -> eps "
           "| best / certified | trainings x canaries | minutes |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for q in (1.0, 0.5):
         for target in (2.0, 4.0, 8.0):
             z = noise_for(target, q)
@@ -63,7 +63,7 @@ def main() -> None:
             cert = report.certified.epsilon
             one, many, gdp = report.one_run.epsilon, report.many_run.epsilon, \
                 report.gdp_bound.epsilon
-            print(f"| {q:g} | {cert:.2f} | {z:.3f} | {one:.2f} ({one / cert:.2f}x) | {many:.2f} "
+            print(f"| {q:g} | {cert:.2f} | {z:.3f} | {report.score} | {one:.2f} ({one / cert:.2f}x) | {many:.2f} "
                   f"({many / cert:.2f}x) | mu >= {report.gdp_bound.mu:.3f} -> {gdp:.2f} "
                   f"({gdp / cert:.2f}x) | {max(one, many, gdp) / cert:.2f}x | {args.trainings} x "
                   f"{args.canaries} | {(time.time() - start) / 60:.1f} |", flush=True)

@@ -35,6 +35,7 @@ from tf_dp.accounting.ledger_analysis import PrivacyResult
 from tf_dp.auditing import _checks, gaussian, many_run, one_run
 from tf_dp.auditing.canaries import (
     CanaryHead,
+    dirac_score,
     draw_inclusion,
     mislabeled_canaries,
     per_example_output_loss,
@@ -42,7 +43,7 @@ from tf_dp.auditing.canaries import (
 
 __all__ = ["AuditReport", "audit_dp_sgd", "THREAT_MODELS"]
 
-#: ``white_box``: Dirac gradient canaries, all iterates visible (their sum is the score);
+#: ``white_box``: Dirac gradient canaries, all iterates visible (per-step updates -> score);
 #: ``black_box``: mislabeled input canaries, the final model's loss is the score.
 THREAT_MODELS = ("white_box", "black_box")
 
@@ -57,6 +58,9 @@ class AuditReport:
       one_run: Steinke et al. 2023 bound over all canaries (valid whatever their dependence).
       many_run: Clopper-Pearson bound treating canaries as independent trials (white-box Dirac
         canaries under Poisson sampling, or black-box with one canary per training), else None.
+        White-box with a plain-SGD optimizer and a numeric noise multiplier: at one threshold
+        fixed from a simulation of the configured mechanism (every trial counts); otherwise the
+        threshold is chosen on a random half.
       gdp_bound: ``mu`` lower bound (Clopper-Pearson, split threshold) and its epsilon, valid when
         the mechanism is Gaussian-DP (exactly so for full-batch DP-SGD); None when ``many_run`` is.
       gdp_estimate: white-box only: ``mu`` from the mean/std of the scores, an ESTIMATE.
@@ -66,6 +70,10 @@ class AuditReport:
       sampling_probability: Poisson rate ``q`` of the trainings.
       scores, included: every canary's score and inclusion (all trainings, in order).
       minutes: wall-clock minutes of the audit.
+      score: how the white-box score was computed (``"likelihood ratio"`` of the per-step updates
+        or ``"sum"`` of the updates) or ``"loss"`` (black-box).
+      updates: white-box: each canary's coordinate update at every step (raw weight units),
+        shape ``[canaries, steps]``; None for black-box.
     """
 
     certified: PrivacyResult
@@ -80,6 +88,8 @@ class AuditReport:
     scores: np.ndarray = dataclasses.field(repr=False)
     included: np.ndarray = dataclasses.field(repr=False)
     minutes: float = 0.0
+    score: str = "sum"
+    updates: Optional[np.ndarray] = dataclasses.field(default=None, repr=False)
 
     @property
     def lower_bound(self) -> float:
@@ -101,12 +111,52 @@ class AuditReport:
             measured = max(measured, self.gdp_bound.epsilon)
         return measured > self.certified.epsilon
 
+    def summary(self) -> dict:
+        """The report's figures as a dict of JSON values (no scores), as :meth:`save` writes them.
+
+        Example::
+
+            report.summary()["lower_bound"]
+        """
+        c = self.certified
+        bounds = {"one_run": dataclasses.asdict(self.one_run)}
+        if self.many_run is not None:
+            bounds["many_run"] = dataclasses.asdict(self.many_run)
+        if self.gdp_bound is not None:
+            bounds["gdp_bound"] = dataclasses.asdict(self.gdp_bound)
+        if self.gdp_estimate is not None:
+            bounds["gdp_estimate"] = dataclasses.asdict(self.gdp_estimate)
+        return {
+            "lower_bound": float(self.lower_bound), "delta": float(self.one_run.delta),
+            "confidence": float(self.one_run.confidence),
+            "certified_epsilon": float(c.epsilon), "certified_accountant": c.accountant,
+            "certified_is_guarantee": bool(c.certified and not c.noise_seeds),
+            "violation": bool(self.violation), "threat_model": self.threat_model,
+            "score": self.score, "num_canaries": self.num_canaries, "trainings": self.trainings,
+            "sampling_probability": self.sampling_probability, "minutes": self.minutes,
+            **bounds,
+        }
+
+    def save(self, path: str) -> None:
+        """Writes :meth:`summary` as JSON (``compute_dp_sgd_privacy --audit_report=PATH`` prints it
+        beside a ledger's analysis).
+
+        Example::
+
+            report.save("audit.json")
+        """
+        from tf_dp.auditing.report_file import write_report_file
+
+        write_report_file(path, self.summary())
+
     def __str__(self) -> str:
         c = self.certified
         seeded = " (seeded noise: no guarantee, the figure an unseeded run would get)" if (
             c.noise_seeds) else ""
-        threat = ("white-box: Dirac gradient canaries, every iterate visible (score: the sum of "
-                  "the noised updates on the canary's coordinate)"
+        how = ("the likelihood ratio of the sampled Gaussian mechanism, summed over the per-step "
+               "updates" if self.score == "likelihood ratio" else "the sum of the per-step updates")
+        threat = (f"white-box: Dirac gradient canaries, every iterate visible (score: {how} on "
+                  "the canary's coordinate)"
                   if self.threat_model == "white_box" else
                   "black-box: mislabeled input canaries, final model only (score: minus the loss)")
         lines = [
@@ -158,6 +208,52 @@ def _white_box_model(model_fn, x, y, loss, num_canaries, norm):
     id_in = keras.Input(shape=(), dtype="int32", name="canary_id")
     out = CanaryHead(num_canaries, loss, norm, name="canary_head")([base(x_in), y_in, id_in])
     return keras.Model({"x": x_in, "y": y_in, "canary_id": id_in}, out)
+
+
+class _CanaryTrace(keras.callbacks.Callback):
+    """Reads the canary coordinates after every step, and the learning rate each step used."""
+
+    def __init__(self, head: CanaryHead):
+        super().__init__()
+        self._head = head
+        self.weights: list = []
+        self.learning_rates: list = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        lr = self.model.optimizer.learning_rate
+        self.learning_rates.append(float(keras.ops.convert_to_numpy(lr)))
+
+    def on_train_batch_end(self, batch, logs=None):
+        weights = keras.ops.convert_to_numpy(self._head.canary_weights)
+        self.weights.append(np.array(weights, dtype=np.float64))
+
+
+def _configured_sigma(optimizer) -> Optional[float]:
+    """The noise multiplier when the optimizer is plain SGD on the Gaussian query with numbers for
+    clip and noise (the per-step updates are then ``Bernoulli(q) + N(0, sigma^2)`` clip units);
+    None otherwise (the white-box score falls back to the sum of the updates)."""
+    config = optimizer.get_config()
+
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+    if (not isinstance(optimizer, keras.optimizers.SGD) or config.get("momentum")
+            or config.get("dp_sum_query") is not None or config.get("num_microbatches")
+            or not number(config.get("l2_norm_clip"))):
+        return None
+    if number(config.get("noise_stddev")):
+        return float(config["noise_stddev"]) / float(config["l2_norm_clip"])
+    if number(config.get("noise_multiplier")):
+        return float(config["noise_multiplier"])
+    return None
+
+
+def _reference_scores(q: float, sigma: float, steps: int, rng: np.random.Generator):
+    """Dirac scores simulated from the configured mechanism: (canaries in, canaries out)."""
+    n = max(2, min(100_000, 20_000_000 // steps))
+    noise_in, noise_out = sigma * rng.normal(size=(2, n, steps))
+    sampled = rng.random((n, steps)) < q
+    return dirac_score(sampled + noise_in, q, sigma), dirac_score(noise_out, q, sigma)
 
 
 def audit_dp_sgd(
@@ -244,7 +340,8 @@ def audit_dp_sgd(
 
     rng = np.random.default_rng(seed)
     start = time.time()
-    scores, included, certificates = [], [], []
+    scores, included, certificates, updates = [], [], [], []
+    sigmas = set()
     for _ in range(trainings):
         inc = draw_inclusion(m, rng)
         optimizer = optimizer_fn()
@@ -269,9 +366,21 @@ def audit_dp_sgd(
             head = model.get_layer("canary_head")
             batches = poisson_batches(feats, targets, sampling_probability=q,
                                       steps_per_epoch=steps, seed=batch_seed)
-            model.fit(batches, epochs=1, verbose=0)
-            scores.append(np.asarray(keras.ops.convert_to_numpy(head.canary_weights),
-                                     np.float64).copy())
+            trace = _CanaryTrace(head)
+            model.fit(batches, epochs=1, verbose=0, callbacks=[trace])
+            weights = np.stack([np.zeros(m)] + trace.weights)
+            step_updates = np.diff(weights, axis=0).T  # [canaries, steps]
+            sigma = _configured_sigma(optimizer)
+            sigmas.add(sigma)
+            if sigma is None:
+                scores.append(step_updates.sum(axis=1))
+            else:
+                # one clipped canary's update: lr C / (q n), with n the expected population
+                # (a constant: it must not depend on the other canaries' coins)
+                clip = float(optimizer.get_config()["l2_norm_clip"])
+                unit = np.asarray(trace.learning_rates) * clip / (q * (len(x) + m / 2))
+                scores.append(dirac_score(step_updates / unit, q, sigma))
+            updates.append(step_updates)
         else:
             order = rng.permutation(len(x))
             pool, real = order[:m], order[m:]
@@ -294,10 +403,20 @@ def audit_dp_sgd(
     one = one_run.epsilon_lower_bound(s, inc, delta, confidence)
     independent = threat_model == "white_box" or m == 1
     many = gdp_lb = gdp_est = None
+    white_sigma = next(iter(sigmas)) if threat_model == "white_box" and len(sigmas) == 1 else None
     if independent and inc.sum() >= 2 and (~inc).sum() >= 2:
-        many = many_run.epsilon_lower_bound(s, inc, delta, confidence)
+        thresholds = None
+        if white_sigma is not None:
+            ref_in, ref_out = _reference_scores(q, white_sigma, updates[0].shape[1], rng)
+            thresholds = [many_run.design_threshold(ref_in, ref_out, int(inc.sum()),
+                                                    int((~inc).sum()), delta, confidence)]
+        many = many_run.epsilon_lower_bound(s, inc, delta, confidence, thresholds=thresholds)
         gdp_lb = gaussian.mu_lower_bound(s, inc, confidence, delta)
+    all_updates = None
     if threat_model == "white_box":
-        gdp_est = gaussian.mu_estimate(s, inc, confidence, delta)
+        all_updates = np.concatenate(updates)
+        gdp_est = gaussian.mu_estimate(all_updates.sum(axis=1), inc, confidence, delta)
+    score = ("loss" if threat_model == "black_box" else
+             "likelihood ratio" if white_sigma is not None and q < 1 else "sum")
     return AuditReport(certified, one, many, gdp_lb, gdp_est, threat_model, m, trainings,
-                       float(q), s, inc, (time.time() - start) / 60.0)
+                       float(q), s, inc, (time.time() - start) / 60.0, score, all_updates)

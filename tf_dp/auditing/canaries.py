@@ -8,10 +8,10 @@ Each canary is included in the training data independently with probability 1/2
   touch. Canary ``j`` is a record whose loss is ``-g * w[j]``, so its per-example gradient is
   ``-g`` times the ``j``-th unit vector (norm ``g``, the ``canary_gradient_norm``) and zero on every
   other weight. It goes through the DP optimizer's real path: clipped by the query (to ``C`` when
-  ``g >= C``), summed, noised, recorded in the ledger. After training, ``w[j] - w0[j]`` is the sum
-  of the noised updates on that coordinate (with plain SGD, exactly what reading every iterate and
-  summing the projections would give), the canary's score. Canaries on distinct coordinates, under
-  Poisson sampling, give independent scores.
+  ``g >= C``), summed, noised, recorded in the ledger. Reading ``w[j]`` after every step gives the
+  per-step updates on that coordinate; :func:`dirac_score` combines them into the canary's score
+  (the likelihood-ratio test of the sampled Gaussian mechanism). Canaries on distinct coordinates,
+  under Poisson sampling, give independent scores.
 * **Input-space canaries** (:func:`mislabeled_canaries`), for black-box audits of the final model:
   real inputs with a wrong label; the score is minus the final model's loss on them.
 
@@ -30,7 +30,10 @@ import keras
 import numpy as np
 from keras import ops
 
-__all__ = ["CanaryHead", "draw_inclusion", "mislabeled_canaries", "per_example_output_loss"]
+__all__ = [
+    "CanaryHead", "dirac_score", "draw_inclusion", "mislabeled_canaries",
+    "per_example_output_loss",
+]
 
 
 def draw_inclusion(num_canaries: int, rng: np.random.Generator) -> np.ndarray:
@@ -74,6 +77,35 @@ def _per_example(loss: Any) -> Callable:
         return ops.mean(ops.reshape(values, (ops.shape(values)[0], -1)), axis=1)
 
     return per_example
+
+
+def dirac_score(updates: Any, sampling_probability: float, noise_multiplier: float) -> np.ndarray:
+    """White-box score of Dirac canaries from their per-step updates, in units of the clip.
+
+    ``updates[j, t]`` is canary ``j``'s coordinate update at step ``t`` divided by
+    ``learning_rate * C / (q n)`` (the contribution of one clipped canary): ``Bernoulli(q) +
+    N(0, sigma^2)`` when the canary is trained on, ``N(0, sigma^2)`` when not, independently over
+    steps. The most powerful test between the two (Neyman-Pearson) thresholds the sum over steps of
+    the log-likelihood ratio ``log(1 - q + q exp((u - 1/2) / sigma^2))``; at ``q = 1`` it is a
+    multiple of ``sum_t u``, and that sum is returned. Any score gives a valid audit; this one is
+    the best when the mechanism is the one configured.
+
+    Example::
+
+        scores = dirac_score(updates, sampling_probability=0.5, noise_multiplier=2.0)
+    """
+    u = np.asarray(updates, dtype=np.float64)
+    if u.ndim != 2:
+        raise ValueError(f"updates must be a [canaries, steps] array, got shape {u.shape}")
+    q = float(sampling_probability)
+    if not 0.0 < q <= 1.0:
+        raise ValueError(f"sampling_probability must be in (0, 1], got {sampling_probability!r}")
+    sigma = float(noise_multiplier)
+    if not (sigma > 0 and np.isfinite(sigma)):
+        raise ValueError(f"noise_multiplier must be a finite number > 0, got {noise_multiplier!r}")
+    if q == 1.0:
+        return u.sum(axis=1)
+    return np.logaddexp(np.log1p(-q), np.log(q) + (u - 0.5) / sigma**2).sum(axis=1)
 
 
 def per_example_output_loss(y_true: Any, y_pred: Any) -> Any:

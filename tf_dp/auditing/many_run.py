@@ -21,7 +21,9 @@ corrected in one of two ways (both documented on :func:`epsilon_lower_bound`):
 * ``thresholds=None`` (default): the trials are split at random into two halves; the threshold
   that gives the largest bound on the first half is used on the second half only;
 * ``thresholds=[...]`` fixed before seeing the scores: the bound is the largest over them, with a
-  union (Bonferroni) bound over the ``2K`` Clopper-Pearson intervals.
+  union (Bonferroni) bound over the ``2K`` Clopper-Pearson intervals. :func:`design_threshold`
+  picks one from scores *simulated* from the mechanism the certificate describes (independent of
+  the audited scores), so that every trial counts towards the bound.
 
 Example::
 
@@ -44,7 +46,10 @@ from scipy import stats
 
 from tf_dp.auditing import _checks
 
-__all__ = ["ManyRunBound", "clopper_pearson", "epsilon_from_rates", "epsilon_lower_bound"]
+__all__ = [
+    "ManyRunBound", "clopper_pearson", "design_threshold", "epsilon_from_rates",
+    "epsilon_lower_bound",
+]
 
 
 def clopper_pearson(successes: Any, trials: Any, alpha: float) -> tuple[np.ndarray, np.ndarray]:
@@ -187,3 +192,48 @@ def epsilon_lower_bound(
     eps2, tpr, fpr = _bounds(s2[b2], s2[~b2], np.array([threshold]), delta, alpha / 2)
     return ManyRunBound(float(eps2[0]), delta, confidence, threshold, float(tpr[0]),
                         float(fpr[0]), int(b2.sum()), int((~b2).sum()), "split")
+
+
+def design_threshold(
+    reference_in: Any,
+    reference_out: Any,
+    trials_in: int,
+    trials_out: int,
+    delta: float,
+    confidence: float = 0.95,
+) -> float:
+    """The threshold with the largest expected bound, from reference scores of a model mechanism.
+
+    ``reference_in`` / ``reference_out`` are scores drawn from a *model* of the mechanism (e.g. a
+    simulation of the configured DP-SGD), never the audited scores: the threshold is then fixed
+    before the audit looks at its trials, and ``epsilon_lower_bound(..., thresholds=[t])`` uses all
+    of them at the full confidence level. For each candidate (quantiles of ``reference_out``), the
+    Clopper-Pearson bound is computed at the counts the reference rates predict for
+    ``trials_in`` / ``trials_out`` trials; the best candidate is returned. A wrong model only makes
+    the audit weaker, never invalid.
+
+    Example::
+
+        t = design_threshold(sim_in, sim_out, 2500, 2500, delta=1e-5)
+        bound = epsilon_lower_bound(scores, included, 1e-5, thresholds=[t])
+    """
+    ri = np.sort(np.asarray(reference_in, dtype=np.float64).reshape(-1))
+    ro = np.sort(np.asarray(reference_out, dtype=np.float64).reshape(-1))
+    if ri.size < 2 or ro.size < 2 or not (np.all(np.isfinite(ri)) and np.all(np.isfinite(ro))):
+        raise ValueError("reference_in and reference_out must hold at least two finite scores each")
+    for name, n in (("trials_in", trials_in), ("trials_out", trials_out)):
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {n!r}")
+    delta = _checks.probability("delta", delta, allow_zero=True)
+    confidence = _checks.probability("confidence", confidence)
+    # candidates from FPR 1/ro.size to 1/2 (the complementary test by symmetry of the quantiles)
+    levels = np.unique(np.concatenate([np.geomspace(1.0 / ro.size, 0.5, 200),
+                                       1.0 - np.geomspace(1.0 / ro.size, 0.5, 200)]))
+    candidates = np.unique(np.quantile(ro, 1.0 - levels))
+    tp, fp = _counts(ri, ro, candidates)
+    exp_tp = np.round(tp / ri.size * trials_in)
+    exp_fp = np.round(fp / ro.size * trials_out)
+    alpha = (1.0 - confidence) / 2
+    low, _ = clopper_pearson(exp_tp, trials_in, alpha)
+    _, high = clopper_pearson(exp_fp, trials_out, alpha)
+    return float(candidates[int(np.argmax(epsilon_from_rates(low, high, delta)))])

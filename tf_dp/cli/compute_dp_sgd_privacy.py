@@ -9,6 +9,10 @@ From hyperparameters::
 or from a ledger file written during training (``--ledger=run.ledger.json``; then the ledger's
 recorded events are used and the hyperparameter flags are ignored).
 
+``--audit_report=audit.json`` (written by ``tf_dp.auditing.AuditReport.save``) prints the audit's
+measured lower bound beside the analysis (JSON: under ``audit``), and flags a lower bound above
+an accountant's epsilon at the same delta: the mechanism or its accounting is then broken.
+
 ``--microbatch_size`` > 1 means each clipped gradient covers several examples, so the sensitivity
 under add/remove adjacency is 2C and the effective noise multiplier is halved.
 ``--jl_projections=R`` accounts for DP-SGD-JL with R projections (PLD accountant only: it is the
@@ -32,6 +36,9 @@ _common.define("integer", "jl_projections", None,
 _common.define("string", "ledger", None,
                "Ledger file to analyse instead of hyperparameters (then only --delta, "
                "--accountant and --format are read).")
+_common.define("string", "audit_report", None,
+               "Audit report (AuditReport.save) whose measured lower bound is printed beside the "
+               "analysis.")
 
 
 def main(argv):
@@ -43,6 +50,11 @@ def main(argv):
     delta = FLAGS.delta
     if delta is None or not (0.0 < delta < 1.0):
         raise _common.UsageError(f"--delta must be in (0, 1), got {delta}")
+    audit = None
+    if FLAGS.audit_report:
+        from tf_dp.auditing.report_file import read_report_file
+
+        audit = read_report_file(FLAGS.audit_report)  # ValueError -> exit 2
     if FLAGS.ledger:
         entries = read_ledger_file(FLAGS.ledger)  # LedgerFileError is a ValueError -> exit 2
         source = f"ledger file {FLAGS.ledger} ({len(entries)} steps)"
@@ -93,6 +105,7 @@ def main(argv):
                     f"--accountant={name} cannot analyse JL steps; use --accountant=pld or all")
             continue
         results[name] = analyse(name)
+    audit_lines, audit_out = _audit_comparison(audit, results, delta)
     if FLAGS.format == "json":
         out = {}
         for name, r in results.items():
@@ -107,6 +120,8 @@ def main(argv):
         out["delta"] = delta
         out["assumptions"] = "; ".join(
             [f"source: {source}"] + [f"{n}: {r.assumptions}" for n, r in results.items()])
+        if audit_out is not None:
+            out["audit"] = audit_out
         print(_common.to_json(out))
         return 0
     print(f"Privacy of {source}, at delta = {delta:g}:")
@@ -115,10 +130,43 @@ def main(argv):
         print(str(r))
     for name, why in skipped.items():
         print(f"\n[{name}] skipped: {why}")
+    for line in audit_lines:
+        print(line)
     return 0
 
 
-FLAG_NAMES = _common.TRAINING_FLAGS + ("noise_multiplier", "jl_projections", "ledger")
+def _audit_comparison(audit, results, delta):
+    """Text lines and the JSON object for an audit report beside the accountants' results."""
+    if audit is None:
+        return [], None
+    same_delta = abs(audit["delta"] - delta) <= 1e-12 * max(delta, audit["delta"])
+    above = sorted(n for n, r in results.items() if same_delta and audit["lower_bound"] > r.epsilon)
+    where = (f"{audit.get('threat_model', '?')}, {audit.get('trainings', '?')} training(s) x "
+             f"{audit.get('num_canaries', '?')} canaries")
+    lines = [
+        "",
+        f"Audit ({FLAGS.audit_report}; {where}): measured lower bound epsilon >= "
+        f"{audit['lower_bound']:.4g} at delta = {audit['delta']:g}, "
+        f"{audit['confidence']:.0%} confidence (the audited training's own certificate: "
+        f"{audit['certified_epsilon']:.4g}).",
+    ]
+    if not same_delta:
+        lines.append(f"  not compared: the audit's delta ({audit['delta']:g}) differs from "
+                     f"--delta ({delta:g}).")
+    elif above:
+        lines.append(f"  VIOLATION: above the epsilon of {', '.join(above)}: the mechanism or its "
+                     "accounting is broken.")
+    else:
+        lines.append("  consistent: below every epsilon above (an audit can show a certificate "
+                     "wrong, never prove it right).")
+    out = {"lower_bound": audit["lower_bound"], "delta": audit["delta"],
+           "confidence": audit["confidence"], "file": FLAGS.audit_report,
+           "compared": same_delta, "above": above}
+    return lines, out
+
+
+FLAG_NAMES = _common.TRAINING_FLAGS + (
+    "noise_multiplier", "jl_projections", "ledger", "audit_report")
 
 
 def run():
