@@ -5,7 +5,12 @@
 """
 
 from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
-from tf_dp.ledger.ledger_file import LedgerFileError, read_ledger_file, write_ledger_file
+from tf_dp.ledger.ledger_file import (
+    LedgerFileError,
+    read_ledger_file,
+    read_ledger_runs,
+    write_ledger_file,
+)
 
 _LAZY = {
     "PrivacyLedger": "tf_dp.ledger.privacy_ledger",
@@ -28,6 +33,7 @@ __all__ = [
     "SumQueryEvent",
     "LedgerFileError",
     "read_ledger_file",
+    "read_ledger_runs",
     "write_ledger_file",
     "PrivacyLedger",
     "QueryWithLedger",
