@@ -176,3 +176,22 @@ def test_hyperparameter_noise_multiplier_range_is_named():
         acc.dp_sgd_epsilon(1000, 10, 1e-300, 1e-5, steps=10)
     with pytest.raises(ValueError, match="l2_sensitivity / noise_stddev must be <="):
         SumQueryEvent(1e300, 1.0)
+
+
+@pytest.mark.parametrize("replicas, mode", [(2, "vectorized"), (3, "ghost")])
+def test_mirrored_strategy_trains_on_every_poisson_batch_size(replicas, mode):
+    """Padded Poisson batches of 5, 6, 7 and 9 rows (q * n = 4) on 2 and 3
+    replicas: every step runs, records one ledger entry and moves the weights by a finite
+    amount."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+    p = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tests", "helpers", "mirrored_any_batch_size.py"),
+         str(replicas), mode],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    lines = [line for line in p.stdout.splitlines() if line.startswith("REPORT ")]
+    assert p.returncode == 0 and lines, p.stderr[-3000:]
+    changes = json.loads(lines[-1][len("REPORT "):])
+    assert sorted(int(k) for k in changes) == [5, 6, 7, 9]
+    # noise 0, learning rate 0.5, clip 1: a step moves a weight by at most 0.5 * 1 / 8 * ... > 0
+    assert all(0 < c < 1 for c in changes.values()), changes
