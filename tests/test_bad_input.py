@@ -195,3 +195,20 @@ def test_mirrored_strategy_trains_on_every_poisson_batch_size(replicas, mode):
     assert sorted(int(k) for k in changes) == [5, 6, 7, 9]
     # noise 0, learning rate 0.5, clip 1: a step moves a weight by at most 0.5 * 1 / 8 * ... > 0
     assert all(0 < c < 1 for c in changes.values()), changes
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(l2_norm_clip=1e39, noise_multiplier=1.0), "l2_norm_clip"),
+    (dict(l2_norm_clip=1e20, noise_multiplier=1e20), "noise_multiplier * l2_norm_clip"),
+    (dict(l2_norm_clip=1.0, noise_multiplier=1e-50), "noise_multiplier"),
+    (dict(l2_norm_clip=1e-50, noise_multiplier=1.0), "l2_norm_clip"),
+    (dict(l2_norm_clip=1.0, noise_stddev=1e39), "noise_stddev"),
+])
+def test_optimizer_refuses_values_float32_cannot_hold(kwargs, name):
+    """float32 (the step's dtype) holds (0 or) [1.1755e-38, 3.4028e38]: values outside, or a
+    clip * noise multiplier product outside, are refused at construction, naming the argument."""
+    from tf_dp.keras import DPKerasSGDOptimizer
+
+    with pytest.raises(ValueError, match="float32") as info:
+        DPKerasSGDOptimizer(learning_rate=0.1, **kwargs)
+    assert str(info.value).startswith(name)
