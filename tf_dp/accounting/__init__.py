@@ -31,6 +31,7 @@ from tf_dp.accounting.jl import jl_delta, jl_epsilon, jl_mechanism
 from tf_dp.accounting.ledger_analysis import (
     ACCOUNTANTS,
     MAX_STEPS,
+    MIN_NOISE_MULTIPLIER,
     PrivacyResult,
     compute_delta,
     compute_epsilon,
@@ -65,6 +66,7 @@ __all__ = [
     "ACCOUNTANTS",
     "DEFAULT_ORDERS",
     "MAX_STEPS",
+    "MIN_NOISE_MULTIPLIER",
     "MOMENTS_ORDERS",
     "Mixture",
     "PrivacyResult",

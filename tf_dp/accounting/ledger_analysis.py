@@ -42,12 +42,18 @@ from tf_dp.accounting import jl as _jl
 from tf_dp.accounting import pld as _pld
 from tf_dp.accounting import rdp as _rdp
 from tf_dp.accounting import tree as _tree
-from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent, compress
-from tf_dp.ledger.ledger_file import as_entries
+from tf_dp.ledger.events import (
+    MAX_SENSITIVITY_TO_NOISE,
+    SampleEntry,
+    SamplingEvent,
+    SumQueryEvent,
+)
+from tf_dp.ledger.ledger_file import as_entries, as_runs
 
 __all__ = [
     "ACCOUNTANTS",
     "MAX_STEPS",
+    "MIN_NOISE_MULTIPLIER",
     "PrivacyResult",
     "compute_epsilon",
     "compute_delta",
@@ -174,6 +180,10 @@ def shuffle_steps_per_epoch(population_size: int, selection_probability: float) 
         raise ValueError(f"selection_probability must be > 0, got {selection_probability!r}")
     if abs(b - round(b)) <= 1e-6 * max(1.0, b):
         b = float(round(b))
+    if b < 1:
+        raise ValueError(
+            f"a shuffled batch holds selection_probability * population_size records, which must "
+            f"be >= 1; got {selection_probability!r} * {n} = {b:g}")
     return max(1, int(math.ceil(n / b - 1e-9)))
 
 
@@ -372,7 +382,9 @@ def compute_epsilon(
     ledger, delta: float, accountant: str = "rdp", *, orders: Optional[Sequence[float]] = None,
     discretization: Optional[float] = None,
 ) -> PrivacyResult:
-    """Epsilon at ``delta`` for a ledger (path, ``PrivacyLedger`` or list of ``SampleEntry``).
+    """Epsilon at ``delta`` for a ledger: a path, a ``PrivacyLedger``, a list of ``SampleEntry``
+    or of ``(SampleEntry, count)`` runs (as ``tf_dp.ledger.read_ledger_runs`` returns; a ledger
+    file is read as runs, so memory grows with its distinct runs, not its steps).
 
     A run whose noise came from an explicit ``noise_seed`` gets ``certified=False`` and a
     statement that says no guarantee holds (the seed is in ``noise_seeds``).
@@ -387,8 +399,8 @@ def compute_epsilon(
     _check_accountant(accountant)
     if not (isinstance(delta, (int, float)) and 0.0 < delta < 1.0):
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
-    entries = as_entries(ledger)
-    return _epsilon_of_runs(compress(entries), len(entries), delta, accountant, orders,
+    runs = as_runs(ledger)
+    return _epsilon_of_runs(runs, sum(c for _, c in runs), delta, accountant, orders,
                             discretization)
 
 
@@ -472,9 +484,8 @@ def compute_delta(
     _check_accountant(accountant)
     if not (isinstance(epsilon, (int, float)) and epsilon >= 0 and not math.isnan(epsilon)):
         raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
-    entries = as_entries(ledger)
-    runs = compress(entries)
-    return _seeded(_delta(runs, len(entries), epsilon, accountant, orders, discretization), runs)
+    runs = as_runs(ledger)
+    return _seeded(_delta(runs, sum(c for _, c in runs), epsilon, accountant, orders, discretization), runs)
 
 
 def _delta(runs, steps, epsilon, accountant, orders, discretization) -> PrivacyResult:
@@ -523,6 +534,10 @@ MAX_LISTED_STEPS = 10_000_000
 #: accountants' sums lose their meaning in floating point).
 MAX_STEPS = 10**15
 
+#: Smallest positive noise multiplier of a hyperparameter run: with sensitivity up to 2C (a
+#: microbatch), ``sensitivity / noise`` stays within ``events.MAX_SENSITIVITY_TO_NOISE``.
+MIN_NOISE_MULTIPLIER = 2.0 / MAX_SENSITIVITY_TO_NOISE
+
 
 def dp_sgd_run(
     n: int,
@@ -551,9 +566,10 @@ def dp_sgd_run(
     batch_size = _check_positive_int("batch_size", batch_size)
     if batch_size > n:
         raise ValueError(f"batch_size must be <= N ({n}), got {batch_size}")
-    if not (isinstance(noise_multiplier, (int, float)) and noise_multiplier >= 0
-            and math.isfinite(noise_multiplier)):
-        raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
+    if not (isinstance(noise_multiplier, (int, float)) and math.isfinite(noise_multiplier)
+            and (noise_multiplier == 0 or noise_multiplier >= MIN_NOISE_MULTIPLIER)):
+        raise ValueError(f"noise_multiplier must be 0 (no noise) or a finite number >= "
+                         f"{MIN_NOISE_MULTIPLIER:g}, got {noise_multiplier!r}")
     if (steps is None) == (epochs is None):
         raise ValueError("give exactly one of steps or epochs")
     if sampling not in ("poisson", "shuffle"):

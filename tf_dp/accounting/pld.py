@@ -425,6 +425,8 @@ def discretize(
     if not (loss_cap > 0):
         raise ValueError(f"loss_cap must be > 0, got {loss_cap!r}")
     lo, hi = mechanism.loss_range(direction)
+    if lo >= loss_cap:  # every loss above the cap (e.g. almost no noise): all mass at +inf
+        return DiscretePLD(h, int(math.floor(loss_cap / h)), np.zeros(1), 1.0, loss_cap)
     lo, hi = max(lo, -loss_cap), min(hi, loss_cap)
     i0 = int(math.floor(lo / h))
     i1 = max(int(math.ceil(hi / h)), i0 + 1)

@@ -59,6 +59,9 @@ def run_main(
             return main(argv)
         except (UsageError, ValueError) as e:
             fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        except (ArithmeticError, RecursionError, MemoryError) as e:
+            # A last resort: these inputs are refused earlier with a precise message.
+            fail(f"cannot analyse this input ({type(e).__name__}: {e})".splitlines()[0])
 
     app.run(wrapped, flags_parser=parse_flags)
 

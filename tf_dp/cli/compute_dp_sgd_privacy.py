@@ -24,6 +24,8 @@ accountant skipped, with its reason under ``skipped``), ``order`` (rdp/moments) 
 
 from __future__ import annotations
 
+import math
+
 from absl import flags
 
 from tf_dp.cli import _common
@@ -45,7 +47,7 @@ def main(argv):
     if len(argv) > 1:
         raise _common.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     from tf_dp import accounting as acc
-    from tf_dp.ledger.ledger_file import read_ledger_file
+    from tf_dp.ledger.ledger_file import read_ledger_runs
 
     delta = FLAGS.delta
     if delta is None or not (0.0 < delta < 1.0):
@@ -56,18 +58,21 @@ def main(argv):
 
         audit = read_report_file(FLAGS.audit_report)  # ValueError -> exit 2
     if FLAGS.ledger:
-        entries = read_ledger_file(FLAGS.ledger)  # LedgerFileError is a ValueError -> exit 2
-        source = f"ledger file {FLAGS.ledger} ({len(entries)} steps)"
+        # Runs, never one entry per step. LedgerFileError is a ValueError -> exit 2.
+        runs = read_ledger_runs(FLAGS.ledger)
+        source = f"ledger file {FLAGS.ledger} ({sum(c for _, c in runs)} steps)"
 
         def analyse(name):
-            return acc.compute_epsilon(entries, delta, name)
+            return acc.compute_epsilon(runs, delta, name)
 
-        has_jl = any(q.mechanism == "jl" for e in set(entries) for q in e.queries)
+        has_jl = any(q.mechanism == "jl" for e, _ in runs for q in e.queries)
     else:
         _common.check_sizes(FLAGS.N, FLAGS.batch_size, FLAGS.steps, FLAGS.epochs, delta)
-        if FLAGS.noise_multiplier is None or not FLAGS.noise_multiplier >= 0:
+        nm = FLAGS.noise_multiplier
+        if nm is None or not (nm == 0 or acc.MIN_NOISE_MULTIPLIER <= nm < math.inf):
             raise _common.UsageError(
-                f"--noise_multiplier must be >= 0, got {FLAGS.noise_multiplier}")
+                f"--noise_multiplier must be 0 (no noise) or a finite number >= "
+                f"{acc.MIN_NOISE_MULTIPLIER:g}, got {nm}")
         if FLAGS.microbatch_size is not None and FLAGS.microbatch_size <= 0:
             raise _common.UsageError(
                 f"--microbatch_size must be a positive integer, got {FLAGS.microbatch_size}")

@@ -309,3 +309,32 @@ def poisson_batches(
         max_batch_size=max_batch_size,
         num_shards=num_shards,
     )
+
+
+def pad_to_multiple(dataset: tf.data.Dataset, multiple: int) -> tf.data.Dataset:
+    """Pads every ``(x, y, sample_weight)`` batch of ``dataset`` with zero rows of sample weight
+    0 up to a multiple of ``multiple`` rows (a batch already a multiple is left as it is).
+
+    ``tf.distribute`` splits a global batch between ``multiple`` replicas; with a size that is
+    not a multiple the pieces differ in shape and the replicas cannot be combined. Padding rows
+    have weight 0, so they change neither the sample nor the update.
+
+    Example: ``pad_to_multiple(poisson_batches(x, y, sampling_probability=0.01).dataset, 2)``.
+    """
+    multiple = _check_positive_int("multiple", multiple)
+    if multiple == 1:
+        return dataset
+
+    def pad_batch(bx, by, bw):
+        k = tf.shape(bw)[0]
+        extra = (multiple - k % multiple) % multiple
+
+        def pad(t):
+            paddings = tf.concat([[[0, extra]], tf.zeros([tf.rank(t) - 1, 2], tf.int32)], axis=0)
+            out = tf.pad(t, paddings)
+            out.set_shape([None] + t.shape[1:].as_list())
+            return out
+
+        return (tf.nest.map_structure(pad, bx), tf.nest.map_structure(pad, by), pad(bw))
+
+    return dataset.map(pad_batch)

@@ -37,6 +37,7 @@ from keras.src.models.functional import Functional
 import numpy as np
 import tensorflow as tf
 
+from tf_dp.data.poisson import pad_to_multiple
 from tf_dp.gradients.base import as_tf_variables
 from tf_dp.keras import batch_mixing, ledger_store, multi_worker
 from tf_dp.keras.losses import PerExampleLoss
@@ -290,6 +291,9 @@ def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, d
             dataset = multi_worker.distribute_poisson_batches(
                 model.distribute_strategy, dataset, x.max_batch_size
             )
+        else:  # equal pieces for the local replicas, whatever the batch's size
+            replicas = model.distribute_strategy.num_replicas_in_sync
+            dataset = pad_to_multiple(dataset, replicas)
         optimizer._declare_fit_sampling(n, q, "poisson")
         kwargs.setdefault("shuffle", False)  # the Poisson sampler draws its own batches
         if args:

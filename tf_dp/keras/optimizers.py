@@ -124,6 +124,10 @@ class DPOptimizerMixin:
                     float(noise_multiplier) * float(l2_norm_clip)
                     if noise_stddev is None else float(noise_stddev)
                 )
+                _check_float32("l2_norm_clip", float(l2_norm_clip))
+                _check_float32(noise_name, float(noise))
+                if noise_stddev is None:
+                    _check_float32("noise_multiplier * l2_norm_clip (the noise stddev)", stddev)
                 query = GaussianSumQuery(l2_norm_clip, stddev, seed=noise_seed, noise_mode=mode)
         else:
             if l2_norm_clip is not None or noise_multiplier is not None or (
@@ -766,6 +770,20 @@ def _check_number(name: str, value: Any, positive: bool) -> None:
         raise TypeError(f"{name} must be {accepted}, got {type(value).__name__}")
     if math.isnan(value) or math.isinf(value) or value < 0 or (positive and value == 0):
         raise ValueError(f"{name} must be {accepted}, got {value}")
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).tiny)
+
+
+def _check_float32(name: str, value: float) -> None:
+    """The step computes in float32: a value it cannot represent (overflow to inf, or a positive
+    value that rounds to 0 or loses its precision) is refused, naming the float32 range."""
+    if value != 0 and not _F32_TINY <= value <= _F32_MAX:
+        raise ValueError(
+            f"{name} must be 0 or in [{_F32_TINY:.4g}, {_F32_MAX:.4g}] (the float32 range the "
+            f"step computes in), got {value:g}"
+        )
 
 
 def _is_schedule(value: Any) -> bool:

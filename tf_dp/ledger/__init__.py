@@ -10,6 +10,7 @@ from tf_dp.ledger.ledger_file import (
     LedgerFileError,
     LedgerOverwriteError,
     read_ledger_file,
+    read_ledger_runs,
     write_ledger_file,
 )
 
@@ -37,6 +38,7 @@ __all__ = [
     "LedgerJournal",
     "read_journal",
     "read_ledger_file",
+    "read_ledger_runs",
     "write_ledger_file",
     "PrivacyLedger",
     "QueryWithLedger",

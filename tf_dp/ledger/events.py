@@ -46,6 +46,11 @@ SAMPLING_POLICIES = ("poisson", "shuffle")
 #: this tuple: new mechanisms are appended, so older ledgers keep their meaning.
 MECHANISMS = ("gaussian", "jl", "none", "tree")
 
+#: Largest ``l2_sensitivity / noise_stddev`` of a noisy sum query: its square, which the
+#: accountants compose, stays far inside the float64 range. (A float32 step cannot exceed it:
+#: the largest float32 over the smallest positive one is about 2.4e83.)
+MAX_SENSITIVITY_TO_NOISE = 1e150
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingEvent:
@@ -125,6 +130,12 @@ class SumQueryEvent:
             isinstance(sd, (int, float)) and math.isfinite(sd) and sd >= 0
         ):
             raise ValueError(f"noise_stddev must be >= 0, got {sd!r}")
+        if sd > 0 and s / sd > MAX_SENSITIVITY_TO_NOISE:
+            raise ValueError(
+                f"l2_sensitivity / noise_stddev must be <= {MAX_SENSITIVITY_TO_NOISE:g} (a noise "
+                f"so small gives no privacy; record noise_stddev=0 for no noise), got {s!r} / "
+                f"{sd!r}"
+            )
         if self.mechanism not in MECHANISMS:
             raise ValueError(f"mechanism must be one of {MECHANISMS}, got {self.mechanism!r}")
         if self.mechanism == "jl":
@@ -163,8 +174,11 @@ class SampleEntry:
     def effective_noise_multiplier(self) -> float:
         """``z = (sum_g (S_g / sigma_g)^2)^(-1/2)`` (McMahan et al. 2018, Eq. (1)).
 
-        Returns ``0.0`` when any query is non-private (infinite epsilon) and ``math.inf`` when
-        no query touches the data (zero sensitivity everywhere; no privacy is spent).
+        Returns ``0.0`` when any query is non-private (infinite epsilon), or when the noise is so
+        small next to the sensitivity that ``(S_g / sigma_g)^2`` exceeds the float64 range (no
+        finite guarantee is then expressible; treating it as non-private is a valid bound), and
+        ``math.inf`` when no query touches the data (zero sensitivity everywhere; no privacy is
+        spent).
         """
         total = 0.0
         for q in self.queries:
@@ -172,7 +186,10 @@ class SampleEntry:
                 return 0.0
             if q.l2_sensitivity == 0:
                 continue
-            total += (q.l2_sensitivity / q.noise_stddev) ** 2
+            ratio = q.l2_sensitivity / q.noise_stddev  # inf (not an exception) on overflow
+            total += ratio * ratio
+        if math.isinf(total):
+            return 0.0
         return math.inf if total == 0 else total ** -0.5
 
     @property

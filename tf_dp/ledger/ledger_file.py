@@ -137,14 +137,35 @@ def entries_to_payload(
     return payload
 
 
-def runs_to_entries(runs: Any) -> list[SampleEntry]:
-    """Validates run-length-encoded JSON runs (see :func:`runs_payload`) and expands them."""
-    entries: list[SampleEntry] = []
+#: Most steps a ledger file may hold (far beyond any real training).
+MAX_FILE_SAMPLES = 10**15
+
+#: Most steps :func:`read_ledger_file` lists one entry per step; :func:`read_ledger_runs` reads
+#: any file in memory proportional to its runs.
+MAX_LISTED_SAMPLES = 10_000_000
+
+
+def parse_runs(runs: Any) -> tuple[list[tuple[SampleEntry, int]], int]:
+    """Validates run-length-encoded JSON runs (see :func:`runs_payload`) without expanding them.
+
+    Returns ``([(entry, count), ...], total steps)``, consecutive identical runs merged (as
+    :func:`~tf_dp.ledger.events.compress` gives). Counts must be integers in
+    ``[1, MAX_FILE_SAMPLES]`` and so must their total.
+    """
+    out: list[tuple[SampleEntry, int]] = []
+    total = 0
     try:
         for run in runs:
             count = run["count"]
-            if isinstance(count, bool) or not (isinstance(count, int) and count >= 1):
-                raise LedgerFileError(f"run count must be an integer >= 1, got {count!r}")
+            if isinstance(count, bool) or not (
+                isinstance(count, int) and 1 <= count <= MAX_FILE_SAMPLES
+            ):
+                raise LedgerFileError(
+                    f"run count must be an integer in [1, {MAX_FILE_SAMPLES:.0e}], got {count!r}"
+                )
+            total += count
+            if total > MAX_FILE_SAMPLES:
+                raise LedgerFileError(f"a ledger file holds at most {MAX_FILE_SAMPLES:.0e} steps")
             s = run["sampling"]
             entry = SampleEntry(
                 sampling=SamplingEvent(
@@ -166,16 +187,37 @@ def runs_to_entries(runs: Any) -> list[SampleEntry]:
                     for q in run["queries"]
                 ),
             )
-            entries.extend([entry] * count)
+            if out and out[-1][0] == entry:
+                out[-1] = (entry, out[-1][1] + count)
+            else:
+                out.append((entry, count))
     except LedgerFileError:
         raise
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, ArithmeticError) as e:
         raise LedgerFileError(f"malformed ledger event: {e}") from None
-    return entries
+    return out, total
 
 
-def payload_to_entries(payload: Any) -> list[SampleEntry]:
-    """Validates a parsed payload and expands it to a list of :class:`SampleEntry`."""
+def runs_to_entries(runs: Any) -> list[SampleEntry]:
+    """Validates run-length-encoded JSON runs (see :func:`runs_payload`) and expands them (at
+    most :data:`MAX_LISTED_SAMPLES` steps)."""
+    parsed, total = parse_runs(runs)
+    _check_listable(total)
+    return [entry for entry, count in parsed for _ in range(count)]
+
+
+def _check_listable(total: int) -> None:
+    if total > MAX_LISTED_SAMPLES:
+        raise LedgerFileError(
+            f"the ledger holds {total} steps, more than can be listed one entry per step (at most "
+            f"{MAX_LISTED_SAMPLES}); read it with tf_dp.ledger.read_ledger_runs, which does not "
+            "list them"
+        )
+
+
+def payload_to_runs(payload: Any) -> list[tuple[SampleEntry, int]]:
+    """Validates a parsed payload; returns its runs ``[(entry, count), ...]`` without expanding
+    them (consecutive identical runs merged, as :func:`~tf_dp.ledger.events.compress` gives)."""
     if not isinstance(payload, dict):
         raise LedgerFileError("ledger file must hold a JSON object")
     if payload.get("format") != FORMAT_NAME:
@@ -194,12 +236,20 @@ def payload_to_entries(payload: Any) -> list[SampleEntry]:
         raise LedgerFileError(
             "ledger checksum mismatch: the file was corrupted or edited after it was written"
         )
-    entries = runs_to_entries(payload.get("runs"))
-    if len(entries) != payload.get("num_samples"):
+    runs, total = parse_runs(payload.get("runs"))
+    if total != payload.get("num_samples"):
         raise LedgerFileError(
-            f"ledger says num_samples={payload.get('num_samples')!r} but holds {len(entries)}"
+            f"ledger says num_samples={payload.get('num_samples')!r} but holds {total}"
         )
-    return entries
+    return runs
+
+
+def payload_to_entries(payload: Any) -> list[SampleEntry]:
+    """Validates a parsed payload and expands it to a list of :class:`SampleEntry` (at most
+    :data:`MAX_LISTED_SAMPLES`; :func:`payload_to_runs` reads any ledger without listing it)."""
+    runs = payload_to_runs(payload)
+    _check_listable(sum(count for _, count in runs))
+    return [entry for entry, count in runs for _ in range(count)]
 
 
 def _current_umask() -> int:
@@ -234,7 +284,7 @@ def _check_not_shorter(path: str, new_steps: int) -> None:
     if not os.path.exists(path):
         return
     try:
-        old_steps = len(read_ledger_file(path))
+        old_steps = sum(count for _, count in read_ledger_runs(path))
     except (LedgerFileError, UnicodeDecodeError):
         return
     if old_steps > new_steps:
@@ -287,8 +337,7 @@ def write_ledger_file(
         raise
 
 
-def read_ledger_file(path: str | os.PathLike) -> list[SampleEntry]:
-    """Reads and validates a ledger file; returns its sample entries in order."""
+def _read_payload(path: str | os.PathLike) -> Any:
     try:
         with open(path) as f:
             text = f.read()
@@ -297,10 +346,77 @@ def read_ledger_file(path: str | os.PathLike) -> list[SampleEntry]:
     except UnicodeDecodeError:
         raise LedgerFileError(f"ledger file {os.fspath(path)!r} is not UTF-8 text") from None
     try:
-        payload = json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
-    except json.JSONDecodeError as e:
+        return json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
+    except RecursionError:
+        raise LedgerFileError(
+            f"ledger file {os.fspath(path)!r} is not a ledger (JSON nested too deeply)"
+        ) from None
+    except ValueError as e:  # JSONDecodeError, or an integer of too many digits
         raise LedgerFileError(f"ledger file {os.fspath(path)!r} is not valid JSON ({e})") from None
-    return payload_to_entries(payload)
+
+
+def read_ledger_runs(path: str | os.PathLike) -> list[tuple[SampleEntry, int]]:
+    """Reads and validates a ledger file; returns its runs of identical consecutive steps,
+    ``[(entry, count), ...]``, in order, never listing the steps one by one (memory proportional
+    to the number of runs, whatever the step count).
+
+    Example::
+
+        runs = read_ledger_runs("run.ledger.json")
+        steps = sum(count for _, count in runs)
+        tf_dp.accounting.compute_epsilon(runs, delta=1e-5)
+    """
+    return payload_to_runs(_read_payload(path))
+
+
+def read_ledger_file(path: str | os.PathLike) -> list[SampleEntry]:
+    """Reads and validates a ledger file; returns its sample entries in order, one per step (at
+    most :data:`MAX_LISTED_SAMPLES`; :func:`read_ledger_runs` reads any ledger)."""
+    return payload_to_entries(_read_payload(path))
+
+
+def _is_run(item: Any) -> bool:
+    return (
+        isinstance(item, tuple)
+        and len(item) == 2
+        and isinstance(item[0], SampleEntry)
+        and isinstance(item[1], int)
+        and not isinstance(item[1], bool)
+    )
+
+
+def as_runs(source: Any) -> list[tuple[SampleEntry, int]]:
+    """Normalises a ledger source to runs ``[(entry, count), ...]`` without listing steps: a
+    path (read with :func:`read_ledger_runs`), a ``PrivacyLedger`` (anything with
+    ``samples()``), an iterable of :class:`SampleEntry`, or an iterable of ``(SampleEntry,
+    count)`` runs."""
+    if isinstance(source, (str, os.PathLike)):
+        return read_ledger_runs(source)
+    if hasattr(source, "samples") and callable(source.samples):
+        return compress(list(source.samples()))
+    if not isinstance(source, Iterable):
+        raise TypeError(
+            "ledger must be a file path, a PrivacyLedger, a sequence of SampleEntry or of "
+            f"(SampleEntry, count) runs, got {type(source).__name__}"
+        )
+    runs: list[tuple[SampleEntry, int]] = []
+    for item in source:
+        if isinstance(item, SampleEntry):
+            entry, count = item, 1
+        elif _is_run(item):
+            entry, count = item
+            if count < 1:
+                raise ValueError(f"a run's count must be an integer >= 1, got {count!r}")
+        else:
+            raise TypeError(
+                "ledger entries must be SampleEntry or (SampleEntry, count) runs, got "
+                f"{type(item).__name__}"
+            )
+        if runs and runs[-1][0] == entry:
+            runs[-1] = (entry, runs[-1][1] + count)
+        else:
+            runs.append((entry, count))
+    return runs
 
 
 def as_entries(source: Any) -> list[SampleEntry]:
