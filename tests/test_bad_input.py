@@ -12,7 +12,9 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
+import tensorflow as tf
 
 from tf_dp import accounting as acc
 from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
@@ -212,3 +214,34 @@ def test_optimizer_refuses_values_float32_cannot_hold(kwargs, name):
     with pytest.raises(ValueError, match="float32") as info:
         DPKerasSGDOptimizer(learning_rate=0.1, **kwargs)
     assert str(info.value).startswith(name)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+def test_non_finite_clip_at_run_time_records_and_applies_nothing(mode, tmp_path):
+    """A ``tf.Variable`` clip set to inf between fits: the fit fails with a ValueError naming the
+    clip, the weights and the ledger are as they were, and the ledger stays readable/savable."""
+    import keras
+
+    import tf_dp
+    from tf_dp.accounting import compute_epsilon
+
+    x = np.random.default_rng(0).normal(size=(20, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    clip = tf.Variable(1.0)
+    model = tf_dp.keras.make_private(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+    optimizer = tf_dp.keras.DPKerasSGDOptimizer(
+        dp_sum_query=tf_dp.dp_query.GaussianSumQuery(clip, 1.0), learning_rate=0.1)
+    model.compile(optimizer=optimizer, run_eagerly=mode == "eager", jit_compile=mode == "xla",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=5, epochs=1, verbose=0)
+    before = optimizer.ledger.samples()
+    weights = [v.numpy().copy() for v in model.trainable_variables]
+    clip.assign(float("inf"))
+    with pytest.raises(ValueError, match="clip"):
+        model.fit(x, y, batch_size=5, epochs=1, verbose=0)
+    assert optimizer.ledger.samples() == before
+    for w, v in zip(weights, model.trainable_variables):
+        np.testing.assert_array_equal(w, v.numpy())
+    optimizer.ledger.save(tmp_path / "l.json")
+    assert compute_epsilon(tmp_path / "l.json", 1e-5).epsilon == pytest.approx(
+        compute_epsilon(before, 1e-5).epsilon)

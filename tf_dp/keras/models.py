@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from typing import Any
 
 import keras
@@ -570,7 +571,17 @@ def private_train_function(model: keras.Model) -> None:
 
     def train_function(*a, **k):
         optimizer.check_dp_schedules(steps)  # bad schedule values fail before the call runs
-        out = fn(*a, **k)
+        try:
+            out = fn(*a, **k)
+        except tf.errors.InvalidArgumentError as e:
+            # a run-time clip or noise check of the query (nothing was recorded or applied)
+            found = re.search(r"sum query \d+: [^\n]*?must be a finite number >= 0", e.message)
+            if found is None:
+                raise
+            raise ValueError(
+                f"{found.group(0)}, got a non-finite or negative value at run time (e.g. a "
+                "tf.Variable clip set to inf or NaN); the step recorded and applied nothing"
+            ) from None
         optimizer.after_compiled_call()
         return out
 

@@ -378,8 +378,10 @@ class DPOptimizerMixin:
         self.after_compiled_call()
 
     def after_compiled_call(self) -> None:
-        """Flushes the ledger's staging table and logs DP steps withheld as non-finite (eager)."""
+        """Flushes the ledger's staging table and logs DP steps withheld as non-finite (eager);
+        raises if a compiled step met a non-finite clip or noise (it recorded nothing)."""
         self._ledger.flush()
+        self._dp_query.check_values()
         skipped = int(self._dp_skipped_steps.numpy())
         if skipped > self._skipped_reported:
             _logger.warning(

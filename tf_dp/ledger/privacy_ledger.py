@@ -167,10 +167,13 @@ class _Buffer(tf.Module):
             return tf.constant(True)
         return self.staged_count.read_value() + rows <= self._capacity_tensor()
 
-    def append(self, row: tf.Tensor) -> tf.Tensor:
-        """Appends ``row`` (float64 [cols]); returns its index among all rows."""
+    def append(self, row: tf.Tensor, keep: Any = None) -> tf.Tensor:
+        """Appends ``row`` (float64 [cols]); returns its index among all rows.
+
+        ``keep`` (a bool tensor, compiled steps only): False drops the row (a step whose values
+        cannot be recorded; outside XLA such a step fails before it appends)."""
         if _fixed_shape_context():
-            return self._stage(row)
+            return self._stage(row, keep)
         if not tf.executing_eagerly():
             self._merge_staged()
         index = self.count.read_value()
@@ -191,10 +194,11 @@ class _Buffer(tf.Module):
         self.count.assign_add(1)
         return index
 
-    def _stage(self, row: tf.Tensor) -> tf.Tensor:
+    def _stage(self, row: tf.Tensor, keep: Any = None) -> tf.Tensor:
         k = self.staged_count.read_value()
         capacity = self._capacity_tensor()
         room = k < capacity
+        wanted = tf.constant(True) if keep is None else tf.convert_to_tensor(keep)
         # Out of range writes are clamped onto the last row and masked out: the row is dropped,
         # counted in ``overflow``, and the step's release is withheld by the caller (has_room).
         slot = tf.minimum(k, capacity - 1)
@@ -202,11 +206,12 @@ class _Buffer(tf.Module):
         # (a whole-table assign: mirrored variables under tf.distribute have no scatter update)
         self.staged.assign(
             tf.tensor_scatter_nd_update(
-                table, tf.reshape(slot, [1, 1]), tf.reshape(tf.where(room, row, table[slot]), [1, -1])
+                table, tf.reshape(slot, [1, 1]),
+                tf.reshape(tf.where(room & wanted, row, table[slot]), [1, -1]),
             )
         )
-        self.staged_count.assign_add(tf.where(room, tf.constant(1, tf.int64), 0))
-        self.overflow.assign_add(tf.where(room, tf.constant(0, tf.int64), 1))
+        self.staged_count.assign_add(tf.where(room & wanted, tf.constant(1, tf.int64), 0))
+        self.overflow.assign_add(tf.where(room | ~wanted, tf.constant(0, tf.int64), 1))
         return self.count.read_value() + k
 
     def _merge_staged(self) -> None:
@@ -461,7 +466,7 @@ class PrivacyLedger(tf.Module):
     # -- recording (graph-safe) ------------------------------------------------------------------
 
     def record_sampling(
-        self, population_size, selection_probability, policy, pass_start=False
+        self, population_size, selection_probability, policy, pass_start=False, keep=None
     ) -> tf.Tensor:
         """Starts a new sample. ``policy`` is a name or its code (0 poisson, 1 shuffle);
         ``pass_start`` (bool or 0/1) marks the first draw of a new pass over the data."""
@@ -475,12 +480,13 @@ class PrivacyLedger(tf.Module):
                 tf.cast(pass_start, tf.float64),
             ]
         )
-        return self._samples.append(row)
+        return self._samples.append(row, keep)
 
     def record_sum_query(
         self, l2_sensitivity, noise_stddev, mechanism="gaussian", jl_projections=0,
         noise_seed: Optional[int] = None,
         noise_grid: Any = None,
+        keep: Any = None,
     ) -> tf.Tensor:
         """Records one sum query of the current sample (values as used at run time).
 
@@ -506,7 +512,7 @@ class PrivacyLedger(tf.Module):
                 _f64(float("nan") if noise_grid is None else noise_grid),
             ]
         )
-        return self._queries.append(row)
+        return self._queries.append(row, keep)
 
     # -- reading (eager) -------------------------------------------------------------------------
 

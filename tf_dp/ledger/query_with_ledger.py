@@ -17,6 +17,7 @@ from tf_dp.ledger.events import (
 )
 from tf_dp.ledger.privacy_ledger import (
     PrivacyLedger,
+    _fixed_shape_context,
     ledger_variable,
     mechanism_code,
     policy_code,
@@ -73,6 +74,10 @@ class QueryWithLedger(DPQuery):
             self._jl_projections = ledger_variable(tf.constant(0, tf.int32))
             # 1 until the next recorded draw: that draw starts a new pass over the data
             self._pass_start = ledger_variable(tf.constant(0, tf.int32))
+            # compiled steps that met a non-finite or negative clip / noise: nothing recorded,
+            # nothing released; check_values() raises for them between calls
+            self._invalid_steps = ledger_variable(tf.constant(0, tf.int64))
+        self._invalid_reported = 0
         self.set_sampling(population_size, selection_probability, sampling_policy)
 
     @property
@@ -247,8 +252,29 @@ class QueryWithLedger(DPQuery):
         return SampleEntry(sampling, tuple(entries))
 
     def has_room(self, global_state: Any) -> tf.Tensor:
-        """Whether the ledger can record the next step here (see ``PrivacyLedger.has_room``)."""
-        return self._ledger.has_room(len(self._query.sum_query_specs(global_state)))
+        """Whether the ledger can record the next step here (see ``PrivacyLedger.has_room``) and
+        the step's clip and noise values can be recorded (finite, >= 0): a step for which this
+        is false must release nothing."""
+        specs = self._query.sum_query_specs(global_state)
+        room = self._ledger.has_room(len(specs))
+        if not _fixed_shape_context():
+            return room  # outside compiled steps bad values fail the step (_check_specs)
+        return tf.logical_and(room, _valid_values(
+            [(s.l2_sensitivity, s.noise_stddev) for s in specs]))
+
+    def check_values(self) -> None:
+        """Raises (eagerly, between compiled calls) if a compiled step met a clip or noise value
+        that is not a finite number >= 0 (e.g. a ``tf.Variable`` clip set to inf): such steps
+        recorded and released nothing."""
+        bad = int(self._invalid_steps.numpy())
+        if bad > self._invalid_reported:
+            self._invalid_reported = bad
+            raise ValueError(
+                f"{bad} compiled DP step(s) met a clip (l2_norm_clip) or noise stddev that is not "
+                "a finite number >= 0 in float32 (e.g. a tf.Variable clip set to inf or NaN): "
+                "those steps recorded and released nothing. Set the clip and noise to finite "
+                "values >= 0"
+            )
 
     def get_noised_result(self, sample_state: Any, global_state: Any):
         """The wrapped query's noised result; records the sample and its sum queries.
@@ -282,13 +308,21 @@ class QueryWithLedger(DPQuery):
                 ),
                 tf.equal(self._policy.read_value(), policy_code("shuffle")),
             )
+            values = self._event_values(specs)
+            keep = None
+            if _fixed_shape_context():  # no assertion stops a compiled step: mask its record
+                keep = _valid_values([(v[0], v[1]) for v in values])
+                self._invalid_steps.assign_add(tf.cast(tf.logical_not(keep), tf.int64))
+                room = tf.logical_and(room, keep)
             index = self._ledger.record_sampling(
-                self._population_size, self._selection_probability, self._policy, pass_start
+                self._population_size, self._selection_probability, self._policy, pass_start,
+                keep=keep,
             )
             with tf.control_dependencies([index]):
                 recorded = [
-                    self._ledger.record_sum_query(sens, std, mech, jl, seed, noise_grid=grid)
-                    for sens, std, mech, jl, seed, grid in self._event_values(specs)
+                    self._ledger.record_sum_query(sens, std, mech, jl, seed, noise_grid=grid,
+                                                  keep=keep)
+                    for sens, std, mech, jl, seed, grid in values
                 ]
                 with tf.control_dependencies(recorded):
                     self._pass_start.assign(0)
@@ -306,6 +340,16 @@ def _plus_grid(sens: Any, spec: SumQuerySpec) -> Any:
         return sens
     total = tf.cast(sens, tf.float64) + tf.cast(extra, tf.float64)
     return tf.math.nextafter(total, tf.constant(float("inf"), tf.float64))
+
+
+def _valid_values(pairs: list[tuple[Any, Any]]) -> tf.Tensor:
+    """Whether every (sensitivity, stddev) pair is finite and >= 0 in float32 (a bool tensor)."""
+    ok = tf.constant(True)
+    for sens, std in pairs:
+        for v in (sens, std):
+            t = tf.cast(v, tf.float32)
+            ok = tf.logical_and(ok, tf.reduce_all(tf.math.is_finite(t) & (t >= 0)))
+    return ok
 
 
 def _refuse_tree_with_jl(jl: Any) -> list[Any]:
