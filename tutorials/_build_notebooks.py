@@ -40,6 +40,7 @@ NOTEBOOKS = (
     "migrating_from_tf_privacy",
     "custom_layers_and_ghost_clipping",
     "text_classification",
+    "dp_finetuning",
 )
 
 _MARKER = re.compile(r"^# %%(?P<kind> \[markdown\])?(?: tags=(?P<tags>\[.*\]))?\s*$")
