@@ -47,6 +47,8 @@ setup(
         "tutorials": [
             "matplotlib>=3.7",
             "scikit-learn>=1.3",
+            # tutorials/dp_finetuning.ipynb (keras-hub models; its tokenizers on Colab)
+            "keras-hub>=0.32,<0.33",
         ],
     },
     entry_points={

@@ -12,8 +12,22 @@ is measured").
   feed-forward 256 relu -> 128, residual + LayerNormalization; post-norm as in Vaswani et al.
   2017, no dropout), mean pool over positions, Dense 2.
 
-Each entry builds a fresh (unbuilt-weight-identical for a given seed) ``keras.Sequential`` and a
-synthetic batch of the right shapes. Losses are logits + sparse categorical cross-entropy.
+Fine-tuning models (``docs/finetuning.md``; random weights, built from configs: no download):
+
+- ``bert``: keras-hub ``BertTextClassifier`` on a ``BertBackbone`` (vocabulary 8000, 2 layers,
+  4 heads, width 128, feed-forward 512, sequences of 128, dropout 0.1), 2 classes; full
+  fine-tuning (every variable trains).
+- ``gpt2_lora``: keras-hub ``GPT2CausalLM`` on a ``GPT2Backbone`` (vocabulary 8000, 2 layers,
+  4 heads, width 128, feed-forward 512, sequences of 128) with ``backbone.enable_lora(8)``:
+  the LoRA factors of the query/value projections train (and the biases keras-hub leaves
+  trainable); next-token targets ``[B, T]``.
+- ``resnet_gn``: a ResNet-style CNN for 32x32x3 images (stem Conv 16, three stages of two basic
+  residual blocks with 16/32/64 channels, stride 2 between stages, global average pool, Dense
+  10) built with BatchNormalization and converted by ``tf_dp.keras.fix_for_dp`` (groups
+  ``gcd(32, channels)``): every BatchNormalization becomes a GroupNormalization.
+
+Each entry builds a fresh model (weight-identical for a given seed) and a synthetic batch of the
+right shapes. Losses are logits + sparse categorical cross-entropy.
 
 Example::
 
@@ -27,8 +41,11 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-MODELS = ("cnn", "mlp", "lstm", "transformer")
-DEFAULT_BATCH = {"cnn": 256, "mlp": 256, "lstm": 64, "transformer": 64}
+MODELS = ("cnn", "mlp", "lstm", "transformer", "bert", "gpt2_lora", "resnet_gn")
+DEFAULT_BATCH = {
+    "cnn": 256, "mlp": 256, "lstm": 64, "transformer": 64, "bert": 32, "gpt2_lora": 16,
+    "resnet_gn": 64,
+}
 LSTM_VOCAB = 8000
 LSTM_SEQ = 150
 TRANSFORMER_VOCAB = 8000
@@ -92,7 +109,41 @@ class TransformerBlock(keras.layers.Layer):
         return {**super().get_config(), "dim": self.dim, "heads": self.heads, "ffn": self.ffn}
 
 
-def build_model(name: str, seed: int = 0) -> keras.Sequential:
+HUB_VOCAB = 8000
+HUB_SEQ = 128
+
+
+def _hub_config() -> dict:
+    return dict(
+        vocabulary_size=HUB_VOCAB, num_layers=2, num_heads=4, hidden_dim=128,
+        intermediate_dim=512, max_sequence_length=HUB_SEQ,
+    )
+
+
+def _resnet_with_batchnorm() -> keras.Model:
+    layers = keras.layers
+
+    def conv_bn(x, channels, stride=1, relu=True):
+        x = layers.Conv2D(channels, 3, strides=stride, padding="same", use_bias=False)(x)
+        x = layers.BatchNormalization()(x)
+        return layers.ReLU()(x) if relu else x
+
+    inp = keras.Input((32, 32, 3))
+    x = conv_bn(inp, 16)
+    for stage, channels in enumerate((16, 32, 64)):
+        for block in range(2):
+            stride = 2 if stage > 0 and block == 0 else 1
+            shortcut = x
+            if stride != 1 or x.shape[-1] != channels:
+                shortcut = layers.Conv2D(channels, 1, strides=stride, use_bias=False)(x)
+                shortcut = layers.BatchNormalization()(shortcut)
+            y = conv_bn(conv_bn(x, channels, stride), channels, relu=False)
+            x = layers.ReLU()(layers.Add()([shortcut, y]))
+    x = layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inp, layers.Dense(10)(x), name="resnet_bn")
+
+
+def build_model(name: str, seed: int = 0) -> keras.Model:
     """A fresh reference model (weights fixed by ``seed``)."""
     keras.utils.set_random_seed(seed)
     layers = keras.layers
@@ -143,10 +194,25 @@ def build_model(name: str, seed: int = 0) -> keras.Sequential:
             ],
             name="transformer",
         )
+    if name in ("bert", "gpt2_lora"):
+        import keras_hub
+
+        M = keras_hub.models
+        if name == "bert":
+            backbone = M.BertBackbone(**_hub_config(), dropout=0.1)
+            return M.BertTextClassifier(backbone, num_classes=2, preprocessor=None)
+        model = M.GPT2CausalLM(M.GPT2Backbone(**_hub_config(), dropout=0.0), preprocessor=None)
+        model.backbone.enable_lora(8)
+        return model
+    if name == "resnet_gn":
+        import tf_dp.keras
+
+        model, _ = tf_dp.keras.fix_for_dp(_resnet_with_batchnorm())
+        return model
     raise ValueError(f"model must be one of {MODELS}, got {name!r}")
 
 
-def make_batch(name: str, batch_size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def make_batch(name: str, batch_size: int, seed: int = 0) -> tuple[object, np.ndarray]:
     """A synthetic batch ``(x, y)`` for the reference model ``name``."""
     rng = np.random.default_rng(seed)
     if name == "cnn":
@@ -161,6 +227,17 @@ def make_batch(name: str, batch_size: int, seed: int = 0) -> tuple[np.ndarray, n
     elif name == "transformer":
         x = rng.integers(0, TRANSFORMER_VOCAB, (batch_size, TRANSFORMER_SEQ)).astype(np.int32)
         y = rng.integers(0, 2, batch_size)
+    elif name in ("bert", "gpt2_lora"):
+        ids = rng.integers(1, HUB_VOCAB, (batch_size, HUB_SEQ)).astype(np.int32)
+        x = {"token_ids": ids, "padding_mask": np.ones_like(ids, dtype=bool)}
+        if name == "bert":
+            x["segment_ids"] = np.zeros_like(ids)
+            y = rng.integers(0, 2, batch_size)
+        else:
+            y = np.roll(ids, -1, axis=1)
+    elif name == "resnet_gn":
+        x = rng.random((batch_size, 32, 32, 3), dtype=np.float32)
+        y = rng.integers(0, 10, batch_size)
     else:
         raise ValueError(f"model must be one of {MODELS}, got {name!r}")
     return x, y.astype(np.int32)

@@ -390,7 +390,7 @@ def format_text(result: dict[str, Any]) -> str:
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=MODELS, default="cnn")
-    p.add_argument("--batch_size", type=int, default=None, help="default: 256 (cnn, mlp), 64 (lstm, transformer)")
+    p.add_argument("--batch_size", type=int, default=None, help="default: bench.models.DEFAULT_BATCH")
     p.add_argument("--modes", default="nonprivate,vectorized,microbatch")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--warmup", type=int, default=5, help="fit steps per mode before timing")

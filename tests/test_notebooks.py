@@ -103,6 +103,20 @@ CHECKS = {
         "mi_loss.call(non_members[1],"
         " private.predict(non_members[0], verbose=0).astype('float64')).numpy()])}))"
     ),
+    "dp_finetuning": (
+        "import json\n"
+        "print(json.dumps({'data': data_name, 'n': int(n), 'batch': BATCH_SIZE,"
+        " 'sigma': NOISE_MULTIPLIER, 'delta': DELTA, 'epochs': EPOCHS,"
+        " 'strategies': [lora_model.optimizer.gradient_strategy.description,"
+        " head_model.optimizer.gradient_strategy.description],"
+        " 'steps': [lora_ledger.num_samples, head_ledger.num_samples],"
+        " 'ledger_eps': [lora_result.epsilon, head_result.epsilon],"
+        " 'trainable': {k: [v.path for v in m.trainable_variables] for k, m in"
+        " (('lora', lora_model), ('head', head_model), ('nonprivate', nonprivate_model))},"
+        " 'all_variables': len(build_classifier().trainable_variables),"
+        " 'accuracy': [lora_accuracy, head_accuracy, nonprivate_accuracy],"
+        " 'majority': majority, 'test_labels': [int(v) for v in y_test]}))"
+    ),
 }
 
 
@@ -267,8 +281,33 @@ def _check_privacy_auditing(values):
     assert values["mi"]["private"][2] <= math.exp(values["private_eps"]) * 0.01 + 1e-5 + 0.05
 
 
+def _check_dp_finetuning(values):
+    from tf_dp.accounting import dp_sgd_epsilon
+
+    assert values["data"].startswith("fortunes") and "FALLBACK" in values["data"]
+    assert "random weights" in values["data"]  # the offline model is not pretrained: said so
+    labels = values["test_labels"]
+    assert abs(values["majority"] - max(labels.count(c) for c in set(labels)) / len(labels)) < 1e-9
+    # Every trainable variable of both private runs is covered by a ghost rule (no fallback).
+    assert values["strategies"] == ["ghost", "ghost"]
+    # Poisson batches: ceil(1/q) steps per epoch, where q = batch / n.
+    n, batch, sigma, delta = values["n"], values["batch"], values["sigma"], values["delta"]
+    steps = values["epochs"] * math.ceil(n / batch)
+    assert values["steps"] == [steps, steps]
+    independent = dp_sgd_epsilon(n, batch, sigma, delta, steps=steps, accountant="pld")
+    for eps in values["ledger_eps"]:
+        assert math.isclose(eps, independent.epsilon, rel_tol=1e-3)
+    # LoRA trains the adapters (and the head), head-only only the head's variables.
+    lora, head = values["trainable"]["lora"], values["trainable"]["head"]
+    assert any(p.endswith("lora_kernel_a") for p in lora)
+    assert not any("backbone" in p or "transformer" in p for p in head) and head
+    assert len(lora) < values["all_variables"] and values["trainable"]["nonprivate"] == lora
+    assert all(0.0 <= a <= 1.0 for a in values["accuracy"])
+
+
 VALIDATORS = {
     "privacy_auditing": _check_privacy_auditing,
+    "dp_finetuning": _check_dp_finetuning,
     "classification_privacy": _check_classification_privacy,
     "privacy_accounting": _check_privacy_accounting,
     "custom_layers_and_ghost_clipping": _check_custom_layers_and_ghost_clipping,
@@ -338,7 +377,7 @@ def test_notebook_runs_top_to_bottom_in_small_mode(name, data_dir, tmp_path, mon
         nb.cells.append(nbformat.v4.new_code_cell(check))
     monkeypatch.setenv("TF_DP_TUTORIAL_SMALL", "1")
     monkeypatch.setenv("TF_DP_TUTORIAL_DATA_DIR", data_dir)
-    if name == "text_classification":
+    if name in ("text_classification", "dp_finetuning"):
         # README's test command installs Debian's fortunes (the offline text corpus)
         assert os.path.isfile(os.path.join(DEBIAN_FORTUNES, "computers")), (
             f"no text corpus in {DEBIAN_FORTUNES}: run README's test command, which installs "

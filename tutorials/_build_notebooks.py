@@ -41,6 +41,7 @@ NOTEBOOKS = (
     "custom_layers_and_ghost_clipping",
     "text_classification",
     "privacy_auditing",
+    "dp_finetuning",
 )
 
 _MARKER = re.compile(r"^# %%(?P<kind> \[markdown\])?(?: tags=(?P<tags>\[.*\]))?\s*$")

@@ -84,14 +84,17 @@ def part_step(model_name: str, rounds: int = 4) -> None:
     import tf_dp.dp_query.gaussian_query as gq
     from bench import step_time as st
 
-    ds = st.dataset(model_name, 256)
+    from bench.models import DEFAULT_BATCH
+
+    batch = DEFAULT_BATCH[model_name]
+    ds = st.dataset(model_name, batch)
     models, iters = {}, {}
     original = gq.add_gaussian_noise_structure
     try:
         for mode in ("nonprivate", "ghost", "ghost without noise"):
             if mode == "ghost without noise":
                 gq.add_gaussian_noise_structure = lambda generator, values, stddevs: values
-            models[mode] = st.build(model_name, mode.split()[0], 256)
+            models[mode] = st.build(model_name, mode.split()[0], batch)
             st.warm_up(models[mode], ds, 5)
             iters[mode] = iter(ds)
     finally:
@@ -113,7 +116,9 @@ def part_step(model_name: str, rounds: int = 4) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", choices=["ops", "step", "both"], default="both")
-    ap.add_argument("--model", choices=["mlp", "cnn"], default=None)
+    from bench.models import MODELS
+
+    ap.add_argument("--model", choices=MODELS, default=None, help="a bench.models model")
     a = ap.parse_args()
     if a.part in ("ops", "both"):
         part_ops()

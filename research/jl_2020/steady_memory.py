@@ -27,6 +27,7 @@ import subprocess
 import sys
 
 from bench import step_time
+from bench.models import DEFAULT_BATCH
 
 
 def probe(model_name: str, batch: int, mode: str) -> tuple[float, float]:
@@ -59,7 +60,7 @@ def main() -> None:
                    help="bfc: count every tensor (oneDNN ops off, BFC CPU allocator)")
     p.add_argument("--_one", default=None)
     a = p.parse_args()
-    batch = a.batch_size or {"cnn": 256, "mlp": 256, "lstm": 64, "transformer": 64}[a.model]
+    batch = a.batch_size or DEFAULT_BATCH[a.model]
     env = dict(os.environ)
     if a.allocator == "bfc":
         env.update(TF_ENABLE_ONEDNN_OPTS="0", TF_CPU_ALLOCATOR_USE_BFC="true")

@@ -12,6 +12,7 @@ from tf_dp.keras.callbacks import (
     PrivacyBudget,
     PrivacyReport,
 )
+from tf_dp.keras.fixing import DPCompatibilityReport, fix_for_dp, validate_for_dp
 from tf_dp.keras.ftrl import DPKerasFTRLOptimizer
 from tf_dp.keras.losses import PerExampleLoss
 from tf_dp.keras.models import DPModel, DPSequential, is_private, make_private
@@ -33,6 +34,7 @@ __all__ = [
     "callbacks",
     "schedules",
     "DecreasingClip",
+    "DPCompatibilityReport",
     "DPKerasAdagradOptimizer",
     "DPKerasAdamOptimizer",
     "DPKerasFTRLOptimizer",
@@ -41,7 +43,9 @@ __all__ = [
     "DPOptimizerMixin",
     "DPSequential",
     "PerExampleLoss",
+    "fix_for_dp",
     "is_private",
     "make_dp_optimizer_class",
     "make_private",
+    "validate_for_dp",
 ]

@@ -70,6 +70,19 @@ def _all_layers(model: keras.Model) -> list[keras.layers.Layer]:
     return out
 
 
+def incompatible_layers(model: keras.Model) -> dict[str, list[keras.layers.Layer]]:
+    """Every layer that ``check_model_is_dp_compatible`` refuses, by kind (``"mixes_examples"``,
+    ``"activity_regularizer"``, ``"stateful"``); ``tf_dp.keras.validate_for_dp`` reports them."""
+    layers = _all_layers(model)
+    return {
+        "mixes_examples": [layer for layer in layers if isinstance(layer, _MIXING_LAYERS)],
+        "activity_regularizer": [
+            layer for layer in layers if getattr(layer, "activity_regularizer", None)
+        ],
+        "stateful": [layer for layer in layers if getattr(layer, "stateful", False) is True],
+    }
+
+
 def check_model_is_dp_compatible(model: keras.Model) -> None:
     """Raises ValueError naming the layers that DP training cannot support.
 
@@ -83,24 +96,24 @@ def check_model_is_dp_compatible(model: keras.Model) -> None:
 
         check_model_is_dp_compatible(model)  # ValueError: 3 layers mix the examples ...
     """
-    layers = _all_layers(model)
-    mixing = [layer for layer in layers if isinstance(layer, _MIXING_LAYERS)]
+    found = incompatible_layers(model)
+    mixing = found["mixes_examples"]
     if mixing:
         kinds = sorted({type(layer).__name__ for layer in mixing})
         raise ValueError(
             f"{len(mixing)} layer(s) mix the examples of a batch ({', '.join(kinds)}): "
             f"{_names(mixing)}; per-example gradients (and DP-SGD's guarantee) are undefined "
             "with them: use keras.layers.GroupNormalization or keras.layers.LayerNormalization "
-            "instead"
+            "instead (tf_dp.keras.fix_for_dp(model) swaps in GroupNormalization)"
         )
-    regularized = [layer for layer in layers if getattr(layer, "activity_regularizer", None)]
+    regularized = found["activity_regularizer"]
     if regularized:
         raise ValueError(
             f"{len(regularized)} layer(s) have an activity_regularizer, a loss term that depends "
             f"on the batch and would bypass clipping: {_names(regularized)}; remove it for DP "
             "training"
         )
-    stateful = [layer for layer in layers if getattr(layer, "stateful", False) is True]
+    stateful = found["stateful"]
     if stateful:
         raise ValueError(
             f"{len(stateful)} stateful recurrent layer(s): {_names(stateful)}; a stateful layer "
