@@ -266,3 +266,23 @@ def test_ftrl_tree_spanning_short_passes_counts_every_node_a_record_is_in():
     reference = _gaussian_epsilon(Z / (2 * math.sqrt(worst)), 1)
     ours = compute_epsilon(optimizer.ledger.samples(), DELTA, "rdp")
     assert ours.epsilon >= reference * (1 - 1e-3)
+
+
+def test_privacy_budget_charges_the_pass_the_next_epoch_starts():
+    """Epochs of 2 steps while an epoch of the declared data (n=20, batch 5) is 4 steps: a
+    dataset of two batches, unshuffled, so records 0-4 are in the first batch of every epoch.
+    The budget allows two such participations, not three: the real epsilon of the worst record,
+    counted by the spy and computed by dp_accounting, stays within it (planning at an epoch end
+    as if the pass went on would let a third epoch run)."""
+    x, y = _data()
+    two, three = _gaussian_epsilon(Z / 2, 2), _gaussian_epsilon(Z / 2, 3)
+    target = (two + three) / 2
+    model = _model(dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=Z))
+    model.optimizer.set_sampling(N, BATCH / N, "shuffle")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).take(2)
+    budget = dpk.PrivacyBudget(target, DELTA, verbose=False)
+    model.fit(dataset, epochs=10, callbacks=[budget], verbose=0)
+    worst = int(model._tf_dp_counts.numpy().max())
+    assert worst == 2
+    assert _gaussian_epsilon(Z / 2, worst) <= target
+    assert compute_epsilon(model.optimizer.ledger.samples(), DELTA, "rdp").epsilon <= target
