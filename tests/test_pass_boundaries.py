@@ -225,3 +225,64 @@ def test_pass_starts_survive_the_ledger_file_which_says_version_2(tmp_path):
     assert json.loads((tmp_path / "old.json").read_text())["version"] == 1
     assert compute_epsilon(tmp_path / "old.json", DELTA, "gdp").mu == pytest.approx(
         math.sqrt(2) * 2 / Z)
+
+
+def test_ftrl_tree_spanning_short_passes_counts_every_node_a_record_is_in():
+    """DP-FTRL with ``restart_every`` a number of steps: one tree spans four fits of one step
+    each, so a record can be in all four leaves. The released nodes a record is in are counted
+    directly from the batches that ran (leaf i is in node ``i >> l`` of level ``l``); the tree's
+    squared sensitivity is the sum of the squared counts, and its epsilon (one Gaussian
+    mechanism, dp_accounting) bounds the ledger's from below."""
+    from tf_dp.accounting.tree import tree_depth
+
+    x, y = _data()
+    optimizer = dpk.DPKerasFTRLOptimizer(l2_norm_clip=1.0, noise_multiplier=Z,
+                                         learning_rate=0.1, restart_every=4)
+    model = _model(optimizer)
+    batches = []
+
+    class Spy(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.before = model._tf_dp_counts.numpy().copy()
+
+        def on_train_batch_end(self, batch, logs=None):
+            batches.append(set(np.flatnonzero(model._tf_dp_counts.numpy() - self.before)))
+
+    for _ in range(4):
+        model.fit(x, y, batch_size=BATCH, epochs=1, steps_per_epoch=1, verbose=0,
+                  callbacks=[Spy()])
+    assert len(batches) == 4
+    depth = tree_depth(len(batches))  # one tree of 4 leaves: levels 0, 1, 2
+    worst = 0
+    for record in range(N):
+        leaves = [i for i, batch in enumerate(batches) if record in batch]
+        squared = 0
+        for level in range(depth):
+            nodes = np.bincount([leaf >> level for leaf in leaves], minlength=1)
+            squared += int(np.sum(nodes.astype(np.int64) ** 2))
+        worst = max(worst, squared)
+    assert worst == 4 * 1**2 + 2 * 2**2 + 1 * 4**2  # with this seed a record is in all 4 leaves
+    # replace-one: a leaf moves by 2C, so the tree is one Gaussian with multiplier Z/(2 sqrt(s2))
+    reference = _gaussian_epsilon(Z / (2 * math.sqrt(worst)), 1)
+    ours = compute_epsilon(optimizer.ledger.samples(), DELTA, "rdp")
+    assert ours.epsilon >= reference * (1 - 1e-3)
+
+
+def test_privacy_budget_charges_the_pass_the_next_epoch_starts():
+    """Epochs of 2 steps while an epoch of the declared data (n=20, batch 5) is 4 steps: a
+    dataset of two batches, unshuffled, so records 0-4 are in the first batch of every epoch.
+    The budget allows two such participations, not three: the real epsilon of the worst record,
+    counted by the spy and computed by dp_accounting, stays within it (planning at an epoch end
+    as if the pass went on would let a third epoch run)."""
+    x, y = _data()
+    two, three = _gaussian_epsilon(Z / 2, 2), _gaussian_epsilon(Z / 2, 3)
+    target = (two + three) / 2
+    model = _model(dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=Z))
+    model.optimizer.set_sampling(N, BATCH / N, "shuffle")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).take(2)
+    budget = dpk.PrivacyBudget(target, DELTA, verbose=False)
+    model.fit(dataset, epochs=10, callbacks=[budget], verbose=0)
+    worst = int(model._tf_dp_counts.numpy().max())
+    assert worst == 2
+    assert _gaussian_epsilon(Z / 2, worst) <= target
+    assert compute_epsilon(model.optimizer.ledger.samples(), DELTA, "rdp").epsilon <= target

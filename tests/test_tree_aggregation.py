@@ -4,6 +4,7 @@ Statistical checks use fixed seeds and tolerances of 6 standard errors from theo
 variance of n i.i.d. normals has relative standard error sqrt(2 / n)).
 """
 
+import itertools
 import json
 import math
 import subprocess
@@ -240,9 +241,17 @@ def test_trees_spanning_epochs_use_the_conservative_bound():
     # no restart: one tree of 3 epochs x 4 steps = 12 leaves (depth 4), record in k = 3 leaves
     entries = _tree_ledger(400, 100, 3, None, z=3.0)
     ((zeff, count),) = tree_acc.split_runs([(e, 1) for e in entries], lambda n, q: 4)[1]
-    caps = [min(3, -(-((1 << l) - 1) // 4) + 1) for l in range(4)]  # 1, 2, 2, 3
+    # windows each node of level l touches (leaf i in window i // 4): 1, 1, 1, 2
+    caps = [max(len({i // 4 for i in range(12) if i >> l == j}) for j in range(12 >> l))
+            for l in range(4)]
     s2 = min(9 * 4, 3 * sum(caps))
     assert (zeff, count) == (pytest.approx(3.0 / (2 * math.sqrt(s2))), 1)
+    # a valid bound: the worst record (one leaf per window) by brute force
+    exact = max(
+        sum(int(np.sum(np.bincount([leaf >> l for leaf in leaves]) ** 2)) for l in range(4))
+        for leaves in itertools.product(range(4), range(4, 8), range(8, 12))
+    )
+    assert s2 >= exact == 14
     # never better than restarting every epoch
     restarted = compute_epsilon(_tree_ledger(400, 100, 3, "epoch", z=3.0), 1e-5).epsilon
     assert compute_epsilon(entries, 1e-5).epsilon > restarted
@@ -357,8 +366,9 @@ def test_cli_reads_ledgers_with_tree_events(tmp_path):
     for name in ("rdp", "pld", "gdp", "moments"):
         assert out[name]["epsilon"] == pytest.approx(
             compute_epsilon(entries, 1e-5, name).epsilon, rel=1e-9)
-    write_ledger_file(path, _tree_ledger(1000, 100, 1, "epoch", policy="poisson"))
+    poisson = tmp_path / "poisson.json"  # (a shorter ledger may not replace a longer one)
+    write_ledger_file(poisson, _tree_ledger(1000, 100, 1, "epoch", policy="poisson"))
     p = subprocess.run([sys.executable, "-m", "tf_dp.cli.compute_dp_sgd_privacy",
-                        f"--ledger={path}", "--delta=1e-5"], capture_output=True, text=True,
+                        f"--ledger={poisson}", "--delta=1e-5"], capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 2 and "Poisson" in p.stderr and "Traceback" not in p.stderr

@@ -17,9 +17,10 @@ Sampling policies (design invariant 5):
   multiplier, counted per pass over the data (:func:`shuffle_epoch_runs`): a pass starts at every
   draw the ledger marks ``pass_start`` (each ``fit`` epoch, each ``train_on_batch`` call), and
   holds ``ceil(steps / ceil(n / b))`` epochs (a partial epoch counts as a full one).  Inputs
-  whose epochs have fewer steps (``drop_remainder=True``, or ``repeat()`` before ``batch()``,
-  where batches straddle epochs) should declare the population ``b * (n // b)``: epochs of
-  ``n // b`` steps, which counts them exactly or conservatively.
+  whose epochs have fewer steps (``drop_remainder=True``) should declare the population
+  ``b * (n // b)``: epochs of ``n // b`` steps, which counts them exactly or conservatively.
+  ``repeat()`` before ``batch()`` is not covered: a batch straddling two shuffles can hold a
+  record twice (batch before repeating).
 
 Non-private samples (a query without noise) give ``epsilon = inf``.
 

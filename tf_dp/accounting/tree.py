@@ -38,8 +38,9 @@ accounting counts them). Then:
   ``sigma / C``). This is exactly the paper's bound.
 * some tree spans several windows (no restart at the epoch boundary): a record may be in ``k``
   leaves of that tree (``k`` = windows it touches). Node sums then add up to ``k`` contributions;
-  per level ``l`` the squared change is at most ``k * min(k, c_l)`` (``c_l`` = windows a node of
-  ``2^l`` steps can touch), and by the triangle inequality at most ``k^2`` per level, so the tree's
+  per level ``l`` the squared change is at most ``k * min(k, c_l)`` (``c_l`` = the most windows
+  one node of level ``l`` touches, counted from the recorded steps: a pass cut short makes
+  windows shorter than an epoch), and by the triangle inequality at most ``k^2`` per level, so the tree's
   sensitivity is ``Delta * sqrt(min(k^2 d, k * sum_l min(k, c_l)))``. Every tree then counts as
   its own Gaussian mechanism (a conservative composition: a window shared by two trees is
   counted in both). This is an upper bound, looser than restarting every epoch.
@@ -119,18 +120,23 @@ def rdp_tree_aggregation(
     return arr * depth / (2.0 * float(noise_multiplier) ** 2)
 
 
-def _window_cap(level: int, steps_per_epoch: int) -> int:
-    """Most epoch windows (of ``steps_per_epoch`` steps) that ``2^level`` consecutive steps
-    touch."""
-    return -(-((1 << level) - 1) // steps_per_epoch) + 1
+def _node_windows(leaf_windows: dict, level: int) -> int:
+    """Most distinct epoch windows that the leaves of one node of ``2^level`` leaves touch
+    (``leaf_windows``: leaf index -> window of the step that recorded it)."""
+    nodes: dict = {}
+    for leaf, window in leaf_windows.items():
+        nodes.setdefault(leaf >> level, set()).add(window)
+    return max(len(w) for w in nodes.values())
 
 
-def _squared_sensitivity(k: int, depth: int, steps_per_epoch: int) -> int:
+def _squared_sensitivity(k: int, depth: int, leaf_windows: dict) -> int:
     """Squared L2 sensitivity (in units of ``Delta^2``) of a tree of ``depth`` released levels in
-    which a record has up to ``k`` leaves, at most one per epoch window."""
+    which a record has up to ``k`` leaves, at most one per epoch window. The windows a node
+    touches are counted from the steps recorded (a pass cut short gives windows shorter than an
+    epoch, so a node can touch more windows than its length in epochs suggests)."""
     if k <= 1:
         return depth
-    per_level = sum(min(k, _window_cap(level, steps_per_epoch)) for level in range(depth))
+    per_level = sum(min(k, _node_windows(leaf_windows, level)) for level in range(depth))
     return min(k * k * depth, k * per_level)
 
 
@@ -151,7 +157,7 @@ def tree_gaussian_mechanisms(
       Raises :class:`TreeAccountingError` for tree steps recorded under a policy other than
       ``shuffle``.
     """
-    trees: list[dict] = []  # each: z (min), last index, windows (set), min spe
+    trees: list[dict] = []  # each: z (min), last index, windows (set), leaf -> window
     segment = -1
     key = None
     position = 0  # step position within the current run of identical sampling
@@ -184,13 +190,13 @@ def tree_gaussian_mechanisms(
                 position = 0
             window = (segment, position // spe)
             if t0 == 0 or prev_step is None or t0 != prev_step + 1 or not trees:
-                trees.append({"z": z, "last": t0, "windows": {window}, "spe": spe})
+                trees.append({"z": z, "last": t0, "windows": {window}, "leaves": {t0: window}})
             else:
                 tr = trees[-1]
                 tr["z"] = min(tr["z"], z)
                 tr["last"] = t0
                 tr["windows"].add(window)
-                tr["spe"] = min(tr["spe"], spe)
+                tr["leaves"][t0] = window
             prev_step = t0
             position += 1
     out: list[tuple[float, int]] = []
@@ -207,7 +213,7 @@ def tree_gaussian_mechanisms(
     else:
         for tr in trees:
             k = len(tr["windows"])
-            s2 = _squared_sensitivity(k, tree_depth(tr["last"] + 1), tr["spe"])
+            s2 = _squared_sensitivity(k, tree_depth(tr["last"] + 1), tr["leaves"])
             out.append((tr["z"] / (2.0 * math.sqrt(s2)) if tr["z"] > 0 else 0.0, 1))
     merged: list[tuple[float, int]] = []
     for z, c in out:

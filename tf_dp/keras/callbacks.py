@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -345,15 +346,40 @@ class PrivacyBudget(keras.callbacks.Callback):
             return
         if getattr(optimizer, "has_dp_schedules", False):
             # every batch checks the recorded ledger plus the scheduled next steps
-            if not self.stopped and not self._next_step_allowed():
+            if not self.stopped and not (
+                self._next_step_allowed() and self._next_epoch_allowed(optimizer)
+            ):
                 self._stop()
             return
         entries = optimizer.ledger.samples()
         recent = entries[self._plan_base :]
         if len(entries) < self._plan_base or any(e != self._plan_kind for e in recent):
             self._plan(optimizer, predicted_next_entry(optimizer) or entries[-1])
-        if not self.stopped and not self._next_step_allowed():
+        if not self.stopped and not (
+            self._next_step_allowed() and self._next_epoch_allowed(optimizer)
+        ):
             self._stop()
+
+    def _next_epoch_allowed(self, optimizer) -> bool:
+        """Whether the next epoch's first compiled call fits the budget. ``fit`` starts a new
+        pass over the data at every epoch, so under ``shuffle`` sampling its first step opens a
+        new epoch window even when the last epoch ended mid-window (``steps_per_epoch`` shorter
+        than an epoch): the plan, which continues the current pass, would let it overspend."""
+        kind = predicted_next_entry(optimizer)
+        if kind is None or kind.sampling.policy != "shuffle" or kind.sampling.pass_start:
+            return True
+        needed = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        upcoming = [kind] * needed
+        if getattr(optimizer, "has_dp_schedules", False):
+            try:
+                upcoming = [optimizer.next_sample_entry(i) for i in range(needed)]
+            except Exception as e:  # noqa: BLE001 -- keep the unscheduled prediction
+                _logger.debug("tf_dp: cannot predict the next scheduled steps: %s", e)
+        first = upcoming[0]
+        upcoming[0] = dataclasses.replace(
+            first, sampling=dataclasses.replace(first.sampling, pass_start=True)
+        )
+        return self._epsilon(optimizer.ledger.samples() + upcoming) <= self.target_epsilon
 
     def on_train_end(self, logs=None):
         original = getattr(self, "_original_train_function", None)
