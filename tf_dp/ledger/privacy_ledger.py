@@ -42,6 +42,7 @@ from tf_dp.ledger.events import (
     SamplingEvent,
     SumQueryEvent,
     compress,
+    runs_are_prefix,
 )
 from tf_dp.ledger.journal import LedgerJournal, encode_runs
 from tf_dp.ledger.ledger_file import (
@@ -415,20 +416,6 @@ def _runs_to_tables(runs: Sequence[tuple[SampleEntry, int]]) -> tuple[np.ndarray
     return samples, queries
 
 
-def _is_prefix(a: Sequence[tuple[SampleEntry, int]], b: Sequence[tuple[SampleEntry, int]]) -> bool:
-    """Whether the steps of runs ``a`` are a prefix of the steps of runs ``b`` (both merged, as
-    :func:`~tf_dp.ledger.events.compress` gives), in O(runs)."""
-    if len(a) > len(b):
-        return False
-    for i, (entry, count) in enumerate(a):
-        other, other_count = b[i]
-        if entry != other or count > other_count:
-            return False
-        if count < other_count and i != len(a) - 1:
-            return False
-    return True
-
-
 def _read_rows(table: tf.Variable, start: int, stop: int) -> np.ndarray:
     """Rows ``start:stop`` of a ledger table, eagerly: one gather op, O(rows) (slicing a
     variable eagerly reads the whole table, and ``sparse_read`` costs several times the op);
@@ -532,10 +519,10 @@ class PrivacyLedger(tf.Module):
             current = self.runs()
             n_journaled = sum(c for _, c in journaled)
             n_current = sum(c for _, c in current)
-            if _is_prefix(journaled, current):
+            if runs_are_prefix(journaled, current):
                 if n_current > n_journaled:
                     journal.append(self.samples()[n_journaled:], start=n_journaled)
-            elif _is_prefix(current, journaled):
+            elif runs_are_prefix(current, journaled):
                 self.restore_runs(journaled)
             else:
                 raise ValueError(
@@ -708,7 +695,7 @@ class PrivacyLedger(tf.Module):
         journaled: list[tuple[SampleEntry, int]] = []
         if self._journal is not None:
             journaled = compress(self._journal.entries())
-            if not _is_prefix(journaled, runs):
+            if not runs_are_prefix(journaled, runs):
                 n_runs = sum(c for _, c in runs)
                 raise ValueError(
                     f"this ledger is journaled to {self._journal.path!r} "
