@@ -270,6 +270,8 @@ class _Buffer(tf.Module):
     def numpy(self) -> np.ndarray:
         n = int(self.count.numpy())
         k = int(self.staged_count.numpy())
+        if k == 0:
+            return self.data.numpy()[:n]
         return np.concatenate([self.data.numpy()[:n], self.staged.numpy()[:k]], axis=0)
 
     def load(self, table: np.ndarray) -> None:
@@ -355,8 +357,11 @@ def _tables_to_runs(samples: np.ndarray, queries: np.ndarray) -> list[tuple[Samp
         rows = np.arange(len(queries))
         prev = rows - shift
         ok = prev >= 0
-        equal = np.zeros(len(queries), bool)
-        equal[ok] = _same(queries[ok, 1:], queries[prev[ok], 1:])
+        prev = np.where(ok, prev, 0)
+        equal = ok.copy()
+        for col in range(1, _QUERY_COLS):  # column by column: no [rows, cols] temporaries
+            a, b = queries[:, col], queries[prev, col]
+            equal &= (a == b) | (np.isnan(a) & np.isnan(b))
         differs = np.bincount(index[~equal].astype(np.int64), minlength=n) > 0
         starts |= differs
         starts[0] = True
@@ -714,7 +719,7 @@ class PrivacyLedger(tf.Module):
     def tables(self) -> tuple[np.ndarray, np.ndarray]:
         """The raw sample and query tables (float64), e.g. to store them in a weights file."""
         self.flush()
-        return self._samples.numpy(), self._queries.numpy()
+        return self._samples.numpy().copy(), self._queries.numpy().copy()
 
     def load_tables(self, samples: np.ndarray, queries: np.ndarray) -> None:
         """Replaces the content with tables from :meth:`tables` (validated through the events)."""
