@@ -28,6 +28,7 @@ UNIT = {
     "test_dp_query_validation",
     "test_ledger",
     "test_ledger_file",
+    "test_ledger_runs",
     "test_lint",
     "test_noise",
     "test_tree_aggregation",

@@ -31,8 +31,7 @@ from __future__ import annotations
 import math
 
 from tf_dp.accounting.ledger_analysis import _units
-from tf_dp.ledger.events import compress
-from tf_dp.ledger.ledger_file import as_entries
+from tf_dp.ledger.ledger_file import as_runs
 
 __all__ = ["ledger_to_dp_event"]
 
@@ -58,10 +57,7 @@ def ledger_to_dp_event(ledger):
     Example: ``ledger_to_dp_event(model.optimizer.ledger)``.
     """
     dpa = _dp_accounting()
-    if isinstance(ledger, (list, tuple)) and ledger and isinstance(ledger[0], tuple):
-        runs = list(ledger)
-    else:
-        runs = compress(as_entries(ledger))
+    runs = as_runs(ledger)
     units, non_private, _ = _units(runs)
     if any(u.r is not None for u in units):
         raise ValueError(

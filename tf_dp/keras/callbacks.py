@@ -38,8 +38,8 @@ from typing import Any, Optional, Sequence
 
 import keras
 
-from tf_dp.ledger.events import SampleEntry
-from tf_dp.ledger.ledger_file import read_ledger_file
+from tf_dp.ledger.events import SampleEntry, runs_are_prefix
+from tf_dp.ledger.ledger_file import read_ledger_runs
 
 _logger = logging.getLogger("tf_dp")
 
@@ -78,7 +78,7 @@ def _check_accountant(accountant: Any) -> str:
 def _check_can_analyse(optimizer, delta: float, accountant: str, who: str) -> None:
     """Fails at the start of ``fit``, not after an epoch, when ``accountant`` cannot analyse the
     ledger as it will be after one more step (e.g. JL steps with ``accountant="rdp"``)."""
-    entries = list(optimizer.ledger.samples())
+    entries: list = list(optimizer.ledger.runs())
     upcoming = predicted_next_entry(optimizer)
     if upcoming is not None:
         entries.append(upcoming)
@@ -88,8 +88,10 @@ def _check_can_analyse(optimizer, delta: float, accountant: str, who: str) -> No
         raise ValueError(f"{who}(accountant={accountant!r}): {e}") from e
 
 
-def compute_epsilon(entries: Sequence[SampleEntry], delta: float, accountant: str):
-    """``(epsilon, result)`` for ``entries`` from :func:`tf_dp.accounting.compute_epsilon`.
+def compute_epsilon(entries: Sequence[Any], delta: float, accountant: str):
+    """``(epsilon, result)`` for ``entries`` (:class:`SampleEntry` items and/or
+    ``(SampleEntry, count)`` runs, as ``PrivacyLedger.runs()`` gives) from
+    :func:`tf_dp.accounting.compute_epsilon`.
 
     No entries: nothing was released, epsilon is 0 (``result`` is None).
     """
@@ -137,7 +139,7 @@ class PrivacyReport(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         ledger = _dp_optimizer(self.model, "PrivacyReport").ledger
-        epsilon, result = compute_epsilon(ledger.samples(), self.delta, self.accountant)
+        epsilon, result = compute_epsilon(ledger.runs(), self.delta, self.accountant)
         if logs is not None:
             logs[self.log_key] = epsilon
         statement = str(result) if result is not None else "no DP step recorded: epsilon = 0"
@@ -154,6 +156,17 @@ def predicted_next_entry(optimizer) -> Optional[SampleEntry]:
     except Exception as e:  # noqa: BLE001 -- an unusual query: fall back to the ledger
         _logger.debug("tf_dp: cannot predict the next ledger entry: %s", e)
         return None
+
+
+def _steps_differ_since(runs: Sequence[tuple[SampleEntry, int]], start: int, kind) -> bool:
+    """Whether the runs hold fewer than ``start`` steps or a step from ``start`` on is not
+    ``kind`` (in O(runs))."""
+    seen = 0
+    for entry, count in runs:
+        if seen + count > start and entry != kind:
+            return True
+        seen += count
+    return seen < start
 
 
 class BudgetExhaustedError(RuntimeError):
@@ -224,7 +237,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         self._plan_base = 0  # ledger.num_samples when the plan was made
         self._plan_headroom = 0  # further steps of _plan_kind the budget allows
 
-    def _epsilon(self, entries: Sequence[SampleEntry]) -> float:
+    def _epsilon(self, entries: Sequence[Any]) -> float:
         return compute_epsilon(entries, self.delta, self.accountant)[0]
 
     def _cap(self) -> int:
@@ -234,12 +247,13 @@ class PrivacyBudget(keras.callbacks.Callback):
             return int(steps) * int(epochs) + 1
         return 1 << 20
 
-    def headroom(self, entries: Sequence[SampleEntry], kind: SampleEntry, cap: int) -> int:
-        """Largest ``k <= cap`` such that ``entries + [kind] * k`` stays within the budget."""
+    def headroom(self, entries: Sequence[Any], kind: SampleEntry, cap: int) -> int:
+        """Largest ``k <= cap`` such that ``entries + [kind] * k`` stays within the budget
+        (``entries``: :class:`SampleEntry` items and/or ``(SampleEntry, count)`` runs)."""
         entries = list(entries)
 
         def fits(k: int) -> bool:
-            return self._epsilon(entries + [kind] * k) <= self.target_epsilon
+            return self._epsilon([*entries, (kind, k)]) <= self.target_epsilon
 
         if not fits(1):
             return 0
@@ -256,9 +270,9 @@ class PrivacyBudget(keras.callbacks.Callback):
         return lo
 
     def _plan(self, optimizer, kind: SampleEntry) -> None:
-        entries = optimizer.ledger.samples()
+        entries = optimizer.ledger.runs()
         self._plan_kind = kind
-        self._plan_base = len(entries)
+        self._plan_base = sum(count for _, count in entries)
         self._plan_headroom = self.headroom(entries, kind, self._cap())
 
     def steps_left(self) -> Optional[int]:
@@ -277,10 +291,10 @@ class PrivacyBudget(keras.callbacks.Callback):
         except Exception as e:  # noqa: BLE001 -- fall back to the general rule
             _logger.debug("tf_dp: cannot predict the next scheduled steps: %s", e)
             return None
-        entries = optimizer.ledger.samples()
+        entries = optimizer.ledger.runs()
         fits = self._epsilon(entries + upcoming) <= self.target_epsilon
         self._plan_kind = upcoming[0]
-        self._plan_base = len(entries)
+        self._plan_base = sum(count for _, count in entries)
         self._plan_headroom = needed if fits else 0
         return fits
 
@@ -294,13 +308,13 @@ class PrivacyBudget(keras.callbacks.Callback):
                 return fits
         kind = predicted_next_entry(optimizer)
         if kind is None:
-            entries = optimizer.ledger.samples()
+            entries = optimizer.ledger.runs()
             if not entries:
                 _logger.warning(
                     "tf_dp PrivacyBudget: cannot predict the first step; it is checked after it runs"
                 )
                 return True
-            kind = entries[-1]
+            kind = entries[-1][0]
         n = optimizer.ledger.num_samples
         if kind != self._plan_kind or n < self._plan_base:
             self._plan(optimizer, kind)
@@ -351,10 +365,9 @@ class PrivacyBudget(keras.callbacks.Callback):
             ):
                 self._stop()
             return
-        entries = optimizer.ledger.samples()
-        recent = entries[self._plan_base :]
-        if len(entries) < self._plan_base or any(e != self._plan_kind for e in recent):
-            self._plan(optimizer, predicted_next_entry(optimizer) or entries[-1])
+        runs = optimizer.ledger.runs()
+        if _steps_differ_since(runs, self._plan_base, self._plan_kind):
+            self._plan(optimizer, predicted_next_entry(optimizer) or runs[-1][0])
         if not self.stopped and not (
             self._next_step_allowed() and self._next_epoch_allowed(optimizer)
         ):
@@ -379,7 +392,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         upcoming[0] = dataclasses.replace(
             first, sampling=dataclasses.replace(first.sampling, pass_start=True)
         )
-        return self._epsilon(optimizer.ledger.samples() + upcoming) <= self.target_epsilon
+        return self._epsilon(optimizer.ledger.runs() + upcoming) <= self.target_epsilon
 
     def on_train_end(self, logs=None):
         original = getattr(self, "_original_train_function", None)
@@ -399,7 +412,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.model.stop_training = True
 
     def _epsilon_now(self) -> float:
-        return self._epsilon(_dp_optimizer(self.model, "PrivacyBudget").ledger.samples())
+        return self._epsilon(_dp_optimizer(self.model, "PrivacyBudget").ledger.runs())
 
 
 class BackupAndRestore(keras.callbacks.BackupAndRestore):
@@ -497,22 +510,24 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 "would forget the privacy already spent (was it written by "
                 "keras.callbacks.BackupAndRestore?)"
             )
-        backed_up = read_ledger_file(self.ledger_path) if has_ledger else []
+        backed_up = read_ledger_runs(self.ledger_path) if has_ledger else []
         super()._load_model()  # the weights (their own copy of the ledger) and the epoch
         ledger = optimizer.ledger
-        current = ledger.samples()
-        if backed_up[: len(current)] == current:
-            if len(backed_up) > len(current):
-                ledger.restore_entries(backed_up)
-        elif current[: len(backed_up)] != backed_up:
+        current = ledger.runs()
+        n_backed_up = sum(count for _, count in backed_up)
+        n_current = sum(count for _, count in current)
+        if runs_are_prefix(current, backed_up):
+            if n_backed_up > n_current:
+                ledger.restore_runs(backed_up)
+        elif not runs_are_prefix(backed_up, current):
             raise ValueError(
-                f"the ledger in {self.ledger_path!r} ({len(backed_up)} steps) and the "
-                f"optimizer's ledger ({len(current)} steps) record different runs; use a new "
+                f"the ledger in {self.ledger_path!r} ({n_backed_up} steps) and the "
+                f"optimizer's ledger ({n_current} steps) record different runs; use a new "
                 "backup_dir for a new run"
             )
         if has_ledger:
             _logger.info(
-                "tf_dp: restored %d ledger entries from %s", len(backed_up), self.ledger_path
+                "tf_dp: restored %d ledger entries from %s", n_backed_up, self.ledger_path
             )
             with open(self.ledger_path) as f:
                 finished = json.load(f)["metadata"].get("finished", False)
@@ -521,7 +536,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                     "tf_dp: %s holds the ledger of a finished run (%d steps); this fit starts "
                     "again from epoch 0 and continues that ledger, so both runs are charged. "
                     "Use a new backup_dir for a new run on other data",
-                    self.backup_dir, len(backed_up),
+                    self.backup_dir, n_backed_up,
                 )
 
     def on_train_end(self, logs=None):
@@ -553,7 +568,7 @@ class LedgerCheckpoint(keras.callbacks.Callback):
     (``epoch`` is 1-based). Written at each epoch end (or every ``save_freq`` batches) and at
     the end of training; the file is what ``tf_dp.accounting`` and ``compute_dp_sgd_privacy`` read.
     To resume from a ModelCheckpoint file, restore its ledger too:
-    ``model.optimizer.ledger.restore_entries(tf_dp.ledger.read_ledger_file(path))``.
+    ``model.optimizer.ledger.restore_runs(tf_dp.ledger.read_ledger_runs(path))``.
 
     A file at ``filepath`` that records more steps than the ledger being written is not
     replaced: :class:`~tf_dp.ledger.ledger_file.LedgerOverwriteError` (naming the path and both

@@ -249,3 +249,24 @@ def compress(entries: Sequence[SampleEntry]) -> list[tuple[SampleEntry, int]]:
         else:
             out.append((e, 1))
     return out
+
+
+def runs_are_prefix(
+    a: Sequence[tuple[SampleEntry, int]], b: Sequence[tuple[SampleEntry, int]]
+) -> bool:
+    """Whether the steps of runs ``a`` are a prefix of the steps of runs ``b`` (both merged, as
+    :func:`compress` gives), in O(runs).
+
+    Example::
+
+        runs_are_prefix([(entry, 3)], [(entry, 5), (other, 1)])   # True
+    """
+    if len(a) > len(b):
+        return False
+    for i, (entry, count) in enumerate(a):
+        other, other_count = b[i]
+        if entry != other or count > other_count:
+            return False
+        if count < other_count and i != len(a) - 1:
+            return False
+    return True

@@ -101,14 +101,28 @@ def _query_payload(q: SumQueryEvent) -> dict[str, Any]:
 
 def runs_payload(entries: Sequence[SampleEntry]) -> list[dict[str, Any]]:
     """``entries`` as run-length-encoded JSON runs (the ``"runs"`` value of a ledger file)."""
-    return [
-        {
-            "count": count,
-            "sampling": _sampling_payload(entry.sampling),
-            "queries": [_query_payload(q) for q in entry.queries],
-        }
-        for entry, count in compress(entries)
-    ]
+    return payload_from_runs(compress(entries))
+
+
+def payload_from_runs(runs: Sequence[tuple[SampleEntry, int]]) -> list[dict[str, Any]]:
+    """Runs ``[(entry, count), ...]`` as JSON runs (the ``"runs"`` value of a ledger file);
+    consecutive identical runs are merged, so the result is what :func:`runs_payload` gives for
+    the expanded steps."""
+    out: list[dict[str, Any]] = []
+    last: Optional[SampleEntry] = None
+    for entry, count in runs:
+        if out and entry == last:
+            out[-1]["count"] += count
+            continue
+        out.append(
+            {
+                "count": count,
+                "sampling": _sampling_payload(entry.sampling),
+                "queries": [_query_payload(q) for q in entry.queries],
+            }
+        )
+        last = entry
+    return out
 
 
 def _sampling_payload(s: SamplingEvent) -> dict[str, Any]:
@@ -126,11 +140,20 @@ def entries_to_payload(
     entries: Sequence[SampleEntry], metadata: Optional[Mapping[str, Any]] = None
 ) -> dict[str, Any]:
     """Builds the JSON payload (with checksum) for ``entries``."""
+    return runs_to_payload(compress(entries), metadata)
+
+
+def runs_to_payload(
+    runs: Sequence[tuple[SampleEntry, int]], metadata: Optional[Mapping[str, Any]] = None
+) -> dict[str, Any]:
+    """Builds the JSON payload (with checksum) for runs ``[(entry, count), ...]``; the same
+    payload as :func:`entries_to_payload` gives for the expanded steps."""
+    runs = list(runs)
     payload: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION if any(e.sampling.pass_start for e in entries) else 1,
-        "num_samples": len(entries),
-        "runs": runs_payload(entries),
+        "version": FORMAT_VERSION if any(e.sampling.pass_start for e, _ in runs) else 1,
+        "num_samples": sum(count for _, count in runs),
+        "runs": payload_from_runs(runs),
         "metadata": dict(metadata or {}),
     }
     payload["sha256"] = hashlib.sha256(_canonical(payload)).hexdigest()
@@ -314,10 +337,28 @@ def write_ledger_file(
 
         write_ledger_file("out/ledger.json", ledger.samples(), metadata={"model": "cnn"})
     """
+    write_ledger_runs(path, compress(entries), metadata, overwrite=overwrite)
+
+
+def write_ledger_runs(
+    path: str | os.PathLike,
+    runs: Sequence[tuple[SampleEntry, int]],
+    metadata: Optional[Mapping[str, Any]] = None,
+    overwrite: bool = False,
+) -> None:
+    """:func:`write_ledger_file` for runs ``[(entry, count), ...]`` (as
+    :func:`read_ledger_runs` or ``PrivacyLedger.runs()`` give them): the same file, written
+    in time and memory proportional to the runs, whatever the step count.
+
+    Example::
+
+        write_ledger_runs("out/ledger.json", ledger.runs(), metadata={"model": "cnn"})
+    """
     path = os.fspath(path)
+    runs = list(runs)
     if not overwrite:
-        _check_not_shorter(path, len(entries))
-    data = json.dumps(entries_to_payload(entries, metadata), indent=1, allow_nan=False)
+        _check_not_shorter(path, sum(count for _, count in runs))
+    data = json.dumps(runs_to_payload(runs, metadata), indent=1, allow_nan=False)
     directory = os.path.dirname(os.path.abspath(path))
     mode = _file_mode(path)
     fd, tmp = tempfile.mkstemp(prefix=".ledger-", suffix=".tmp", dir=directory)
@@ -387,11 +428,13 @@ def _is_run(item: Any) -> bool:
 
 def as_runs(source: Any) -> list[tuple[SampleEntry, int]]:
     """Normalises a ledger source to runs ``[(entry, count), ...]`` without listing steps: a
-    path (read with :func:`read_ledger_runs`), a ``PrivacyLedger`` (anything with
-    ``samples()``), an iterable of :class:`SampleEntry`, or an iterable of ``(SampleEntry,
+    path (read with :func:`read_ledger_runs`), a ``PrivacyLedger`` (anything with ``runs()``;
+    else ``samples()``), an iterable of :class:`SampleEntry`, or an iterable of ``(SampleEntry,
     count)`` runs."""
     if isinstance(source, (str, os.PathLike)):
         return read_ledger_runs(source)
+    if hasattr(source, "runs") and callable(source.runs):
+        return list(source.runs())
     if hasattr(source, "samples") and callable(source.samples):
         return compress(list(source.samples()))
     if not isinstance(source, Iterable):

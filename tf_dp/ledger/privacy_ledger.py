@@ -41,9 +41,16 @@ from tf_dp.ledger.events import (
     SampleEntry,
     SamplingEvent,
     SumQueryEvent,
+    compress,
+    runs_are_prefix,
 )
 from tf_dp.ledger.journal import LedgerJournal, encode_runs
-from tf_dp.ledger.ledger_file import LedgerFileError, read_ledger_file, write_ledger_file
+from tf_dp.ledger.ledger_file import (
+    LedgerFileError,
+    as_runs,
+    read_ledger_runs,
+    write_ledger_runs,
+)
 
 # Column layouts of the two buffers.
 _SAMPLE_COLS = 4  # population_size, selection_probability, policy code, pass start (0/1)
@@ -263,6 +270,8 @@ class _Buffer(tf.Module):
     def numpy(self) -> np.ndarray:
         n = int(self.count.numpy())
         k = int(self.staged_count.numpy())
+        if k == 0:
+            return self.data.numpy()[:n]
         return np.concatenate([self.data.numpy()[:n], self.staged.numpy()[:k]], axis=0)
 
     def load(self, table: np.ndarray) -> None:
@@ -313,6 +322,103 @@ def _to_entries(samples: np.ndarray, queries: np.ndarray, first: int = 0) -> lis
         )
         for (n, q, p, start), qs in zip(samples, per_sample)
     ]
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise equality of two float tables, NaN equal to NaN (a missing seed or grid)."""
+    return np.all((a == b) | (np.isnan(a) & np.isnan(b)), axis=1)
+
+
+def _tables_to_runs(samples: np.ndarray, queries: np.ndarray) -> list[tuple[SampleEntry, int]]:
+    """The tables as runs ``[(entry, count), ...]`` (what ``compress(_to_entries(...))`` gives),
+    in time O(rows) of vectorised numpy and O(runs) of Python.
+
+    A step starts a new run unless its sample row equals the previous step's and it has as many
+    query rows as the previous step, each equal (apart from the sample-index column) to the
+    query row of the previous step at the same position."""
+    n = samples.shape[0]
+    if n == 0:
+        if len(queries):
+            _to_entries(samples, queries)  # raises: a query before any sampling event
+        return []
+    index = queries[:, 0]
+    if len(queries) and (
+        np.any(index < 0) or np.any(index >= n) or np.any(np.diff(index) < 0)
+        or np.any(index != np.round(index))
+    ):
+        _to_entries(samples, queries)  # raises, naming the problem
+        raise ValueError("ledger query table is not ordered by sample index")
+    per = np.bincount(index.astype(np.int64), minlength=n)  # query rows of each step
+    starts = np.ones(n, bool)
+    starts[1:] = _same(samples[1:], samples[:-1]) == 0
+    starts[1:] |= per[1:] != per[:-1]
+    if len(queries):
+        shift = per[index.astype(np.int64)]  # a step's query r pairs with row r - shift
+        rows = np.arange(len(queries))
+        prev = rows - shift
+        ok = prev >= 0
+        prev = np.where(ok, prev, 0)
+        equal = ok.copy()
+        for col in range(1, _QUERY_COLS):  # column by column: no [rows, cols] temporaries
+            a, b = queries[:, col], queries[prev, col]
+            equal &= (a == b) | (np.isnan(a) & np.isnan(b))
+        differs = np.bincount(index[~equal].astype(np.int64), minlength=n) > 0
+        starts |= differs
+        starts[0] = True
+    first = np.flatnonzero(starts)
+    counts = np.diff(np.append(first, n))
+    sub_queries = queries[starts[index.astype(np.int64)]]  # the query rows of run starts
+    if len(sub_queries):  # renumber the kept steps 0, 1, ...
+        sub_queries[:, 0] = np.searchsorted(first, sub_queries[:, 0])
+    entries = _to_entries(samples[first], sub_queries)
+    out: list[tuple[SampleEntry, int]] = []
+    for entry, count in zip(entries, counts.tolist()):
+        # rows that differ only in ignored columns (e.g. pass_start of a Poisson draw) are
+        # equal entries: merge them as compress() would
+        if out and out[-1][0] == entry:
+            out[-1] = (entry, out[-1][1] + count)
+        else:
+            out.append((entry, count))
+    return out
+
+
+def _runs_to_tables(runs: Sequence[tuple[SampleEntry, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Runs as the ledger's sample and query tables, built with ``np.repeat`` (no per-step
+    Python work)."""
+    counts = np.array([c for _, c in runs], np.int64)
+    sample_rows = np.array(
+        [
+            [e.sampling.population_size, e.sampling.selection_probability,
+             policy_code(e.sampling.policy), float(e.sampling.pass_start)]
+            for e, _ in runs
+        ],
+        np.float64,
+    ).reshape(-1, _SAMPLE_COLS)
+    query_rows = np.array(
+        [
+            [q.l2_sensitivity, q.noise_stddev, mechanism_code(q.mechanism),
+             q.jl_projections or q.tree_step or 0,
+             float("nan") if q.noise_seed is None else float(q.noise_seed),
+             float("nan") if q.noise_grid is None else float(q.noise_grid)]
+            for e, _ in runs
+            for q in e.queries
+        ],
+        np.float64,
+    ).reshape(-1, _QUERY_COLS - 1)
+    samples = np.repeat(sample_rows, counts, axis=0)
+    per_run = np.array([len(e.queries) for e, _ in runs], np.int64)
+    run_of_step = np.repeat(np.arange(len(runs)), counts)
+    per_step = per_run[run_of_step]
+    total = int(per_step.sum())
+    step = np.repeat(np.arange(len(samples)), per_step)
+    first_row_of_step = np.cumsum(per_step) - per_step
+    position = np.arange(total) - first_row_of_step[step]
+    run_first_row = np.cumsum(per_run) - per_run
+    template = run_first_row[run_of_step[step]] + position
+    queries = np.empty([total, _QUERY_COLS], np.float64)
+    queries[:, 0] = step
+    queries[:, 1:] = query_rows[template]
+    return samples, queries
 
 
 def _read_rows(table: tf.Variable, start: int, stop: int) -> np.ndarray:
@@ -414,16 +520,19 @@ class PrivacyLedger(tf.Module):
         self.flush()
         journal = LedgerJournal(path, fsync=fsync)
         try:
-            journaled = journal.entries()
-            current = self.samples()
-            if current[: len(journaled)] == journaled:
-                journal.append(current[len(journaled) :], start=len(journaled))
-            elif journaled[: len(current)] == current:
-                self.restore_entries(journaled)
+            journaled = compress(journal.entries())
+            current = self.runs()
+            n_journaled = sum(c for _, c in journaled)
+            n_current = sum(c for _, c in current)
+            if runs_are_prefix(journaled, current):
+                if n_current > n_journaled:
+                    journal.append(self.samples()[n_journaled:], start=n_journaled)
+            elif runs_are_prefix(current, journaled):
+                self.restore_runs(journaled)
             else:
                 raise ValueError(
-                    f"the journal {journal.path!r} ({len(journaled)} steps) and this ledger "
-                    f"({len(current)} steps) record different steps: they belong to different "
+                    f"the journal {journal.path!r} ({n_journaled} steps) and this ledger "
+                    f"({n_current} steps) record different steps: they belong to different "
                     "runs. Attach a new journal path, or restore this run's ledger first"
                 )
         except BaseException:
@@ -525,10 +634,24 @@ class PrivacyLedger(tf.Module):
         return int(self._samples.total().numpy())
 
     def samples(self) -> list[SampleEntry]:
-        """The recorded samples, in order, each with its sum queries."""
+        """The recorded samples, in order, each with its sum queries (one entry per step;
+        :meth:`runs` gives the same steps without listing them)."""
+        return [entry for entry, count in self.runs() for _ in range(count)]
+
+    def runs(self) -> list[tuple[SampleEntry, int]]:
+        """The recorded samples as runs of identical consecutive steps, ``[(entry, count),
+        ...]`` in order (consecutive runs always differ), in time and memory proportional to
+        the number of runs apart from vectorised passes over the tables.
+
+        Example::
+
+            runs = ledger.runs()
+            steps = sum(count for _, count in runs)          # == ledger.num_samples
+            tf_dp.accounting.compute_epsilon(runs, delta=1e-5)
+        """
         if tf.executing_eagerly():
             self.flush()
-        return _to_entries(self._samples.numpy(), self._queries.numpy())
+        return _tables_to_runs(self._samples.numpy(), self._queries.numpy())
 
     def save(
         self,
@@ -541,20 +664,20 @@ class PrivacyLedger(tf.Module):
         Refuses (:class:`~tf_dp.ledger.ledger_file.LedgerOverwriteError`) to replace a ledger
         file that records more steps than this ledger, unless ``overwrite=True``.
         """
-        write_ledger_file(path, self.samples(), metadata, overwrite=overwrite)
+        write_ledger_runs(path, self.runs(), metadata, overwrite=overwrite)
 
     @classmethod
     def load(cls, path: str | os.PathLike, name: str = "privacy_ledger") -> "PrivacyLedger":
         """Reads a ledger file (rejecting corrupted files) into a new ledger."""
         try:
-            entries = read_ledger_file(path)
+            runs = read_ledger_runs(path)
         except UnicodeDecodeError as e:  # binary garbage: not a ledger file either
             raise LedgerFileError(
                 f"ledger file {os.fspath(path)!r} is not valid UTF-8 JSON ({e.reason} at byte "
                 f"{e.start})"
             ) from None
         ledger = cls(name=name)
-        ledger.restore_entries(entries)
+        ledger.restore_runs(runs)
         return ledger
 
     def restore_entries(self, entries: Sequence[SampleEntry]) -> None:
@@ -563,46 +686,40 @@ class PrivacyLedger(tf.Module):
         With a journal attached, ``entries`` must extend the journaled steps (a journaled step
         is never forgotten): otherwise ValueError, and the ledger is unchanged.
         """
-        entries = list(entries)
-        journaled: list[SampleEntry] = []
+        self.restore_runs(compress(list(entries)))
+
+    def restore_runs(self, runs: Sequence[tuple[SampleEntry, int]]) -> None:
+        """:meth:`restore_entries` from runs ``[(entry, count), ...]`` (as :meth:`runs` or
+        :func:`~tf_dp.ledger.read_ledger_runs` give them), without listing the steps.
+
+        Example::
+
+            ledger.restore_runs(tf_dp.ledger.read_ledger_runs("run.ledger.json"))
+        """
+        runs = as_runs(runs)  # validates the items and merges consecutive identical runs
+        journaled: list[tuple[SampleEntry, int]] = []
         if self._journal is not None:
-            journaled = self._journal.entries()
-            if entries[: len(journaled)] != journaled:
+            journaled = compress(self._journal.entries())
+            if not runs_are_prefix(journaled, runs):
+                n_runs = sum(c for _, c in runs)
                 raise ValueError(
-                    f"this ledger is journaled to {self._journal.path!r} ({len(journaled)} steps "
-                    f"that ran); the {len(entries)} entries being restored do not extend them, "
-                    "so journaled steps would be forgotten. Detach the journal first "
-                    "(ledger.detach_journal()) if they did not touch this run's data"
+                    f"this ledger is journaled to {self._journal.path!r} "
+                    f"({sum(c for _, c in journaled)} steps that ran); the {n_runs} entries "
+                    "being restored do not extend them, so journaled steps would be forgotten. "
+                    "Detach the journal first (ledger.detach_journal()) if they did not touch "
+                    "this run's data"
                 )
-        samples = np.array(
-            [
-                [e.sampling.population_size, e.sampling.selection_probability,
-                 policy_code(e.sampling.policy), float(e.sampling.pass_start)]
-                for e in entries
-            ],
-            np.float64,
-        ).reshape(-1, _SAMPLE_COLS)
-        queries = np.array(
-            [
-                [i, q.l2_sensitivity, q.noise_stddev, mechanism_code(q.mechanism),
-                 q.jl_projections or q.tree_step or 0,
-                 float("nan") if q.noise_seed is None else float(q.noise_seed),
-                 float("nan") if q.noise_grid is None else float(q.noise_grid)]
-                for i, e in enumerate(entries)
-                for q in e.queries
-            ],
-            np.float64,
-        ).reshape(-1, _QUERY_COLS)
+        samples, queries = _runs_to_tables(runs)
         self._samples.load(samples)
         self._queries.load(queries)
         if self._journal is not None:
-            self._journal_queries = sum(len(e.queries) for e in journaled)
+            self._journal_queries = sum(len(e.queries) * c for e, c in journaled)
             self._sync_journal()
 
     def tables(self) -> tuple[np.ndarray, np.ndarray]:
         """The raw sample and query tables (float64), e.g. to store them in a weights file."""
         self.flush()
-        return self._samples.numpy(), self._queries.numpy()
+        return self._samples.numpy().copy(), self._queries.numpy().copy()
 
     def load_tables(self, samples: np.ndarray, queries: np.ndarray) -> None:
         """Replaces the content with tables from :meth:`tables` (validated through the events)."""
@@ -615,7 +732,7 @@ class PrivacyLedger(tf.Module):
         if queries.ndim == 2 and queries.shape[1] == _QUERY_COLS - 1:  # saved before noise_grid
             queries = np.concatenate([queries, np.full([len(queries), 1], np.nan)], axis=1)
         queries = queries.reshape(-1, _QUERY_COLS)
-        self.restore_entries(_to_entries(samples, queries))  # every event is validated on the way
+        self.restore_runs(_tables_to_runs(samples, queries))  # every event is validated on the way
 
     def reset(self) -> None:
         """Forgets every recorded event (refused while a journal is attached: see

@@ -1,0 +1,111 @@
+"""PrivacyLedger.runs(), restore_runs(), save/load through runs: checked against the steps as they
+were recorded (a direct list kept by the test) and on a 1e6-step ledger."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np
+
+import tf_dp
+from tf_dp.ledger import read_ledger_runs
+from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
+
+
+def _expand(runs):
+    return [entry for entry, count in runs for _ in range(count)]
+
+
+def _direct_runs(steps):
+    """Run-length encoding by a direct count, independent of the ledger."""
+    out = []
+    for e in steps:
+        if out and out[-1][0] == e:
+            out[-1][1] += 1
+        else:
+            out.append([e, 1])
+    return [tuple(r) for r in out]
+
+
+def _random_steps(rng, n):
+    """Steps drawn from a small pool so that runs of repeats occur, with pass starts, several
+    queries per sample, tree/jl mechanisms, seeds and grids."""
+    pool = []
+    for _ in range(6):
+        policy = ["poisson", "shuffle"][rng.integers(2)]
+        k = int(rng.integers(1, 4))
+        queries = []
+        for _ in range(k):
+            mech = ["gaussian", "gaussian", "jl", "tree"][rng.integers(4)]
+            queries.append(SumQueryEvent(
+                l2_sensitivity=float(rng.choice([0.5, 1.0, 2.0])),
+                noise_stddev=float(rng.choice([0.75, 1.5])),
+                mechanism=mech,
+                jl_projections=int(rng.integers(1, 5)) if mech == "jl" else None,
+                tree_step=int(rng.integers(0, 3)) if mech == "tree" else None,
+                noise_seed=int(rng.integers(0, 9)) if rng.random() < 0.2 else None,
+                noise_grid=float(rng.choice([0.25, 0.5])) if rng.random() < 0.3 else None,
+            ))
+        sampling = SamplingEvent(int(rng.choice([100, 1000])), float(rng.choice([0.01, 0.25])),
+                                 policy, pass_start=policy == "shuffle" and rng.random() < 0.3)
+        pool.append(SampleEntry(sampling, tuple(queries)))
+    steps = []
+    while len(steps) < n:
+        steps += [pool[rng.integers(len(pool))]] * int(rng.integers(1, 6))
+    return steps[:n]
+
+
+def _record(ledger, steps):
+    for e in steps:
+        s = e.sampling
+        ledger.record_sampling(s.population_size, s.selection_probability, s.policy,
+                               pass_start=s.pass_start)
+        for q in e.queries:
+            ledger.record_sum_query(q.l2_sensitivity, q.noise_stddev, q.mechanism,
+                                    q.jl_projections or q.tree_step or 0, noise_seed=q.noise_seed,
+                                    noise_grid=q.noise_grid)
+
+
+def test_runs_of_recorded_random_ledgers_match_the_recorded_steps(tmp_path):
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        steps = _random_steps(rng, 60)
+        ledger = tf_dp.PrivacyLedger()
+        _record(ledger, steps)
+        runs = ledger.runs()
+        assert runs == _direct_runs(steps)
+        assert all(a[0] != b[0] for a, b in zip(runs, runs[1:]))  # maximal runs
+        assert ledger.samples() == steps
+        path = tmp_path / f"l{seed}.json"
+        ledger.save(path)
+        assert read_ledger_runs(path) == runs
+        loaded = tf_dp.PrivacyLedger.load(path)
+        assert loaded.samples() == steps
+        # tables rebuilt from runs equal the recorded tables, row for row
+        for a, b in zip(loaded.tables(), ledger.tables()):
+            np.testing.assert_array_equal(a, b)
+        restored = tf_dp.PrivacyLedger()
+        restored.load_tables(*ledger.tables())
+        assert restored.runs() == runs
+
+
+def test_runs_restore_save_load_on_a_million_steps(tmp_path):
+    base = SamplingEvent(60000, 256 / 60000)
+    distinct = [
+        SampleEntry(base, (SumQueryEvent(1.0, 1.0 + i / 1000), SumQueryEvent(0.5, 2.0)))
+        for i in range(10_000)
+    ]
+    runs = [(e, 100) for e in distinct]
+    ledger = tf_dp.PrivacyLedger()
+    ledger.restore_runs(runs)
+    assert ledger.num_samples == 10**6
+    samples, queries = ledger.tables()
+    # each step's two query rows point to it, in order (a direct count)
+    np.testing.assert_array_equal(queries[:, 0], np.repeat(np.arange(10**6), 2))
+    np.testing.assert_array_equal(queries[::2, 2], np.repeat(1.0 + np.arange(10_000) / 1000, 100))
+    assert ledger.runs() == runs
+    ledger.save(tmp_path / "big.json")
+    assert tf_dp.PrivacyLedger.load(tmp_path / "big.json").runs() == runs
+    identical = tf_dp.PrivacyLedger()
+    identical.restore_runs([(distinct[0], 10**6)])
+    assert identical.runs() == [(distinct[0], 10**6)]
