@@ -28,8 +28,14 @@ setup(
     extras_require={
         # tf_dp.accounting.dp_events.ledger_to_dp_event (dp_accounting interoperability)
         "accounting": ["dp-accounting>=0.4,<0.7"],
+        # tf_dp.data's file sources: HDF5, ArrayRecord, TFRecord (CRC-32C checks)
+        "data": ["h5py>=3.8", "array-record>=0.5", "google-crc32c>=1.5"],
         "test": [
             "pytest>=7.4",
+            # tests/test_data_sources.py (the "data" extra)
+            "h5py>=3.8",
+            "array-record>=0.5",
+            "google-crc32c>=1.5",
             "dp-accounting>=0.4,<0.7",
             "scikit-learn>=1.3",
             "ruff>=0.5",

@@ -2,6 +2,11 @@
 
 - :func:`poisson_batches`: Poisson-sampled, padded batches of in-memory data for ``model.fit``
   (the ledger records ``poisson`` sampling with the real ``n`` and ``q``).
+- :func:`poisson_sample`: the same from a random-access source (:class:`ArraySource` over numpy
+  arrays, memmaps and h5py datasets, :func:`hdf5_source`, :class:`TFRecordSource`,
+  :class:`ArrayRecordSource`), reading only the sampled records.
+- :func:`shuffled_passes`: fixed-size batches of full passes of a sequential ``tf.data`` pipeline
+  (the ledger records ``shuffle``: no amplification assumed).
 - :func:`load_mnist_or_fashion_mnist`: MNIST when it can be fetched, else Fashion-MNIST IDX files
   from a local directory (never synthetic data).
 
@@ -19,15 +24,28 @@ from tf_dp.data.datasets import (
     load_mnist_or_fashion_mnist,
     read_idx,
 )
+from tf_dp.data.arrayrecord import ArrayRecordSource
 from tf_dp.data.poisson import PoissonBatches, default_max_batch_size, poisson_batches
+from tf_dp.data.sampler import poisson_sample
+from tf_dp.data.shuffled import ShuffledPasses, shuffled_passes
+from tf_dp.data.source import ArraySource, RandomAccessSource, hdf5_source
+from tf_dp.data.tfrecord import TFRecordSource
 
 __all__ = [
+    "ArrayRecordSource",
+    "ArraySource",
     "DEBIAN_FASHION_MNIST_DIR",
     "DataNotFoundError",
     "PoissonBatches",
+    "RandomAccessSource",
+    "ShuffledPasses",
+    "TFRecordSource",
     "default_max_batch_size",
+    "hdf5_source",
     "load_fashion_mnist_idx",
     "load_mnist_or_fashion_mnist",
     "poisson_batches",
+    "poisson_sample",
     "read_idx",
+    "shuffled_passes",
 ]

@@ -43,6 +43,8 @@ from typing import Any, Optional
 import numpy as np
 import tensorflow as tf
 
+from tf_dp.engine.sampling import Sampling
+
 #: Default per-step probability that a Poisson sample exceeds the padded ``max_batch_size``.
 DEFAULT_OVERFLOW_PROBABILITY = 1e-6
 
@@ -79,6 +81,8 @@ class PoissonBatches:
       steps_per_epoch: number of batches per epoch (default ``round(1 / q)``: one expected pass).
       max_batch_size: the padded batch size.
       expected_batch_size: ``q * n``.
+      sampling: the :class:`tf_dp.engine.Sampling` of these batches: ``poisson``, ``(n, q)``,
+        ``origin="sampled"`` (tf_dp drew them).
     """
 
     dataset: tf.data.Dataset
@@ -99,6 +103,11 @@ class PoissonBatches:
     def expected_batch_size(self) -> float:
         n, q = self.tf_dp_sampling
         return n * q
+
+    @property
+    def sampling(self) -> Sampling:
+        n, q = self.tf_dp_sampling
+        return Sampling(int(n), float(q), policy="poisson", origin="sampled")
 
     def __len__(self) -> int:
         return self.steps_per_epoch

@@ -14,7 +14,8 @@ regularisers (which do not depend on the data) are added -> the base optimizer's
 
 ``model.fit`` also tells the optimizer how batches are drawn: in-memory arrays with ``batch_size``
 are recorded as ``shuffle`` batches (``q = batch_size / n``, no amplification assumed);
-``tf_dp.data.poisson_batches(...)`` as ``poisson`` with its real ``n`` and ``q``. For other inputs
+``tf_dp.data.poisson_batches(...)`` and ``tf_dp.data.poisson_sample(...)`` as ``poisson`` with
+their real ``n`` and ``q``, ``tf_dp.data.shuffled_passes(...)`` as ``shuffle``. For other inputs
 call ``model.optimizer.set_sampling(...)`` before ``fit``.
 
 Example::
@@ -308,8 +309,9 @@ def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, d
         else:  # equal pieces for the local replicas, whatever the batch's size
             replicas = model.distribute_strategy.num_replicas_in_sync
             dataset = pad_to_multiple(dataset, replicas)
-        optimizer._declare_fit_sampling(n, q, "poisson")
-        kwargs.setdefault("shuffle", False)  # the Poisson sampler draws its own batches
+        policy = getattr(getattr(x, "sampling", None), "policy", "poisson")
+        optimizer._declare_fit_sampling(n, q, policy)
+        kwargs.setdefault("shuffle", False)  # the sampler draws its own batches
         if args:
             args[0] = dataset
         else:
