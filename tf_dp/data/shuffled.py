@@ -119,27 +119,40 @@ def shuffled_passes(
         w = tf.ones([], tf.float32) if len(record) == 2 else tf.cast(record[2], tf.float32)
         return record[0], record[1], w
 
-    def count(total, batch):
-        k = tf.cast(tf.shape(batch[2])[0], tf.int64)
-        return total + k, (total + k, batch)
+    batched = dataset.map(with_weight).batch(b)
+    # An empty end-of-pass marker after the last batch, so a pass that ends early is caught too.
+    empty = tf.nest.map_structure(
+        lambda s: tf.zeros([0] + [d or 0 for d in s.shape[1:]], s.dtype), batched.element_spec
+    )
+    marked = batched.map(lambda *t: (False, t)).concatenate(
+        tf.data.Dataset.from_tensors((True, empty))
+    )
+
+    def count(total, element):
+        end, batch = element
+        seen = total + tf.cast(tf.shape(batch[2])[0], tf.int64)
+        return seen, (end, seen, batch)
 
     def check(position, state):
-        seen, batch = state
+        end, seen, batch = state
         last = tf.equal(position, steps - 1)
-        ok = tf.logical_and(seen <= n, tf.logical_or(tf.logical_not(last), tf.equal(seen, n)))
+        ok = tf.logical_and(
+            seen <= n, tf.logical_or(tf.logical_not(tf.logical_or(last, end)), tf.equal(seen, n))
+        )
+        ok = tf.logical_and(ok, tf.logical_not(tf.logical_and(end, position < steps)))
         message = (
-            f"population_size={n}: this pass of the dataset holds another number of records "
-            "(records seen so far / at the end of the pass:)"
+            f"population_size={n}: a pass of the dataset holds another number of records "
+            "(records seen so far in this pass:)"
         )
         with tf.control_dependencies([tf.debugging.Assert(ok, [message, seen])]):
-            return tf.nest.map_structure(tf.identity, batch)
+            return tf.identity(end), tf.nest.map_structure(tf.identity, batch)
 
     batched = (
-        dataset.map(with_weight)
-        .batch(b)
-        .scan(tf.constant(0, tf.int64), count)
+        marked.scan(tf.constant(0, tf.int64), count)
         .enumerate()
         .map(check)
+        .filter(lambda end, batch: tf.logical_not(end))
+        .map(lambda end, batch: batch)
         .apply(tf.data.experimental.assert_cardinality(steps))
         .prefetch(2)
     )
