@@ -17,6 +17,7 @@ Example::
               epochs=1)
 """
 
+from tf_dp.data.arrayrecord import ArrayRecordSource
 from tf_dp.data.datasets import (
     DEBIAN_FASHION_MNIST_DIR,
     DataNotFoundError,
@@ -24,7 +25,6 @@ from tf_dp.data.datasets import (
     load_mnist_or_fashion_mnist,
     read_idx,
 )
-from tf_dp.data.arrayrecord import ArrayRecordSource
 from tf_dp.data.poisson import PoissonBatches, default_max_batch_size, poisson_batches
 from tf_dp.data.sampler import poisson_sample
 from tf_dp.data.shuffled import ShuffledPasses, shuffled_passes

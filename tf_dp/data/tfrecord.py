@@ -6,7 +6,8 @@ A TFRecord file is a sequence of records, each framed as::
 
 (little-endian). :class:`TFRecordSource` walks the headers of every file once (the data is not
 read) and keeps, per record, the offset of its data as an int64 (8 bytes per record: 80 MB for
-10^7 records) and, per file, where its records start. A read then fetches each asked-for record
+10^7 records; one array per file, filled in place by the indexing pass) and, per file, where its
+records start. A read then fetches each asked-for record
 with one ``pread`` at its offset and checks its CRC before handing it over. Only uncompressed
 TFRecord files have offsets (a GZIP/ZLIB file must be decompressed from its start).
 
@@ -104,15 +105,12 @@ class TFRecordSource:
         if parse_fn is not None and not callable(parse_fn):
             raise TypeError(f"parse_fn must be callable or None, got {type(parse_fn).__name__}")
         self._parse_fn = parse_fn
-        per_file = [_index_file(p) for p in self._files.paths]
-        counts = np.array([len(o) for o in per_file], np.int64)
+        # One int64 array per file, viewed (not copied) from the array the indexing pass filled.
+        self._offsets = [np.frombuffer(_index_file(p), np.int64) for p in self._files.paths]
+        counts = np.array([len(o) for o in self._offsets], np.int64)
         #: record number where each file starts (and the total at the end)
         self._starts = np.concatenate([[0], np.cumsum(counts)])
-        self._offsets = np.concatenate(
-            [np.frombuffer(o, np.int64) for o in per_file] or [np.zeros(0, np.int64)]
-        )
-        # The data of a file's last record ends 4 bytes before the file does.
-        self._data_ends = np.asarray(self._files.sizes, np.int64) - 4
+        self._sizes = self._files.sizes
         self._fds = [os.open(p, os.O_RDONLY) for p in self._files.paths]
 
     def __len__(self) -> int:
@@ -121,8 +119,8 @@ class TFRecordSource:
 
     @property
     def index_bytes(self) -> int:
-        """Memory held by the index (offsets and file starts), in bytes."""
-        return self._offsets.nbytes + self._starts.nbytes + self._data_ends.nbytes
+        """Memory held by the index (record offsets and file starts), in bytes."""
+        return sum(o.nbytes for o in self._offsets) + self._starts.nbytes
 
     def read(self, indices: np.ndarray) -> Any:
         """The records at ``indices`` (in that order), CRC-checked, through ``parse_fn``."""
@@ -131,21 +129,28 @@ class TFRecordSource:
         idx = check_indices(indices, len(self))
         unique, inverse = np.unique(idx, return_inverse=True)
         files = np.searchsorted(self._starts, unique, side="right") - 1
-        starts = self._offsets[unique]
-        nxt = np.minimum(unique + 1, len(self._offsets) - 1)
-        last = unique + 1 >= self._starts[files + 1]
-        ends = np.where(last, self._data_ends[files], self._offsets[nxt] - 16)
-        records = []
-        for i, f, start, end in zip(unique.tolist(), files.tolist(), starts.tolist(),
-                                    ends.tolist()):
-            blob = os.pread(self._fds[f], end - start + 4, start)
-            data, crc = blob[:-4], blob[-4:]
-            if len(blob) != end - start + 4 or masked_crc(data) != int.from_bytes(crc, "little"):
-                raise ValueError(
-                    f"paths: record {i} ({self._files.paths[f]}, byte {start - 12}) fails its "
-                    "CRC check: the file is corrupt"
-                )
-            records.append(data)
+        records: list = []
+        for f in np.unique(files).tolist():
+            offsets = self._offsets[f]
+            local = unique[files == f] - self._starts[f]
+            starts = offsets[local]
+            # A record's data ends 16 bytes before the next one's starts (4 before the file end).
+            after = local + 1
+            following = np.where(
+                after < len(offsets), offsets[np.minimum(after, len(offsets) - 1)],
+                self._sizes[f] + 12,
+            )
+            for i, start, end in zip(local.tolist(), starts.tolist(), (following - 16).tolist()):
+                blob = os.pread(self._fds[f], end - start + 4, start)
+                data, crc = blob[:-4], blob[-4:]
+                if len(blob) != end - start + 4 or masked_crc(data) != int.from_bytes(
+                    crc, "little"
+                ):
+                    raise ValueError(
+                        f"paths: record {i + self._starts[f]} ({self._files.paths[f]}, byte "
+                        f"{start - 12}) fails its CRC check: the file is corrupt"
+                    )
+                records.append(data)
         batch = np.empty(len(records), dtype=object)
         batch[:] = records
         batch = batch[inverse]

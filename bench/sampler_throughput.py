@@ -1,0 +1,198 @@
+"""Poisson sampling from files on disk: batches per second against the reference CNN's DP step.
+
+Usage::
+
+    python -m bench.sampler_throughput --records 10000000 --q 1e-3 --formats tfrecord,arrayrecord
+
+Builds (once; reused when present) ``--records`` small records in ``--dir`` (default
+``/tmp/tf_dp_sampler_bench``): 4 TFRecord files (``tf.io.TFRecordWriter``) and 4 ArrayRecord
+files (``group_size:1``). A record is 16 raw bytes: its index (int64) and a label (int64). The
+parse function decodes a batch with ``np.frombuffer``: ``x`` = the index as a float32 feature,
+``y`` = the label.
+
+For each format, in one process:
+
+- the sampler: ``tf_dp.data.poisson_sample`` at rate ``q`` over the files; the time to deliver
+  ``--batches`` batches (after 3 untimed), i.e. the rate at which ``fit`` could pull them, as
+  batches/s and records/s (each batch holds about ``q n`` records);
+- the reference CNN (``bench/models.py``, batch 256) made private (``--mode``, default ``ghost``):
+  median time of its compiled DP train step (as ``bench/step_time.py`` times it); the records it
+  consumes per second are ``256 / step time``. Ratio: records delivered / records consumed per
+  second, and the sampler's batches/s against the CNN's steps/s at the sampler's batch size
+  (``256 / (q n)`` times the batch-256 step rate, steps assumed linear in the batch);
+- memory (a fresh subprocess, without the model): peak RSS growth (VmHWM) from before the source is
+  opened to the end of sampling, against the index (``TFRecordSource.index_bytes``; ArrayRecord's
+  index lives in its reader) plus 10 delivered batches (padded ``x``, ``y``, weights and the
+  records' ``bytes``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+FILES = 4
+RECORD_BYTES = 16
+
+
+def parse(records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """16-byte records (int64 index, int64 label) -> (x float32 [k, 1], y int64 [k])."""
+    raw = np.frombuffer(b"".join(records), dtype=np.int64).reshape(-1, 2)
+    return raw[:, :1].astype(np.float32), raw[:, 1].copy()
+
+
+def _record_chunks(n: int, files: int, chunk: int = 1_000_000):
+    for f, rows in enumerate(np.array_split(np.arange(n, dtype=np.int64), files)):
+        yield f, [rows[i : i + chunk] for i in range(0, len(rows), chunk)]
+
+
+def build_files(directory: str, n: int, fmt: str) -> list[str]:
+    """The ``fmt`` files of ``n`` records in ``directory`` (written once, then reused)."""
+    os.makedirs(directory, exist_ok=True)
+    ext = {"tfrecord": "tfrecord", "arrayrecord": "array_record"}[fmt]
+    paths = [os.path.join(directory, f"n{n}-{f}.{ext}") for f in range(FILES)]
+    done = os.path.join(directory, f"n{n}.{ext}.done")
+    if os.path.exists(done):
+        return paths
+    t0 = time.perf_counter()
+    for f, chunks in _record_chunks(n, FILES):
+        if fmt == "tfrecord":
+            writer = tf.io.TFRecordWriter(paths[f])
+        else:
+            from array_record.python.array_record_module import ArrayRecordWriter
+
+            writer = ArrayRecordWriter(paths[f], "group_size:1")
+        for rows in chunks:
+            blob = np.stack([rows, rows % 10], axis=1).tobytes()
+            for i in range(len(rows)):
+                writer.write(blob[i * RECORD_BYTES : (i + 1) * RECORD_BYTES])
+        writer.close()
+    open(done, "w").close()
+    print(f"wrote {n} {fmt} records in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return paths
+
+
+def open_source(fmt: str, paths: list[str]) -> Any:
+    import tf_dp.data as data
+
+    cls = data.TFRecordSource if fmt == "tfrecord" else data.ArrayRecordSource
+    return cls(paths, parse_fn=parse)
+
+
+def time_sampler(source: Any, q: float, batches: int) -> dict[str, float]:
+    from tf_dp.data import poisson_sample
+
+    pb = poisson_sample(source, sampling_probability=q, steps_per_epoch=batches + 3, seed=0)
+    it = iter(pb.dataset)
+    for _ in range(3):
+        next(it)
+    t0 = time.perf_counter()
+    rows = 0
+    for _ in range(batches):
+        _, _, w = next(it)
+        rows += int(np.count_nonzero(w.numpy()))
+    elapsed = time.perf_counter() - t0
+    return {"batches_per_s": batches / elapsed, "records_per_s": rows / elapsed,
+            "mean_batch": rows / batches, "max_batch_size": pb.max_batch_size}
+
+
+def cnn_step_seconds(mode: str, steps: int = 20) -> float:
+    from bench import step_time
+
+    ds = step_time.dataset("cnn", 256)
+    model = step_time.build("cnn", mode, 256)
+    step_time.warm_up(model, ds, 5)
+    it = iter(ds)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step_time._sync(model.train_function(it))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def probe_memory(fmt: str, paths: list[str], q: float, batches: int) -> dict[str, float]:
+    """Peak RSS growth (MB) of opening and sampling, and the index + 10 batches it is held to."""
+    from bench.step_time import _hwm_mb, _reset_hwm, _rss_mb
+    from tf_dp.data import poisson_sample
+
+    list(tf.data.Dataset.range(3).as_numpy_iterator())  # tf.data's runtime, before the baseline
+    base = _rss_mb()
+    _reset_hwm()
+    source = open_source(fmt, paths)
+    pb = poisson_sample(source, sampling_probability=q, steps_per_epoch=batches, seed=1)
+    batch_bytes = 0
+    for bx, by, bw in pb.dataset.as_numpy_iterator():
+        raw = bw.shape[0] * (RECORD_BYTES + sys.getsizeof(b"") + 8)  # bytes objects + pointers
+        batch_bytes = max(batch_bytes, bx.nbytes + by.nbytes + bw.nbytes + raw)
+    peak = _hwm_mb() - base
+    index = getattr(source, "index_bytes", 0) / 2**20
+    return {"peak_growth_mb": peak, "index_mb": index, "batch_mb": batch_bytes / 2**20,
+            "bound_mb": index + 10 * batch_bytes / 2**20}
+
+
+def memory_subprocess(fmt: str, n: int, directory: str, q: float, batches: int) -> Optional[dict]:
+    cmd = [sys.executable, "-m", "bench.sampler_throughput", "--_probe_memory", fmt,
+           "--records", str(n), "--dir", directory, "--q", str(q), "--batches", str(batches)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("MEMORY "):
+            return json.loads(line[len("MEMORY "):])
+    sys.stderr.write(f"memory probe for {fmt} failed:\n{proc.stderr[-2000:]}\n")
+    return None
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--records", type=int, default=10_000_000)
+    p.add_argument("--q", type=float, default=1e-3)
+    p.add_argument("--batches", type=int, default=30)
+    p.add_argument("--formats", default="tfrecord,arrayrecord")
+    p.add_argument("--mode", default="ghost", help="gradient_mode of the reference CNN")
+    p.add_argument("--dir", default="/tmp/tf_dp_sampler_bench")
+    p.add_argument("--_probe_memory", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    if args._probe_memory:
+        paths = build_files(args.dir, args.records, args._probe_memory)
+        result = probe_memory(args._probe_memory, paths, args.q, args.batches)
+        print("MEMORY " + json.dumps(result))
+        return
+    rows = {}
+    for fmt in formats:
+        paths = build_files(args.dir, args.records, fmt)
+        t0 = time.perf_counter()
+        source = open_source(fmt, paths)
+        opened = time.perf_counter() - t0
+        rows[fmt] = {"open_s": opened, **time_sampler(source, args.q, args.batches)}
+        rows[fmt]["memory"] = memory_subprocess(fmt, args.records, args.dir, args.q, args.batches)
+    step = cnn_step_seconds(args.mode)
+    consumed = 256 / step
+    print(f"n = {args.records}, q = {args.q:g}; reference CNN DP step ({args.mode}, batch 256): "
+          f"{step * 1e3:.1f} ms = {consumed:.0f} records/s")
+    print("| format | open (index) s | batches/s | mean batch | records/s | x CNN consumption "
+          "| peak RSS growth MB | index + 10 batches MB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    nan = float("nan")
+    for fmt, r in rows.items():
+        m = r["memory"] or {}
+        bound = (f"{m.get('bound_mb', nan):.1f} ({m.get('index_mb', nan):.1f} + 10 x "
+                 f"{m.get('batch_mb', nan):.2f})")
+        print(f"| {fmt} | {r['open_s']:.1f} | {r['batches_per_s']:.1f} | {r['mean_batch']:.0f} | "
+              f"{r['records_per_s']:.0f} | {r['records_per_s'] / consumed:.1f}x | "
+              f"{m.get('peak_growth_mb', nan):.1f} | {bound} |")
+
+if __name__ == "__main__":
+    main()
