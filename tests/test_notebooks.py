@@ -117,7 +117,42 @@ CHECKS = {
         " 'accuracy': [lora_accuracy, head_accuracy, nonprivate_accuracy],"
         " 'majority': majority, 'test_labels': [int(v) for v in y_test]}))"
     ),
+    "dp_large_data": (
+        "import json\n"
+        "print(json.dumps({'n': int(n), 'batch': BATCH_SIZE, 'sigma': NOISE_MULTIPLIER,"
+        " 'delta': DELTA, 'epochs': EPOCHS, 'records_in_files': int(sum(1 for _ in"
+        " tf.data.TFRecordDataset(paths))),"
+        " 'entries': [[e.sampling.population_size, e.sampling.selection_probability,"
+        " e.sampling.policy] for e in"
+        " tfrecord_ledger.samples()[:1] + shuffled_ledger.samples()[:1]],"
+        " 'steps': [tfrecord_ledger.num_samples, memmap_model.optimizer.ledger.num_samples,"
+        " shuffled_ledger.num_samples],"
+        " 'eps': [tfrecord_result.epsilon, memmap_result.epsilon, shuffled_result.epsilon,"
+        " declared_poisson.epsilon],"
+        " 'accuracy': [float(tfrecord_accuracy), float(memmap_accuracy),"
+        " float(shuffled_accuracy)]}))"
+    ),
 }
+
+
+def _check_dp_large_data(values):
+    from tf_dp.accounting import dp_sgd_epsilon
+
+    n, b, sigma, delta, epochs = (values[k] for k in ("n", "batch", "sigma", "delta", "epochs"))
+    assert values["records_in_files"] == n  # counted by TensorFlow's own reader
+    poisson, shuffle = values["entries"]
+    assert poisson == [n, b / n, "poisson"] and shuffle == [n, b / n, "shuffle"]
+    steps = values["steps"]
+    assert steps[0] == steps[1] == epochs * round(n / b)
+    assert steps[2] == epochs * math.ceil(n / b)
+    eps_tfrecord, eps_memmap, eps_shuffled, eps_declared = values["eps"]
+    expected = dp_sgd_epsilon(n, b, sigma, delta, steps=steps[0]).epsilon
+    assert math.isclose(eps_tfrecord, expected, rel_tol=1e-6)
+    assert math.isclose(eps_memmap, expected, rel_tol=1e-6)
+    assert math.isclose(eps_shuffled, dp_sgd_epsilon(
+        n, b, sigma, delta, epochs=epochs, sampling="shuffle").epsilon, rel_tol=1e-6)
+    assert eps_shuffled > 5 * eps_declared
+    assert all(0.2 < a <= 1.0 for a in values["accuracy"])  # 10 classes: chance is 0.1
 
 
 def _check_classification_privacy(values):
@@ -308,6 +343,7 @@ def _check_dp_finetuning(values):
 VALIDATORS = {
     "privacy_auditing": _check_privacy_auditing,
     "dp_finetuning": _check_dp_finetuning,
+    "dp_large_data": _check_dp_large_data,
     "classification_privacy": _check_classification_privacy,
     "privacy_accounting": _check_privacy_accounting,
     "custom_layers_and_ghost_clipping": _check_custom_layers_and_ghost_clipping,

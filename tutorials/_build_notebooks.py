@@ -42,6 +42,7 @@ NOTEBOOKS = (
     "text_classification",
     "privacy_auditing",
     "dp_finetuning",
+    "dp_large_data",
 )
 
 _MARKER = re.compile(r"^# %%(?P<kind> \[markdown\])?(?: tags=(?P<tags>\[.*\]))?\s*$")
