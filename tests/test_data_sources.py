@@ -291,3 +291,25 @@ def test_bad_sources_fail_before_sampling(tmp_path):
         f["images"] = x
     with pytest.raises(KeyError, match="y='labels' is not a dataset"):
         hdf5_source(str(tmp_path / "d.h5"), x="images", y="labels")
+
+
+def test_fit_stops_before_the_step_of_a_changed_source_and_keeps_the_earlier_steps():
+    class ShrinksAfterSixReads:
+        reads = 0
+
+        def __len__(self):
+            return 40 if self.reads <= 6 else 39
+
+        def read(self, indices):
+            self.reads += 1
+            x = np.stack([indices, -indices], axis=1) / 40.0
+            return x.astype(np.float32), indices % 3
+
+    model = _model()
+    batches = poisson_sample(ShrinksAfterSixReads(), sampling_probability=0.25, seed=0,
+                             prefetch=1)
+    with pytest.raises(Exception, match="source changed length from 40 to 39"):
+        model.fit(batches, epochs=1, verbose=0)
+    steps = int(model.optimizer.iterations.numpy())  # updates applied before the error
+    assert 0 < steps < batches.steps_per_epoch
+    assert model.optimizer.ledger.num_samples == steps

@@ -36,6 +36,8 @@ import numpy as np
 from tf_dp.data.files import FileSet
 
 _MASK_DELTA = 0xA282EAD8
+#: The indexing pass maps each file and releases the pages it has walked every this many bytes.
+_DROP_EVERY = 1 << 25
 
 
 def _crc32c(data: bytes) -> int:
@@ -59,9 +61,13 @@ def _index_file(path: str) -> "array.array":
     if size == 0:
         return offsets
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        off = 0
+        off = dropped = 0
         unpack = struct.unpack_from
         while off < size:
+            if off - dropped >= _DROP_EVERY:  # the walked pages leave this process's memory
+                end = off - off % mmap.PAGESIZE
+                mm.madvise(mmap.MADV_DONTNEED, dropped, end - dropped)
+                dropped = end
             if off + 12 > size:
                 raise ValueError(f"paths: {path} is truncated at byte {off} (a partial header)")
             length, length_crc = unpack("<QI", mm, off)
