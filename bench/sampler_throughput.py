@@ -2,7 +2,8 @@
 
 Usage::
 
-    python -m bench.sampler_throughput --records 10000000 --q 1e-3 --formats tfrecord,arrayrecord
+    python -m bench.sampler_throughput --records 10000000 --q 1e-3 --formats tfrecord,arrayrecord \
+        --rounds 3 --batches 10
 
 Builds (once; reused when present) ``--records`` small records in ``--dir`` (default
 ``/tmp/tf_dp_sampler_bench``): 4 TFRecord files (``tf.io.TFRecordWriter``) and 4 ArrayRecord
@@ -10,17 +11,20 @@ files (``group_size:1``). A record is 16 raw bytes: its index (int64) and a labe
 parse function decodes a batch with ``np.frombuffer``: ``x`` = the index as a float32 feature,
 ``y`` = the label.
 
-For each format, in one process:
+In one process, interleaved in ``--rounds`` rounds (so that load from other processes hits
+every measurement alike):
 
-- the sampler: ``tf_dp.data.poisson_sample`` at rate ``q`` over the files; the time to deliver
-  ``--batches`` batches (after 3 untimed), i.e. the rate at which ``fit`` could pull them, as
-  batches/s and records/s (each batch holds about ``q n`` records);
-- the reference CNN (``bench/models.py``, batch 256) made private (``--mode``, default ``ghost``):
-  median time of its compiled DP train step (as ``bench/step_time.py`` times it); the records it
-  consumes per second are ``256 / step time``. Ratio: records delivered / records consumed per
-  second, and the sampler's batches/s against the CNN's steps/s at the sampler's batch size
-  (``256 / (q n)`` times the batch-256 step rate, steps assumed linear in the batch);
-- memory (a fresh subprocess, without the model): RSS growth from before the source is opened to
+- the sampler: ``tf_dp.data.poisson_sample`` at rate ``q`` over each format's files (3 batches
+  drawn untimed first); the time to pull each of ``--batches`` batches per round, i.e. the rate
+  at which ``fit`` could take them (each holds about ``q n`` records). Reported: the median, as
+  batches/s and records/s;
+- the reference CNN (``bench/models.py``, batch 256) made private (``--mode``, default ``ghost``),
+  warmed up through ``fit``: the time of each of ``--batches`` compiled DP train steps per round
+  (as ``bench/step_time.py`` times them). It consumes ``256 / median step`` records per second.
+  Ratio: records delivered / records consumed per second (at batch ``q n`` the CNN would take
+  ``q n / 256`` times as long per step, steps assumed linear in the batch);
+- memory (a fresh subprocess, without the model; tf.data's generator machinery warmed up on a
+  10-record array first): RSS growth from before the source is opened to
   just after (the index, wherever the format keeps it: ``TFRecordSource.index_bytes``, or inside
   ArrayRecord's readers) and to the peak of sampling (VmHWM), against the index plus 10 delivered
   batches (padded ``x``, ``y``, weights and the records' ``bytes``).
@@ -90,44 +94,58 @@ def open_source(fmt: str, paths: list[str]) -> Any:
     return cls(paths, parse_fn=parse)
 
 
-def time_sampler(source: Any, q: float, batches: int) -> dict[str, float]:
+def sampler_iterator(source: Any, q: float, batches: int) -> tuple[Any, int]:
+    """An iterator over ``batches`` Poisson batches of ``source`` (3 drawn untimed first)."""
     from tf_dp.data import poisson_sample
 
     pb = poisson_sample(source, sampling_probability=q, steps_per_epoch=batches + 3, seed=0)
     it = iter(pb.dataset)
     for _ in range(3):
         next(it)
-    t0 = time.perf_counter()
-    rows = 0
-    for _ in range(batches):
+    return it, pb.max_batch_size
+
+
+def time_batches(it: Any, count: int) -> tuple[list[float], int]:
+    """Seconds to pull each of ``count`` batches from ``it``, and the real records pulled."""
+    times, rows = [], 0
+    for _ in range(count):
+        t0 = time.perf_counter()
         _, _, w = next(it)
         rows += int(np.count_nonzero(w.numpy()))
-    elapsed = time.perf_counter() - t0
-    return {"batches_per_s": batches / elapsed, "records_per_s": rows / elapsed,
-            "mean_batch": rows / batches, "max_batch_size": pb.max_batch_size}
+        times.append(time.perf_counter() - t0)
+    return times, rows
 
 
-def cnn_step_seconds(mode: str, steps: int = 20) -> float:
+def cnn_model(mode: str) -> tuple[Any, Any]:
+    """The reference CNN made private (batch 256, warmed up) and an iterator over its batch."""
     from bench import step_time
 
     ds = step_time.dataset("cnn", 256)
     model = step_time.build("cnn", mode, 256)
     step_time.warm_up(model, ds, 5)
-    it = iter(ds)
+    return model, iter(ds)
+
+
+def time_cnn_steps(model: Any, it: Any, count: int) -> list[float]:
+    from bench import step_time
+
     times = []
-    for _ in range(steps):
+    for _ in range(count):
         t0 = time.perf_counter()
         step_time._sync(model.train_function(it))
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
 def probe_memory(fmt: str, paths: list[str], q: float, batches: int) -> dict[str, float]:
     """Peak RSS growth (MB) of opening and sampling, and the index + 10 batches it is held to."""
     from bench.step_time import _hwm_mb, _reset_hwm, _rss_mb
-    from tf_dp.data import poisson_sample
+    from tf_dp.data import ArraySource, poisson_sample
 
-    list(tf.data.Dataset.range(3).as_numpy_iterator())  # tf.data's runtime, before the baseline
+    # tf.data's and the sampler's fixed machinery (a generator dataset, its thread), warmed up on a
+    # 10-record array before the baseline: what is measured is what grows with the source.
+    tiny = ArraySource(np.zeros((10, 1), np.float32), np.zeros(10, np.int64))
+    list(poisson_sample(tiny, 0.5, steps_per_epoch=3, seed=0).dataset.as_numpy_iterator())
     base = _rss_mb()
     _reset_hwm()
     source = open_source(fmt, paths)
@@ -159,7 +177,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--records", type=int, default=10_000_000)
     p.add_argument("--q", type=float, default=1e-3)
-    p.add_argument("--batches", type=int, default=30)
+    p.add_argument("--batches", type=int, default=10, help="batches (and CNN steps) per round")
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--formats", default="tfrecord,arrayrecord")
     p.add_argument("--mode", default="ghost", help="gradient_mode of the reference CNN")
     p.add_argument("--dir", default="/tmp/tf_dp_sampler_bench")
@@ -171,18 +190,31 @@ def main(argv: Optional[list[str]] = None) -> None:
         result = probe_memory(args._probe_memory, paths, args.q, args.batches)
         print("MEMORY " + json.dumps(result))
         return
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}
+    iterators = {}
     for fmt in formats:
         paths = build_files(args.dir, args.records, fmt)
         t0 = time.perf_counter()
         source = open_source(fmt, paths)
-        opened = time.perf_counter() - t0
-        rows[fmt] = {"open_s": opened, **time_sampler(source, args.q, args.batches)}
-        rows[fmt]["memory"] = memory_subprocess(fmt, args.records, args.dir, args.q, args.batches)
-    step = cnn_step_seconds(args.mode)
+        rows[fmt] = {"open_s": time.perf_counter() - t0, "times": [], "rows": 0}
+        iterators[fmt], _ = sampler_iterator(source, args.q, args.rounds * args.batches)
+    model, cnn_it = cnn_model(args.mode)
+    cnn_times: list[float] = []
+    for _ in range(args.rounds):  # interleaved, so that load from elsewhere hits all alike
+        for fmt in formats:
+            times, count = time_batches(iterators[fmt], args.batches)
+            rows[fmt]["times"] += times
+            rows[fmt]["rows"] += count
+        cnn_times += time_cnn_steps(model, cnn_it, args.batches)
+    step = statistics.median(cnn_times)
     consumed = 256 / step
+    for fmt, r in rows.items():
+        r["batches_per_s"] = 1.0 / statistics.median(r["times"])
+        r["mean_batch"] = r["rows"] / len(r["times"])
+        r["records_per_s"] = r["batches_per_s"] * r["mean_batch"]
+        r["memory"] = memory_subprocess(fmt, args.records, args.dir, args.q, args.batches)
     print(f"n = {args.records}, q = {args.q:g}; reference CNN DP step ({args.mode}, batch 256): "
-          f"{step * 1e3:.1f} ms = {consumed:.0f} records/s")
+          f"median {step * 1e3:.1f} ms = {consumed:.0f} records/s")
     print("| format | open (index) s | batches/s | mean batch | records/s | x CNN consumption "
           "| RSS growth: open / peak MB | index + 10 batches MB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
