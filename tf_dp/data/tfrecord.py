@@ -37,7 +37,7 @@ from tf_dp.data.files import FileSet
 
 _MASK_DELTA = 0xA282EAD8
 #: The indexing pass maps each file and releases the pages it has walked every this many bytes.
-_DROP_EVERY = 1 << 25
+_DROP_EVERY = 1 << 22
 
 
 def _crc32c(data: bytes) -> int:
