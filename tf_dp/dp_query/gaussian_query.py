@@ -23,6 +23,7 @@ from tf_dp.dp_query.noise import (
     num_coordinates,
 )
 from tf_dp.dp_query.validation import check_scalar
+from tf_dp.dp_query.serialization import plain_number, serializable_query
 
 
 class GaussianGlobalState(NamedTuple):
@@ -37,6 +38,7 @@ def clip_weight(l2_norm_clip, squared_norm):
     return tf.math.divide_no_nan(clip, tf.maximum(norm, clip))
 
 
+@serializable_query
 class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     """Sums records clipped to L2 norm ``l2_norm_clip`` and adds Gaussian noise of ``stddev``.
 
@@ -97,8 +99,6 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
 
     def get_config(self) -> dict[str, Any]:
         """Constructor arguments (Python numbers); see ``tf_dp.dp_query.serialize_query``."""
-        from tf_dp.dp_query.serialization import plain_number
-
         return {"l2_norm_clip": plain_number("l2_norm_clip", self._l2_norm_clip, self),
                 "stddev": plain_number("stddev", self._stddev, self), "seed": self._seed,
                 "noise_mode": self._noise_mode}

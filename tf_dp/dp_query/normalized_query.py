@@ -8,6 +8,12 @@ import tensorflow as tf
 
 from tf_dp.dp_query import dp_query
 from tf_dp.dp_query.validation import check_scalar
+from tf_dp.dp_query.serialization import (
+    deserialize_query,
+    plain_number,
+    serializable_query,
+    serialize_query,
+)
 
 
 class NormalizedGlobalState(NamedTuple):
@@ -15,6 +21,7 @@ class NormalizedGlobalState(NamedTuple):
     denominator: Any
 
 
+@serializable_query
 class NormalizedQuery(dp_query.DPQuery):
     """Divides the noised result of ``numerator_query`` by ``denominator``.
 
@@ -46,15 +53,11 @@ class NormalizedQuery(dp_query.DPQuery):
 
     def get_config(self) -> dict[str, Any]:
         """The numerator's config and the denominator; see ``tf_dp.dp_query.serialize_query``."""
-        from tf_dp.dp_query.serialization import plain_number, serialize_query
-
         return {"numerator_query": serialize_query(self._numerator),
                 "denominator": plain_number("denominator", self._denominator, self)}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "NormalizedQuery":
-        from tf_dp.dp_query.serialization import deserialize_query
-
         return cls(deserialize_query(config["numerator_query"]), config["denominator"])
 
     def initial_global_state(self) -> NormalizedGlobalState:

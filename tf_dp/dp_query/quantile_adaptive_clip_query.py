@@ -47,6 +47,7 @@ from tf_dp.dp_query import dp_query
 from tf_dp.dp_query.gaussian_query import clip_weight
 from tf_dp.dp_query.noise import add_gaussian_noise_structure, gaussian_noise, make_generator
 from tf_dp.dp_query.normalized_query import NormalizedQuery
+from tf_dp.dp_query.serialization import serializable_query
 
 #: L2 sensitivity of the count query: each record contributes ``b_i - 1/2`` in ``{-1/2, 1/2}``.
 COUNT_SENSITIVITY = 0.5
@@ -93,6 +94,7 @@ def sum_noise_multiplier_for(
     return rest**-0.5
 
 
+@serializable_query
 class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
     """Gaussian sum query whose clip follows a target quantile of the record norms.
 
@@ -333,6 +335,7 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
         )
 
 
+@serializable_query
 class QuantileAdaptiveClipAverageQuery(NormalizedQuery):
     """:class:`QuantileAdaptiveClipSumQuery` whose noised sum is divided by the public
     ``expected_num_records`` (an average gradient). Same arguments.
