@@ -22,43 +22,41 @@ Example::
     query = tf_dp.GaussianSumQuery(l2_norm_clip=1.0, stddev=1.1)
 """
 
-import importlib
-
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "DPQuery": "tf_dp.dp_query",
-    "SumAggregationDPQuery": "tf_dp.dp_query",
-    "GaussianSumQuery": "tf_dp.dp_query",
-    "NestedQuery": "tf_dp.dp_query",
-    "NormalizedQuery": "tf_dp.dp_query",
-    "JointClipGaussianSumQuery": "tf_dp.dp_query",
-    "AutomaticClipSumQuery": "tf_dp.dp_query",
-    "QuantileAdaptiveClipSumQuery": "tf_dp.dp_query",
-    "QuantileAdaptiveClipAverageQuery": "tf_dp.dp_query",
-    "NoPrivacySumQuery": "tf_dp.dp_query",
-    "TreeCumulativeSumQuery": "tf_dp.dp_query",
-    "TreeResidualSumQuery": "tf_dp.dp_query",
-    "NoPrivacyAverageQuery": "tf_dp.dp_query",
-    "proportional_noise_allocation": "tf_dp.dp_query",
-    "dimension_adjusted_noise_allocation": "tf_dp.dp_query",
-    "PrivacyLedger": "tf_dp.ledger.privacy_ledger",
-    "QueryWithLedger": "tf_dp.ledger.query_with_ledger",
-    "SampleEntry": "tf_dp.ledger.events",
-    "SamplingEvent": "tf_dp.ledger.events",
-    "SumQueryEvent": "tf_dp.ledger.events",
-    "LedgerFileError": "tf_dp.ledger.ledger_file",
-    "DPKerasSGDOptimizer": "tf_dp.keras",
-    "DPKerasAdamOptimizer": "tf_dp.keras",
-    "DPKerasAdagradOptimizer": "tf_dp.keras",
-    "make_dp_optimizer_class": "tf_dp.keras",
-    "make_private": "tf_dp.keras",
-    "DPSequential": "tf_dp.keras",
-    "DPModel": "tf_dp.keras",
-    "PrivacyReport": "tf_dp.keras",
-    "PrivacyBudget": "tf_dp.keras",
-    "poisson_batches": "tf_dp.data",
-    "compute_epsilon": "tf_dp.accounting",
+    "DPQuery": "dp_query",
+    "SumAggregationDPQuery": "dp_query",
+    "GaussianSumQuery": "dp_query",
+    "NestedQuery": "dp_query",
+    "NormalizedQuery": "dp_query",
+    "JointClipGaussianSumQuery": "dp_query",
+    "AutomaticClipSumQuery": "dp_query",
+    "QuantileAdaptiveClipSumQuery": "dp_query",
+    "QuantileAdaptiveClipAverageQuery": "dp_query",
+    "NoPrivacySumQuery": "dp_query",
+    "TreeCumulativeSumQuery": "dp_query",
+    "TreeResidualSumQuery": "dp_query",
+    "NoPrivacyAverageQuery": "dp_query",
+    "proportional_noise_allocation": "dp_query",
+    "dimension_adjusted_noise_allocation": "dp_query",
+    "PrivacyLedger": "ledger",
+    "QueryWithLedger": "ledger",
+    "SampleEntry": "ledger",
+    "SamplingEvent": "ledger",
+    "SumQueryEvent": "ledger",
+    "LedgerFileError": "ledger",
+    "DPKerasSGDOptimizer": "keras",
+    "DPKerasAdamOptimizer": "keras",
+    "DPKerasAdagradOptimizer": "keras",
+    "make_dp_optimizer_class": "keras",
+    "make_private": "keras",
+    "DPSequential": "keras",
+    "DPModel": "keras",
+    "PrivacyReport": "keras",
+    "PrivacyBudget": "keras",
+    "poisson_batches": "data",
+    "compute_epsilon": "accounting",
 }
 
 _SUBMODULES = ("dp_query", "ledger", "accounting", "gradients", "keras", "cli", "data", "auditing")
@@ -87,11 +85,35 @@ def _require_tensorflow_backend() -> None:
         )
 
 
+def _submodule(name: str):
+    """``tf_dp.<name>``, imported on first use (plain imports: each subpackage is a module of its
+    own, and the accountants must not pull in TensorFlow)."""
+    if name == "dp_query":
+        import tf_dp.dp_query as module
+    elif name == "ledger":
+        import tf_dp.ledger as module
+    elif name == "accounting":
+        import tf_dp.accounting as module
+    elif name == "gradients":
+        import tf_dp.gradients as module
+    elif name == "keras":
+        import tf_dp.keras as module
+    elif name == "cli":
+        import tf_dp.cli as module
+    elif name == "data":
+        import tf_dp.data as module
+    elif name == "auditing":
+        import tf_dp.auditing as module
+    else:
+        raise AttributeError(f"module 'tf_dp' has no attribute {name!r}")
+    return module
+
+
 def __getattr__(name):
     if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
+        return getattr(_submodule(_EXPORTS[name]), name)
     if name in _SUBMODULES:
-        return importlib.import_module(f"tf_dp.{name}")
+        return _submodule(name)
     raise AttributeError(f"module 'tf_dp' has no attribute {name!r}")
 
 
