@@ -18,9 +18,9 @@ Example:
 
 import warnings
 
-from tf_dp import _require_tensorflow_backend
+from tf_dp._backend import require_tensorflow_backend
 
-_require_tensorflow_backend()  # before any module that runs Keras on TensorFlow ops
+require_tensorflow_backend()  # before any module that runs Keras on TensorFlow ops
 
 from tf_dp.gradients.base import ClippedGradients, GradientClipper
 from tf_dp.gradients.ghost.clipper import GhostClipper
