@@ -33,6 +33,9 @@ UNIT = {
     "test_noise",
     "test_tree_aggregation",
     "test_public_api",
+    "test_imports",
+    "test_build",
+    "test_doctests",
 }
 
 E2E = {

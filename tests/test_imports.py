@@ -1,5 +1,5 @@
 """Import structure: every tf_dp module imports on its own (no import circle), and the packages
-form the DAG of DESIGN's layers.
+form the DAG of DESIGN's layers. (``test_import_isolation.py`` imports each module alone.)
 
 The module graph is read from the source with ``ast``: every ``import`` statement counts, also
 those inside functions (a lazy import is still a dependency).
@@ -9,11 +9,6 @@ from __future__ import annotations
 
 import ast
 import pathlib
-import subprocess
-import sys
-import textwrap
-
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "tf_dp"
@@ -145,52 +140,3 @@ def test_registries_are_leaves():
 def test_in_tree_modules_are_not_loaded_through_importlib():
     users = [m for m, p in MODULES.items() if "importlib" in p.read_text()]
     assert users == []
-
-
-_ISOLATED = textwrap.dedent(
-    """
-    import importlib, json, os, sys
-    import numpy, scipy, tensorflow, keras  # third-party, loaded once before forking
-    assert not [m for m in sys.modules if m == "tf_dp" or m.startswith("tf_dp.")]
-    results = {}
-    for name in sys.argv[1:]:
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read)
-            try:
-                importlib.import_module(name)
-                message = "ok"
-            except BaseException as e:
-                message = f"{type(e).__name__}: {e}"
-            os.write(write, message.encode())
-            os._exit(0)
-        os.close(write)
-        chunks = []
-        while chunk := os.read(read, 65536):
-            chunks.append(chunk)
-        os.close(read)
-        os.waitpid(pid, 0)
-        results[name] = b"".join(chunks).decode()
-    print(json.dumps(results))
-    """
-)
-
-
-@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork (POSIX)")
-def test_every_module_imports_alone_in_a_fresh_interpreter():
-    # Each module is the first tf_dp module its process imports (a forked child of a process that
-    # loaded only third-party packages), so a circle shows up as an ImportError.
-    import json
-
-    env = {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT)}
-    env.update({k: v for k, v in __import__("os").environ.items() if k not in env})
-    out = subprocess.run(
-        [sys.executable, "-c", _ISOLATED, *MODULES], cwd=ROOT, env=env,
-        capture_output=True, text=True, timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(results) == set(MODULES)
-    failed = {m: r for m, r in results.items() if r != "ok"}
-    assert failed == {}
