@@ -16,10 +16,12 @@ The Keras side (``tf_dp.keras``, ``tf_dp.gradients``) needs Keras's TensorFlow b
 ``ImportError`` under any other ``KERAS_BACKEND`` (jax, torch, numpy, ...); the accountants, the
 ledger file and the command-line tools do not import Keras and work under any backend.
 
-Example::
+Example:
 
-    import tf_dp
-    query = tf_dp.GaussianSumQuery(l2_norm_clip=1.0, stddev=1.1)
+>>> import tf_dp
+>>> query = tf_dp.GaussianSumQuery(l2_norm_clip=1.0, stddev=1.1)
+>>> query.get_config()
+{'l2_norm_clip': 1.0, 'stddev': 1.1, 'seed': None, 'noise_mode': 'continuous'}
 """
 
 from tf_dp._backend import require_tensorflow_backend as _require_tensorflow_backend
@@ -90,7 +92,9 @@ def _submodule(name: str):
 
 def __getattr__(name):
     if name in _EXPORTS:
-        return getattr(_submodule(_EXPORTS[name]), name)
+        value = getattr(_submodule(_EXPORTS[name]), name)
+        globals()[name] = value  # resolved once
+        return value
     if name in _SUBMODULES:
         return _submodule(name)
     raise AttributeError(f"module 'tf_dp' has no attribute {name!r}")

@@ -32,13 +32,16 @@ _CANARIES = ("CanaryHead", "mislabeled_canaries", "draw_inclusion", "dirac_score
 def __getattr__(name):
     # The Keras side, imported on first use (the estimators above need no TensorFlow).
     if name in _AUDIT or name == "audit":
-        from tf_dp.auditing import audit
+        import tf_dp.auditing.audit as audit  # not "from tf_dp.auditing import": that asks
+        # this __getattr__ for "audit" again
 
-        return audit if name == "audit" else getattr(audit, name)
+        globals().update({n: getattr(audit, n) for n in _AUDIT})
+        return audit if name == "audit" else globals()[name]
     if name in _CANARIES or name == "canaries":
-        from tf_dp.auditing import canaries
+        import tf_dp.auditing.canaries as canaries
 
-        return canaries if name == "canaries" else getattr(canaries, name)
+        globals().update({n: getattr(canaries, n) for n in _CANARIES})
+        return canaries if name == "canaries" else globals()[name]
     raise AttributeError(f"module 'tf_dp.auditing' has no attribute {name!r}")
 
 

@@ -54,9 +54,11 @@ def default_max_batch_size(
 ) -> int:
     """Smallest ``k`` with ``P[Binomial(n, q) > k] <= overflow_probability`` (at least 1).
 
-    Example::
+    Example:
 
-        default_max_batch_size(60000, 256 / 60000)   # about 333
+    >>> from tf_dp.data.poisson import default_max_batch_size
+    >>> default_max_batch_size(60000, 256 / 60000)
+    335
     """
     from scipy import stats
 

@@ -32,9 +32,16 @@ class NormalizedQuery(dp_query.DPQuery):
       numerator_query: a DPQuery (typically a ``GaussianSumQuery``).
       denominator: a finite number > 0, or a scalar tensor/variable read at run time.
 
-    Example::
+    Example:
 
-        query = tf_dp.NormalizedQuery(tf_dp.GaussianSumQuery(1.0, 1.1), denominator=256.0)
+    >>> import tensorflow as tf, tf_dp
+    >>> query = tf_dp.NormalizedQuery(tf_dp.GaussianSumQuery(1.0, 0.0), denominator=4.0)
+    >>> gs = query.initial_global_state()
+    >>> state = query.initial_sample_state(tf.zeros([1]))
+    >>> for x in (0.5, 3.0):  # the second record is clipped to 1.0
+    ...     state = query.accumulate_record(query.derive_sample_params(gs), state, tf.constant([x]))
+    >>> float(query.get_noised_result(state, gs)[0][0])
+    0.375
     """
 
     def __init__(self, numerator_query: dp_query.DPQuery, denominator: Any):

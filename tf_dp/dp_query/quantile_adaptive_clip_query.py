@@ -77,9 +77,11 @@ def sum_noise_multiplier_for(
     Raises ValueError when the count query alone already spends more than ``z_eff`` allows
     (``2 sigma_b <= z_eff``).
 
-    Example::
+    Example:
 
-        z = sum_noise_multiplier_for(1.1, clipped_count_stddev=0.05 * 256)  # about 1.1010
+    >>> from tf_dp.dp_query import sum_noise_multiplier_for
+    >>> round(sum_noise_multiplier_for(1.1, clipped_count_stddev=0.05 * 256), 4)
+    1.101
     """
     z_eff = _check_number("total_noise_multiplier", total_noise_multiplier, positive=True)
     sb = _check_number("clipped_count_stddev", clipped_count_stddev, positive=True)

@@ -12,8 +12,8 @@ The names of earlier releases (``GradientStrategy``, ``MicrobatchStrategy``,
 Example:
 
 >>> from tf_dp.gradients import make_clipper
->>> make_clipper("microbatch", num_microbatches=2).description
-'microbatch(2)'
+>>> make_clipper("microbatch", num_microbatches=2).name
+'microbatch'
 """
 
 import warnings

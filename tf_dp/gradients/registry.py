@@ -8,8 +8,8 @@ Example:
 >>> from tf_dp.gradients import gradient_modes, make_clipper
 >>> gradient_modes()
 ('auto', 'ghost', 'jl', 'microbatch', 'vectorized')
->>> make_clipper("microbatch", num_microbatches=4).description
-'microbatch(4)'
+>>> make_clipper("microbatch", num_microbatches=4).name
+'microbatch'
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def make_clipper(
     >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     >>> make_clipper("auto", model=model).description
     'ghost'
-    >>> make_clipper("vectorized").description
+    >>> make_clipper("vectorized").name
     'vectorized'
     """
     if gradient_mode == "auto":

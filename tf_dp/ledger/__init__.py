@@ -18,12 +18,14 @@ def __getattr__(name):
     # The TensorFlow side, imported on first use (events, ledger files and journals stay
     # readable without TensorFlow).
     if name in ("PrivacyLedger", "LedgerOverflowError"):
-        from tf_dp.ledger import privacy_ledger
+        from tf_dp.ledger.privacy_ledger import LedgerOverflowError, PrivacyLedger
 
-        return getattr(privacy_ledger, name)
+        globals().update(PrivacyLedger=PrivacyLedger, LedgerOverflowError=LedgerOverflowError)
+        return globals()[name]
     if name == "QueryWithLedger":
         from tf_dp.ledger.query_with_ledger import QueryWithLedger
 
+        globals()[name] = QueryWithLedger
         return QueryWithLedger
     raise AttributeError(f"module 'tf_dp.ledger' has no attribute {name!r}")
 
