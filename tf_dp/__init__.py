@@ -24,7 +24,7 @@ Example:
 {'l2_norm_clip': 1.0, 'stddev': 1.1, 'seed': None, 'noise_mode': 'continuous'}
 """
 
-from tf_dp._backend import require_tensorflow_backend as _require_tensorflow_backend
+from tf_dp._backend import require_tensorflow_backend as _require_tensorflow_backend  # noqa: F401
 
 __version__ = "0.1.0"
 
