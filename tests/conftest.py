@@ -36,6 +36,7 @@ UNIT = {
     "test_imports",
     "test_build",
     "test_doctests",
+    "test_ghost_registry",
 }
 
 E2E = {
