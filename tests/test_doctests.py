@@ -14,10 +14,13 @@ MODULES = (
     "tf_dp.accounting",
     "tf_dp.accounting.calibration",
     "tf_dp.accounting.gdp",
+    "tf_dp.accounting.ledger_analysis",
     "tf_dp.accounting.rdp",
     "tf_dp.data.poisson",
+    "tf_dp.dp_query.dp_query",
     "tf_dp.dp_query.gaussian_query",
     "tf_dp.dp_query.no_privacy_query",
+    "tf_dp.dp_query.noise_allocation",
     "tf_dp.dp_query.normalized_query",
     "tf_dp.dp_query.quantile_adaptive_clip_query",
     "tf_dp.dp_query.serialization",
@@ -26,6 +29,7 @@ MODULES = (
     "tf_dp.gradients.ghost.registry",
     "tf_dp.gradients.registry",
     "tf_dp.ledger.events",
+    "tf_dp.ledger.privacy_ledger",
     "tf_dp.ledger.query_with_ledger",
 )
 
