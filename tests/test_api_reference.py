@@ -27,7 +27,8 @@ def test_api_reference_documents_every_public_name(tmp_path):
         html = page.read_text()
         # each public name has its own entry (anchor), or, for a submodule, a link to its page
         missing = [
-            n for n in importlib.import_module(name).__all__
+            n
+            for n in importlib.import_module(name).__all__
             if f'id="{n}"' not in html and not re.search(rf'href="[^"]*/{n}\.html"', html)
         ]
         assert missing == [], f"{name}: {missing}"

@@ -32,13 +32,22 @@ def read_build(text: str) -> dict[str, dict]:
     def rule(kind):
         def declare(name, srcs=(), data=(), deps=(), **_):
             assert name not in targets, f"two targets named {name!r}"
-            targets[name] = {"kind": kind, "srcs": list(srcs), "data": list(data),
-                             "deps": [d.lstrip(":") for d in deps]}
+            targets[name] = {
+                "kind": kind,
+                "srcs": list(srcs),
+                "data": list(data),
+                "deps": [d.lstrip(":") for d in deps],
+            }
+
         return declare
 
     scope = {
-        "load": lambda *a, **k: None, "package": lambda **k: None, "licenses": lambda *a: None,
-        "glob": _glob, "py_library": rule("py_library"), "py_test": rule("py_test"),
+        "load": lambda *a, **k: None,
+        "package": lambda **k: None,
+        "licenses": lambda *a: None,
+        "glob": _glob,
+        "py_library": rule("py_library"),
+        "py_test": rule("py_test"),
     }
     exec(compile(text, "BUILD", "exec"), scope)
     return targets
@@ -48,8 +57,11 @@ TARGETS = read_build((ROOT / "BUILD").read_text())
 
 
 def _files(under: str) -> set[str]:
-    return {p.relative_to(ROOT).as_posix() for p in (ROOT / under).rglob("*.py")
-            if "__pycache__" not in p.parts}
+    return {
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / under).rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
 
 
 def test_every_tf_dp_module_is_a_source_of_one_library():

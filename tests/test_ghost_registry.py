@@ -17,10 +17,16 @@ L = keras.layers
 
 def test_each_built_in_rule_lives_in_the_module_named_after_its_family():
     expected = [
-        (L.Dense(2), dense), (L.EinsumDense("ab,bc->ac", 2), dense), (L.Conv1D(2, 3), conv),
-        (L.Conv2D(2, 3), conv), (L.Embedding(5, 2), embeddings),
-        (L.LayerNormalization(), normalization), (L.GroupNormalization(groups=2), normalization),
-        (L.LSTM(2), recurrent), (L.GRU(2), recurrent), (L.SimpleRNN(2), recurrent),
+        (L.Dense(2), dense),
+        (L.EinsumDense("ab,bc->ac", 2), dense),
+        (L.Conv1D(2, 3), conv),
+        (L.Conv2D(2, 3), conv),
+        (L.Embedding(5, 2), embeddings),
+        (L.LayerNormalization(), normalization),
+        (L.GroupNormalization(groups=2), normalization),
+        (L.LSTM(2), recurrent),
+        (L.GRU(2), recurrent),
+        (L.SimpleRNN(2), recurrent),
     ]
     registry = rules.new_registry()
     for layer, module in expected:
@@ -82,7 +88,11 @@ def test_old_strategy_names_are_deprecated_aliases(old, new):
 
 
 def test_new_clipper_names_are_the_public_ones():
-    assert {"GradientClipper", "make_clipper", "GhostClipper", "JLClipper"} <= set(gradients.__all__)
+    assert {"GradientClipper", "make_clipper", "GhostClipper", "JLClipper"} <= set(
+        gradients.__all__
+    )
     assert not {n for n in gradients.__all__ if "Strategy" in n or "strategy" in n}
-    clipper = gradients.make_clipper("auto", model=keras.Sequential([keras.Input((3,)), L.Dense(2)]))
+    clipper = gradients.make_clipper(
+        "auto", model=keras.Sequential([keras.Input((3,)), L.Dense(2)])
+    )
     assert isinstance(clipper, gradients.GhostClipper)

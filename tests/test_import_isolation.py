@@ -46,8 +46,12 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
     # loaded only third-party packages), so a circle shows up as an ImportError.
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
-        [sys.executable, "-c", _ISOLATED, *MODULES], cwd=ROOT, env=env,
-        capture_output=True, text=True, timeout=600,
+        [sys.executable, "-c", _ISOLATED, *MODULES],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])

@@ -72,9 +72,7 @@ def _unfold_gather(x, ks, st, dr, padding):
     return tf.reshape(tf.gather(pixels, idx, axis=1), [-1, oh, ow, kh * kw * cin])
 
 
-@norm_rule(
-    keras.layers.Conv1D, keras.layers.Conv2D, supports=_conv_supports, split_activation=True
-)
+@norm_rule(keras.layers.Conv1D, keras.layers.Conv2D, supports=_conv_supports, split_activation=True)
 def conv_rule(layer, inputs, grad_output):
     x, g = f32(inputs), f32(grad_output)
     rank = layer.rank
@@ -92,7 +90,14 @@ def conv_rule(layer, inputs, grad_output):
     patches = _unfold(x, ks, st, dr, padding.upper())
     k = patches.shape[-1]
     f = g.shape[-1]
-    out = [(layer.kernel, Outer(tf.reshape(patches, [batch_size(x), -1, k]), tf.reshape(g, [batch_size(g), -1, f])))]
+    out = [
+        (
+            layer.kernel,
+            Outer(
+                tf.reshape(patches, [batch_size(x), -1, k]), tf.reshape(g, [batch_size(g), -1, f])
+            ),
+        )
+    ]
     if layer.bias is not None:
         out.append((layer.bias, bias_per_example(g, layer.bias)))
     return out

@@ -66,9 +66,7 @@ def _einsum_supports(layer) -> Optional[str]:
     return None
 
 
-@norm_rule(
-    keras.layers.EinsumDense, supports=_einsum_supports, split_activation=True
-)
+@norm_rule(keras.layers.EinsumDense, supports=_einsum_supports, split_activation=True)
 def einsum_dense_rule(layer, inputs, grad_output):
     x, g = f32(inputs), f32(grad_output)
     kernel = kernel_variable(layer)
@@ -81,5 +79,7 @@ def einsum_dense_rule(layer, inputs, grad_output):
         _, _, o_spec = parse_einsum(layer.equation)
         bias_letters = "".join(c for c in o_spec if c in layer.bias_axes)
         per_ex = tf.einsum(f"{o_spec}->{o_spec[0]}{bias_letters}", g)
-        out.append((layer.bias, PerExample(tf.reshape(per_ex, [batch_size(g)] + list(layer.bias.shape)))))
+        out.append(
+            (layer.bias, PerExample(tf.reshape(per_ex, [batch_size(g)] + list(layer.bias.shape))))
+        )
     return out

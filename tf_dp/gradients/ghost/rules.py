@@ -101,8 +101,12 @@ def register_layer_norm_rule(
     """Registers ``rule`` (see the module docstring) for ``layer_class`` in the default registry;
     the arguments are those of :meth:`LayerRuleRegistry.register`."""
     default_registry().register(
-        layer_class, rule, supports=supports, split_activation=split_activation,
-        forward=forward, variables=variables,
+        layer_class,
+        rule,
+        supports=supports,
+        split_activation=split_activation,
+        forward=forward,
+        variables=variables,
     )
 
 
