@@ -39,6 +39,8 @@ setup(
             "dp-accounting>=0.4,<0.7",
             "scikit-learn>=1.3",
             "ruff>=0.5",
+            # tests/test_api_reference.py builds the API reference (docs/build_api.py)
+            "pdoc>=14",
             # tests/test_notebooks.py executes tutorials/*.ipynb (which plot with matplotlib)
             "nbclient>=0.7",
             "nbformat>=5.7",

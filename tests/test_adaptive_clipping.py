@@ -19,7 +19,7 @@ from tf_dp.dp_query import (
     QuantileAdaptiveClipSumQuery,
     sum_noise_multiplier_for,
 )
-from tf_dp.gradients import MicrobatchStrategy, make_strategy
+from tf_dp.gradients import MicrobatchClipper, make_clipper
 from tf_dp.keras import PerExampleLoss
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -202,13 +202,13 @@ def test_every_mode_gives_the_same_sample_state_as_the_slow_reference(mode):
     sw = np.array([1, 1, 1, 1, 1, 1, 0, 0], np.float32)  # two rows of Poisson padding
     groups, real = None, 6
     if mode == "microbatch":  # a twin strategy with the same seed draws the same microbatches
-        strategy = MicrobatchStrategy(4, seed=5)
-        ids = MicrobatchStrategy(4, seed=5).assignment(8).numpy()
+        strategy = MicrobatchClipper(4, seed=5)
+        ids = MicrobatchClipper(4, seed=5).assignment(8).numpy()
         groups = [list(np.flatnonzero(ids == j)) for j in range(4)]
         real = sum(1 for g in groups if any(sw[i] != 0 for i in g))
     else:
         options = {"jl_projections": 4000} if mode == "jl" else {}
-        strategy = make_strategy(mode, model=model, **options)
+        strategy = make_clipper(mode, model=model, **options)
     norms = _reference(model, x, y, 1.0, sw, groups)[2]
     clip = float(np.median(norms)) * 1.01  # binds for some records, not for others
     q = tf_dp.QueryWithLedger(_query(initial_l2_norm_clip=clip))

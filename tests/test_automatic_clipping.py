@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import tf_dp
 from tf_dp.dp_query import AutomaticClipSumQuery, NestedQuery
-from tf_dp.gradients import MicrobatchStrategy, make_strategy
+from tf_dp.gradients import MicrobatchClipper, make_clipper
 from tf_dp.keras import PerExampleLoss
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -116,11 +116,11 @@ def test_every_mode_gives_the_reference_clipped_sum(mode, per_layer):
     query = tf_dp.QueryWithLedger(query)
     groups = None
     if mode == "microbatch":
-        strategy = MicrobatchStrategy(4, seed=5)
-        ids = MicrobatchStrategy(4, seed=5).assignment(8).numpy()
+        strategy = MicrobatchClipper(4, seed=5)
+        ids = MicrobatchClipper(4, seed=5).assignment(8).numpy()
         groups = [list(np.flatnonzero(ids == j)) for j in range(4)]
     else:
-        strategy = make_strategy(mode, model=model,
+        strategy = make_clipper(mode, model=model,
                                  **({"jl_projections": 8} if mode == "jl" else {}))
     params = query.derive_sample_params(query.initial_global_state())
 

@@ -9,7 +9,7 @@ from scipy import stats
 
 import tf_dp
 from tf_dp.data import default_max_batch_size, poisson_batches
-from tf_dp.gradients import make_strategy
+from tf_dp.gradients import make_clipper
 from tf_dp.keras.losses import PerExampleLoss
 
 
@@ -159,7 +159,7 @@ def test_zero_weight_padding_rows_contribute_nothing_to_the_clipped_sum(mode):
     wp = np.concatenate([np.ones(6), np.zeros(4)]).astype(np.float32)
     query = model.optimizer.dp_query
     params = query.derive_sample_params(model.optimizer._dp_global_state)
-    strategy = make_strategy(mode, model=model)
+    strategy = make_clipper(mode, model=model)
     loss_fn = PerExampleLoss(model)
     variables = list(model.trainable_variables)
     real = strategy.clipped_sum(loss_fn, (x, y, None), variables, query, params)

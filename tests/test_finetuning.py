@@ -17,8 +17,8 @@ import pytest
 
 import tf_dp
 from tests.test_ghost import LoopReference, check, rng
-from tf_dp.gradients import make_strategy
-from tf_dp.gradients.ghost import GhostStrategy
+from tf_dp.gradients import make_clipper
+from tf_dp.gradients.ghost import GhostClipper
 
 keras_hub = pytest.importorskip("keras_hub")
 M = keras_hub.models
@@ -81,8 +81,8 @@ def test_auto_is_exact_ghost_with_no_fallback(name, lora):
         assert not any(v.path.endswith("/kernel") and "transformer" in v.path
                        for v in model.trainable_variables)
         assert any(v.path.endswith("lora_kernel_a") for v in model.trainable_variables)
-    strategy = make_strategy("auto", model=model)
-    assert isinstance(strategy, GhostStrategy)
+    strategy = make_clipper("auto", model=model)
+    assert isinstance(strategy, GhostClipper)
     assert strategy.mode == "ghost", strategy.description
     x, y, sw = batch(name, r)
     check(model, x, y, sw, reference=LoopReference)

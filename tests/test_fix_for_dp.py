@@ -18,8 +18,8 @@ import pytest
 
 import tf_dp
 from tests.test_ghost import LoopReference, check, rng
-from tf_dp.gradients import make_strategy
-from tf_dp.gradients.ghost import GhostStrategy
+from tf_dp.gradients import make_clipper
+from tf_dp.gradients.ghost import GhostClipper
 
 L = keras.layers
 A = keras.applications
@@ -83,8 +83,8 @@ def test_applications_fixed_weights_kept_and_group_norm_rule_used(name):
             for a, b in zip(old_w, new_w):
                 np.testing.assert_array_equal(a, b, err_msg=old.name)
             assert new.trainable == old.trainable
-    strategy = make_strategy("auto", model=fixed)
-    assert isinstance(strategy, GhostStrategy)
+    strategy = make_clipper("auto", model=fixed)
+    assert isinstance(strategy, GhostClipper)
     gn_names = {la.name for la in bn}
     fallback = _fallback_layers(strategy)
     assert not gn_names & set(fallback), strategy.description
@@ -206,7 +206,7 @@ def test_nested_models_frozen_layers_and_input_names_kept():
     assert [la.trainable for la in gn] == [False, False, True]
     # Dense + GN of the block, the head: 6 trainable variables, none of the frozen backbone's
     assert len(fixed.trainable_variables) == 6
-    strategy = make_strategy("auto", model=fixed)
+    strategy = make_clipper("auto", model=fixed)
     assert strategy.description == "ghost"
 
 

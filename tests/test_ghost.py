@@ -19,14 +19,14 @@ import pytest
 import tensorflow as tf
 
 import tf_dp
-from tf_dp.gradients import make_strategy
+from tf_dp.gradients import make_clipper
 from tf_dp.gradients.ghost import (
-    GhostStrategy,
+    GhostClipper,
     PerExample,
     register_layer_norm_rule,
     unregister_layer_norm_rule,
 )
-from tf_dp.gradients.vectorized import VectorizedStrategy
+from tf_dp.gradients.vectorized import VectorizedClipper
 from tf_dp.keras.losses import PerExampleLoss
 
 RTOL = 1e-5
@@ -60,7 +60,7 @@ def _run(strategy, model, data, query):
     return [np.sqrt(np.asarray(s, np.float64)) for s in tf.nest.flatten(query.squared)], out
 
 
-class LoopReference(VectorizedStrategy):
+class LoopReference(VectorizedClipper):
     """Per-example gradients by a Python loop over batches of one (an independent oracle).
 
     Used where ``tf.vectorized_map`` itself crashes: on TF 2.21 the vectorized strategy aborts the
@@ -85,7 +85,7 @@ class LoopReference(VectorizedStrategy):
         return per_var, tf.stack(preds), tf.stack(losses)
 
 
-def _norms_from(model, data, reference=VectorizedStrategy):
+def _norms_from(model, data, reference=VectorizedClipper):
     q = RecordingQuery(1e9, 0.0)
     norms, _ = _run(reference(), model, data, q)
     return norms
@@ -93,7 +93,7 @@ def _norms_from(model, data, reference=VectorizedStrategy):
 
 def check(
     model, x, y, sw=None, query_fn=None, expect_mode="ghost", graph=False,
-    reference=VectorizedStrategy,
+    reference=VectorizedClipper,
 ):
     """Ghost norms and clipped sum == vectorized; returns the ghost strategy."""
     _compile(model)
@@ -104,7 +104,7 @@ def check(
     clip = float(np.median(total))  # some examples clipped, some not
     if query_fn is None:
         query_fn = lambda: RecordingQuery(clip, 0.0)  # noqa: E731
-    ghost = GhostStrategy()
+    ghost = GhostClipper()
     assert ghost.supports(model) is None
     assert ghost.mode == expect_mode, ghost.description
     results = {}
@@ -277,7 +277,7 @@ def test_conv2d_dilation_same_padding_and_group_norm():
     ],
 )
 def test_unfold_equals_extract_patches(cin, ks, st, dr, padding):
-    from tf_dp.gradients.ghost.rules import _unfold
+    from tf_dp.gradients.ghost.conv import _unfold
 
     x = tf.constant(rng(30).normal(size=(3, 11, 9, cin)).astype("float32"))
     want = tf.image.extract_patches(
@@ -380,7 +380,7 @@ def test_mask_changes_the_norms():
             )
         )
         q = RecordingQuery(1e9, 0.0)
-        n, _ = _run(GhostStrategy(), model, (x, y, None), q)
+        n, _ = _run(GhostClipper(), model, (x, y, None), q)
         norms.append(n[0])
     assert not np.allclose(norms[0], norms[1], rtol=1e-3)
 
@@ -521,7 +521,7 @@ def test_rule_must_cover_every_variable():
         model = _compile(keras.Sequential([keras.Input((3,)), Scale(), L.Dense(2)]))
         q = RecordingQuery(1.0, 0.0)
         with pytest.raises(ValueError, match="must cover every trainable variable"):
-            _run(GhostStrategy(), model, (np.ones((2, 3), "float32"), np.zeros(2), None), q)
+            _run(GhostClipper(), model, (np.ones((2, 3), "float32"), np.zeros(2), None), q)
     finally:
         unregister_layer_norm_rule(Scale)
 
@@ -562,14 +562,14 @@ def test_auto_picks_ghost_when_covered_and_mixed_otherwise(caplog):
     mixed = keras.Sequential([keras.Input((3,)), Scale(), L.Dense(2)])
     uncovered = keras.Sequential([keras.Input((3,)), Scale()])
     with caplog.at_level(logging.INFO, logger="tf_dp"):
-        s = make_strategy("auto", model=covered)
-        assert isinstance(s, GhostStrategy) and s.mode == "ghost" and s.description == "ghost"
-        s = make_strategy("auto", model=mixed)
-        assert isinstance(s, GhostStrategy) and s.mode == "mixed"
+        s = make_clipper("auto", model=covered)
+        assert isinstance(s, GhostClipper) and s.mode == "ghost" and s.description == "ghost"
+        s = make_clipper("auto", model=mixed)
+        assert isinstance(s, GhostClipper) and s.mode == "mixed"
         assert s.description == "ghost+vectorized (layers: " + mixed.layers[0].name + ")"
-    assert sum("ghost strategy" in rec.message for rec in caplog.records) == 2
-    assert isinstance(make_strategy("auto", model=uncovered), VectorizedStrategy)
-    assert isinstance(make_strategy("ghost"), GhostStrategy)
+    assert sum("ghost clipper" in rec.message for rec in caplog.records) == 2
+    assert isinstance(make_clipper("auto", model=uncovered), VectorizedClipper)
+    assert isinstance(make_clipper("ghost"), GhostClipper)
 
 
 def test_fit_in_ghost_mode_records_the_ledger_and_exposes_the_strategy():
@@ -588,7 +588,7 @@ def test_fit_in_ghost_mode_records_the_ledger_and_exposes_the_strategy():
     y = r.integers(0, 3, 40)
     before = [v.numpy().copy() for v in model.trainable_variables]
     model.fit(x, y, batch_size=10, epochs=2, verbose=0)
-    assert isinstance(opt.gradient_strategy, GhostStrategy)
+    assert isinstance(opt.gradient_strategy, GhostClipper)
     assert opt.gradient_strategy.mode == "ghost"
     samples = opt.ledger.samples()
     assert len(samples) == 8

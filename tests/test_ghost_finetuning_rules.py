@@ -20,8 +20,8 @@ import tensorflow as tf
 
 import tf_dp
 from tests.test_ghost import RTOL, LoopReference, RecordingQuery, _compile, check, rng
-from tf_dp.gradients import MicrobatchStrategy, VectorizedStrategy, make_strategy
-from tf_dp.gradients.ghost import GhostStrategy
+from tf_dp.gradients import MicrobatchClipper, VectorizedClipper, make_clipper
+from tf_dp.gradients.ghost import GhostClipper
 from tf_dp.keras.losses import PerExampleLoss
 
 L = keras.layers
@@ -157,7 +157,7 @@ def test_xla():
     data = (tf.constant(ids), tf.constant(y), tf.constant(mask))
     ref = [np.asarray(g) for g in _sum_fn(LoopReference(), model, (ids, y, mask))()]
     scale = max(np.abs(g).max() for g in ref)
-    strategy = GhostStrategy()
+    strategy = GhostClipper()
     xla = _sum_fn(strategy, model, data, True)()
     assert strategy.mode == "ghost", strategy.description  # every variable by a rule
     for got, want in zip(xla, ref):
@@ -178,7 +178,7 @@ def test_mixed_precision():
     finally:
         keras.mixed_precision.set_global_policy("float32")
     half.set_weights(model.get_weights())
-    strategy = GhostStrategy()
+    strategy = GhostClipper()
     out = _sum_fn(strategy, half, data, False)()
     assert strategy.mode == "ghost", strategy.description
     for got, want in zip(out, ref):  # float16 activations: 1e-2 of the scale
@@ -188,7 +188,7 @@ def test_mixed_precision():
     x = rng(5).normal(size=(5, 5, 6)).astype("float32")
     yl = rng(5).integers(0, 3, 5)
     ref = [np.asarray(g) for g in _sum_fn(LoopReference(), lora, (x, yl, None))()]
-    got = _sum_fn(GhostStrategy(), lora, (tf.constant(x), tf.constant(yl), None), False)()
+    got = _sum_fn(GhostClipper(), lora, (tf.constant(x), tf.constant(yl), None), False)()
     scale = max(np.abs(g).max() for g in ref)
     for a, b in zip(got, ref):
         np.testing.assert_allclose(np.asarray(a) / scale, b / scale, rtol=0, atol=1e-2)
@@ -225,7 +225,7 @@ def test_per_token_loss_with_per_example_weights_matches_the_loop():
     assert np.all(norms[[2, 5]] == 0) and np.all(np.delete(norms, [2, 5]) > 0)
     clip = float(np.median(norms[norms > 0]))
     out = {}
-    for name, strategy in (("loop", LoopReference()), ("ghost", GhostStrategy())):
+    for name, strategy in (("loop", LoopReference()), ("ghost", GhostClipper())):
         q = tf_dp.GaussianSumQuery(clip, 0.0)
         p = q.derive_sample_params(q.initial_global_state())
         def run(strategy=strategy, q=q, p=p):
@@ -272,19 +272,19 @@ def test_selection_when_only_some_variables_train():
     y = r.integers(0, 3, 6)
     # LoRA on a model with a rank-3 EinsumDense kernel (vectorized_map cannot take it)
     lora = lora_model(r)
-    assert VectorizedStrategy().supports(lora) is not None
-    strategy = make_strategy("auto", model=lora)
-    assert isinstance(strategy, GhostStrategy) and strategy.mode == "ghost"
+    assert VectorizedClipper().supports(lora) is not None
+    strategy = make_clipper("auto", model=lora)
+    assert isinstance(strategy, GhostClipper) and strategy.mode == "ghost"
     # no refusal advises the mode that is refusing
-    assert "'auto' picks ghost" in VectorizedStrategy().supports(lora)
-    assert "leave num_microbatches unset" in MicrobatchStrategy(2).supports(lora)
+    assert "'auto' picks ghost" in VectorizedClipper().supports(lora)
+    assert "leave num_microbatches unset" in MicrobatchClipper(2).supports(lora)
     # a model whose only trainable layer has no rule: ghost runs it mixed, never refuses
     frozen = keras.Sequential([keras.Input((5, 6)), L.Dense(4), Scale(), L.Flatten(), L.Dense(3)])
     frozen.layers[0].trainable = False
     frozen.layers[-1].trainable = False
-    ghost = GhostStrategy()
+    ghost = GhostClipper()
     assert ghost.supports(frozen) is None and ghost.mode == "mixed"
-    assert isinstance(make_strategy("auto", model=frozen), VectorizedStrategy)
+    assert isinstance(make_clipper("auto", model=frozen), VectorizedClipper)
     check(frozen, x, y, reference=LoopReference, expect_mode="mixed")
     # bias-only and a frozen backbone under a new head: only trainable variables are planned
     bias_only = keras.Sequential([keras.Input((5, 6)), L.Dense(4), L.Flatten(), L.Dense(3)])

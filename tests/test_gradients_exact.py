@@ -11,7 +11,7 @@ import keras
 import tensorflow as tf
 
 from tf_dp.dp_query import GaussianSumQuery
-from tf_dp.gradients import MicrobatchStrategy, VectorizedStrategy, make_strategy
+from tf_dp.gradients import MicrobatchClipper, VectorizedClipper, make_clipper
 from tf_dp.keras import PerExampleLoss
 
 HUGE_CLIP = 1e9
@@ -166,7 +166,7 @@ def assert_close_list(actual, expected, rtol=1e-4, atol=1e-5):
 def test_vectorized_matches_slow_loop(kind):
     model = compiled(BUILDERS[kind]())
     x, y = data()
-    out = run(VectorizedStrategy(), model, x, y, clip=0.5, graph=True)
+    out = run(VectorizedClipper(), model, x, y, clip=0.5, graph=True)
     expected, norms = reference_clipped_sum(reference_grads(model, x, y), 0.5)
     assert np.all(norms > 0.5), "the clip must bind for some examples for this test to mean much"
     assert_close_list(out["clipped_sum"], expected)
@@ -183,7 +183,7 @@ def test_huge_clip_gives_nonprivate_gradient(kind, strategy):
     model = compiled(BUILDERS[kind]())
     x, y = data(batch=8)
     # microbatch: one microbatch holding the whole batch, whose clipped mean is the mean gradient
-    strat = VectorizedStrategy() if strategy == "vectorized" else MicrobatchStrategy(1)
+    strat = VectorizedClipper() if strategy == "vectorized" else MicrobatchClipper(1)
     out = run(strat, model, x, y, clip=HUGE_CLIP)
     with tf.GradientTape() as tape:
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(
@@ -201,8 +201,8 @@ def test_vectorized_chunked_equals_unchunked_and_reference():
     x, y = data(batch=11)
     sw = np.linspace(0.5, 2.0, 11).astype(np.float32)
     expected, norms = reference_clipped_sum(reference_grads(model, x, y, sw), 0.3)
-    whole = VectorizedStrategy(chunk_bytes=None)
-    chunked = VectorizedStrategy(chunk_bytes=4 * 60 * 4)  # ~4 examples per chunk, 3 chunks
+    whole = VectorizedClipper(chunk_bytes=None)
+    chunked = VectorizedClipper(chunk_bytes=4 * 60 * 4)  # ~4 examples per chunk, 3 chunks
     assert chunked.chunk_size(model.trainable_variables) == 4
     for strat in (whole, chunked):
         out = run(strat, model, x, y, sw, clip=0.3, graph=True)
@@ -216,7 +216,7 @@ def test_conv_fast_path_matches_reference_and_default_converter():
     model = compiled(conv_model())
     x, y = data(batch=5, shape=(9, 9, 2))
     expected, _ = reference_clipped_sum(reference_grads(model, x, y), 0.2)
-    for strat in (VectorizedStrategy(), VectorizedStrategy(fast_conv=False)):
+    for strat in (VectorizedClipper(), VectorizedClipper(fast_conv=False)):
         out = run(strat, model, x, y, clip=0.2, graph=True)
         assert_close_list(out["clipped_sum"], expected)
 
@@ -225,7 +225,7 @@ def test_sample_weights_scale_per_example_losses():
     model = compiled(sequential_model())
     x, y = data(batch=6)
     sw = np.array([0.0, 1.0, 2.0, 0.5, 1.0, 3.0], np.float32)
-    out = run(VectorizedStrategy(), model, x, y, sw, clip=HUGE_CLIP)
+    out = run(VectorizedClipper(), model, x, y, sw, clip=HUGE_CLIP)
     expected, _ = reference_clipped_sum(reference_grads(model, x, y, sw), HUGE_CLIP)
     assert_close_list(out["clipped_sum"], expected)
     np.testing.assert_allclose(
@@ -266,8 +266,8 @@ def test_string_and_function_losses():
 
 
 def twin_groups(m, batch, seed):
-    """The microbatches a MicrobatchStrategy(m, seed=seed) draws first, from an identical twin."""
-    ids = MicrobatchStrategy(m, seed=seed).assignment(batch).numpy()
+    """The microbatches a MicrobatchClipper(m, seed=seed) draws first, from an identical twin."""
+    ids = MicrobatchClipper(m, seed=seed).assignment(batch).numpy()
     assert np.all((ids >= 0) & (ids < m))
     return [list(np.flatnonzero(ids == j)) for j in range(m) if np.any(ids == j)]
 
@@ -276,7 +276,7 @@ def twin_groups(m, batch, seed):
 def test_microbatch_matches_reference(batch, m):
     model = compiled(sequential_model())
     x, y = data(batch=batch)
-    out = run(MicrobatchStrategy(m, seed=batch), model, x, y, clip=0.3, graph=True)
+    out = run(MicrobatchClipper(m, seed=batch), model, x, y, clip=0.3, graph=True)
     groups = twin_groups(m, batch, seed=batch)
     if groups:
         expected, _ = reference_clipped_sum(reference_grads(model, x, y, groups=groups), 0.3)
@@ -294,11 +294,11 @@ def test_microbatch_matches_reference(batch, m):
 
 def test_microbatch_assignment_is_uniform_and_independent_of_the_data():
     # 20000 draws over 4 microbatches: each count ~ Binomial(20000, 1/4), sd ~61; 5 sd bounds.
-    ids = MicrobatchStrategy(4, seed=7).assignment(20000).numpy()
+    ids = MicrobatchClipper(4, seed=7).assignment(20000).numpy()
     counts = np.bincount(ids, minlength=4)
     assert np.all(np.abs(counts - 5000) < 5 * np.sqrt(20000 * 0.25 * 0.75))
     # the layout puts every example in exactly one slot of its microbatch
-    strat = MicrobatchStrategy(3, seed=1)
+    strat = MicrobatchClipper(3, seed=1)
     ids = strat.assignment(10)
     index, position = strat.layout(ids)
     index, ids, position = index.numpy(), ids.numpy(), position.numpy()
@@ -311,7 +311,7 @@ def test_microbatch_sample_weights():
     model = compiled(sequential_model())
     x, y = data(batch=6)
     sw = np.array([1.0, 0.0, 2.0, 1.0, 0.5, 1.0], np.float32)
-    out = run(MicrobatchStrategy(3, seed=5), model, x, y, sw, clip=0.4)
+    out = run(MicrobatchClipper(3, seed=5), model, x, y, sw, clip=0.4)
     groups = twin_groups(3, 6, seed=5)
     expected, _ = reference_clipped_sum(reference_grads(model, x, y, sw, groups=groups), 0.4)
     assert_close_list(out["clipped_sum"], expected)
@@ -319,13 +319,13 @@ def test_microbatch_sample_weights():
 
 def test_bad_strategy_arguments():
     with pytest.raises(ValueError, match="num_microbatches"):
-        MicrobatchStrategy(0)
+        MicrobatchClipper(0)
     with pytest.raises(ValueError, match="num_microbatches"):
-        MicrobatchStrategy(2.5)
+        MicrobatchClipper(2.5)
     with pytest.raises(ValueError, match="chunk_bytes"):
-        VectorizedStrategy(chunk_bytes=0)
+        VectorizedClipper(chunk_bytes=0)
     with pytest.raises(ValueError, match="gradient_mode"):
-        make_strategy("bogus")
+        make_clipper("bogus")
     with pytest.raises(ValueError, match="num_microbatches"):
-        make_strategy("microbatch")
-    assert isinstance(make_strategy("auto", num_microbatches=2), MicrobatchStrategy)
+        make_clipper("microbatch")
+    assert isinstance(make_clipper("auto", num_microbatches=2), MicrobatchClipper)

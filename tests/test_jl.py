@@ -17,8 +17,8 @@ import tensorflow as tf
 from scipy import stats
 
 import tf_dp
-from tf_dp.gradients import VectorizedStrategy, make_strategy
-from tf_dp.gradients.jl import JLStrategy, check_query, forward_mode_blocker
+from tf_dp.gradients import VectorizedClipper, make_clipper
+from tf_dp.gradients.jl import JLClipper, check_query, forward_mode_blocker
 from tf_dp.keras.losses import PerExampleLoss
 
 L = keras.layers
@@ -105,7 +105,7 @@ def test_squared_estimate_is_unbiased_with_chi_square_spread(r):
     model = _mlp()
     x, y = _data(model, 3)
     exact = _exact_squared_norms(model, x, y)
-    strategy = JLStrategy(r, method="forward", seed=1000 + r)
+    strategy = JLClipper(r, method="forward", seed=1000 + r)
     loss_fn = PerExampleLoss(model)
     proj = tf.function(lambda: strategy.projections(loss_fn, (x, y, None), model.trainable_variables)[0])
     draws = 400
@@ -124,7 +124,7 @@ def test_double_vjp_estimate_has_chi_square_law():
     x, y = _data(model, 2)
     exact = _exact_squared_norms(model, x, y)
     r, draws = 4, 300
-    strategy = JLStrategy(r, method="double_vjp", seed=7)
+    strategy = JLClipper(r, method="double_vjp", seed=7)
     loss_fn = PerExampleLoss(model)
     proj = tf.function(lambda: strategy.projections(loss_fn, (x, y, None), model.trainable_variables)[0])
     s = np.stack([np.mean(proj().numpy() ** 2, axis=0) for _ in range(draws)]) * r / exact
@@ -141,9 +141,9 @@ def test_double_vjp_equals_forward_mode(model_fn):
     model = model_fn()
     x, y = _data(model, 6)
     loss_fn = PerExampleLoss(model)
-    forward = JLStrategy(3, method="forward", seed=3)
+    forward = JLClipper(3, method="forward", seed=3)
     p_fwd, _, directions = forward.projections(loss_fn, (x, y, None), model.trainable_variables)
-    p_vjp, _, _ = JLStrategy(3, method="double_vjp").projections(
+    p_vjp, _, _ = JLClipper(3, method="double_vjp").projections(
         loss_fn, (x, y, None), model.trainable_variables, directions=directions
     )
     scale = float(np.max(np.abs(p_vjp)))
@@ -161,7 +161,7 @@ def test_projections_match_explicit_dot_products():
     model = _cnn()
     x, y = _data(model, 5)
     per_example = _per_example_gradients(model, x, y)
-    p, _, directions = JLStrategy(2, method="forward", seed=11).projections(
+    p, _, directions = JLClipper(2, method="forward", seed=11).projections(
         PerExampleLoss(model), (x, y, None), model.trainable_variables
     )
     expected = np.array(
@@ -187,13 +187,13 @@ def test_forward_replay_keeps_dropout_masks():
     loss_fn = PerExampleLoss(model)
     state = [v.numpy().copy() for v in model.non_trainable_variables]
     assert state, "the dropout layer has a seed generator state"
-    p_fwd, _, d = JLStrategy(4, method="forward", seed=2).projections(
+    p_fwd, _, d = JLClipper(4, method="forward", seed=2).projections(
         loss_fn, (x, y, None), model.trainable_variables
     )
     after_forward = [v.numpy().copy() for v in model.non_trainable_variables]
     for v, s in zip(model.non_trainable_variables, state):
         v.assign(s)
-    p_vjp, _, _ = JLStrategy(4, method="double_vjp").projections(
+    p_vjp, _, _ = JLClipper(4, method="double_vjp").projections(
         loss_fn, (x, y, None), model.trainable_variables, directions=d
     )
     np.testing.assert_allclose(p_fwd.numpy(), p_vjp.numpy(), rtol=1e-4, atol=1e-6)
@@ -208,7 +208,7 @@ def test_auto_route_selection():
     assert forward_mode_blocker(_cnn()) is None
     query = tf_dp.GaussianSumQuery(1.0, 0.0)
     for model, r, expected in [(_cnn(), 1, "forward"), (_lstm(), 1, "double_vjp"), (_cnn(), 3, "forward"), (_lstm(), 2, "double_vjp")]:
-        strategy = make_strategy("jl", jl_projections=r)
+        strategy = make_clipper("jl", jl_projections=r)
         x, y = _data(model, 4)
         tf.function(
             lambda: strategy.clipped_sum(
@@ -227,7 +227,7 @@ def test_noise_after_sum_defaults_to_the_double_vjp_route(method, option, expect
     model = _cnn()
     x, y = _data(model, 4)
     query = tf_dp.GaussianSumQuery(1.0, 0.0)
-    out = JLStrategy(1, method=method, seed=0, noise_after_sum=option).clipped_sum(
+    out = JLClipper(1, method=method, seed=0, noise_after_sum=option).clipped_sum(
         PerExampleLoss(model), (x, y, None), model.trainable_variables, query, _params(query)
     )
     assert out.noise_after_sum is expected
@@ -279,7 +279,7 @@ def test_huge_clip_without_noise_is_the_nonprivate_gradient(method):
     x, y = _data(model, 8)
     loss_fn = PerExampleLoss(model)
     query = tf_dp.GaussianSumQuery(1e9, 0.0)
-    out = JLStrategy(1, method=method, seed=0).clipped_sum(
+    out = JLClipper(1, method=method, seed=0).clipped_sum(
         loss_fn, (x, y, None), model.trainable_variables, query, _params(query)
     )
     with tf.GradientTape() as tape:
@@ -298,13 +298,13 @@ def test_large_r_converges_to_exact_clipping():
     clip = float(np.median(np.sqrt(exact_sq)))  # about half the examples get clipped
     query = tf_dp.GaussianSumQuery(clip, 0.0)
     loss_fn = PerExampleLoss(model)
-    exact = VectorizedStrategy().clipped_sum(
+    exact = VectorizedClipper().clipped_sum(
         loss_fn, (x, y, None), model.trainable_variables, query, _params(query)
     )
     exact_flat = np.concatenate([g.numpy().ravel() for g in exact.clipped_sum])
 
     def error(r, seed):
-        out = JLStrategy(r, method="forward", seed=seed).clipped_sum(
+        out = JLClipper(r, method="forward", seed=seed).clipped_sum(
             loss_fn, (x, y, None), model.trainable_variables, query, _params(query)
         )
         flat = np.concatenate([g.numpy().ravel() for g in out.clipped_sum])
@@ -325,7 +325,7 @@ def test_clip_weights_come_from_the_query():
     model = _mlp()
     x, y = _data(model, 4)
     query = tf_dp.GaussianSumQuery(1e-3, 0.0)  # every example clipped hard
-    out = JLStrategy(2, seed=4).clipped_sum(
+    out = JLClipper(2, seed=4).clipped_sum(
         PerExampleLoss(model), (x, y, None), model.trainable_variables, query, _params(query)
     )
     # sum_i min(1, C/M_i) g_i with M_i the returned estimates: recompute from per-example grads
@@ -348,20 +348,20 @@ def test_refuses_per_group_queries_naming_them():
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="jl_projections"):
-        JLStrategy(0)
+        JLClipper(0)
     with pytest.raises(ValueError, match="method"):
-        JLStrategy(1, method="reverse")
+        JLClipper(1, method="reverse")
     with pytest.raises(TypeError, match="noise_after_sum"):
-        JLStrategy(1, noise_after_sum="yes")
+        JLClipper(1, noise_after_sum="yes")
 
 
 def test_directions_default_to_os_entropy():
     v = tf.Variable(tf.zeros([50]))
-    a = JLStrategy(1).draw_directions([v])[0][0].numpy()
-    b = JLStrategy(1).draw_directions([v])[0][0].numpy()
+    a = JLClipper(1).draw_directions([v])[0][0].numpy()
+    b = JLClipper(1).draw_directions([v])[0][0].numpy()
     assert not np.allclose(a, b)
-    c = JLStrategy(1, seed=3).draw_directions([v])[0][0].numpy()
-    d = JLStrategy(1, seed=3).draw_directions([v])[0][0].numpy()
+    c = JLClipper(1, seed=3).draw_directions([v])[0][0].numpy()
+    d = JLClipper(1, seed=3).draw_directions([v])[0][0].numpy()
     np.testing.assert_array_equal(c, d)
 
 
@@ -426,14 +426,14 @@ def test_forward_replay_refuses_unreplayable_randomness():
     model = _compiled([keras.Input((6,)), L.Dense(4), _UnseededNoise(), L.Dense(3)])
     x, y = _data(model, 4)
     query = tf_dp.GaussianSumQuery(1.0, 0.0)
-    strategy = JLStrategy(3, method="forward", seed=0)
+    strategy = JLClipper(3, method="forward", seed=0)
     args = (PerExampleLoss(model), (x, y, None), model.trainable_variables, query, _params(query))
     with pytest.raises(ValueError, match="replayed forward pass"):
         strategy.clipped_sum(*args)
     with pytest.raises(tf.errors.InvalidArgumentError, match="replayed forward pass"):
         tf.function(lambda: strategy.clipped_sum(*args).clipped_sum)()
     # the single-pass route works on it
-    JLStrategy(3, method="double_vjp", seed=0).clipped_sum(*args)
+    JLClipper(3, method="double_vjp", seed=0).clipped_sum(*args)
 
 
 @pytest.mark.parametrize(
@@ -494,7 +494,7 @@ def test_auto_never_chooses_jl():
     (docs/jl.md, "When JL is worth it"): auto picks an exact strategy for every kind of model."""
     import keras
 
-    from tf_dp.gradients import make_strategy
+    from tf_dp.gradients import make_clipper
 
     class Custom(keras.layers.Layer):  # no ghost rule: a per-example fallback, never JL
         def build(self, shape):
@@ -513,5 +513,5 @@ def test_auto_never_chooses_jl():
         keras.Sequential([keras.Input((5,)), Custom()]),
     ]
     for model in models:
-        strategy = make_strategy("auto", model=model)
+        strategy = make_clipper("auto", model=model)
         assert strategy.name != "jl" and strategy.exact, (model, strategy.name)

@@ -11,8 +11,8 @@ import pytest
 import tensorflow as tf
 
 import tf_dp
-from tf_dp.gradients import MicrobatchStrategy, make_strategy
-from tf_dp.gradients.jl import JLStrategy
+from tf_dp.gradients import MicrobatchClipper, make_clipper
+from tf_dp.gradients.jl import JLClipper
 from tests.test_gradients_exact import (
     HUGE_CLIP,
     assert_close_list,
@@ -39,10 +39,10 @@ def _poisoned(x, rows, value):
 
 def _strategy(mode, model, seed=0):
     if mode == "microbatch":
-        return MicrobatchStrategy(4, seed=seed)
+        return MicrobatchClipper(4, seed=seed)
     if mode == "jl":
-        return JLStrategy(jl_projections=2, seed=seed)
-    return make_strategy(mode, model=model)
+        return JLClipper(jl_projections=2, seed=seed)
+    return make_clipper(mode, model=model)
 
 
 @pytest.mark.parametrize("value", sorted(BAD))
@@ -74,13 +74,13 @@ def test_jl_gives_a_bad_example_weight_zero(value):
     model = compiled(sequential_model())
     x, y = data(batch=10)
     bad = [0, 5]
-    out = run(JLStrategy(jl_projections=2, seed=1), model, _poisoned(x, bad, BAD[value]), y,
+    out = run(JLClipper(jl_projections=2, seed=1), model, _poisoned(x, bad, BAD[value]), y,
               clip=HUGE_CLIP, graph=True)
     records = reference_grads(model, x, y, groups=[[i] for i in range(10) if i not in bad])
     expected = [sum(r[k] for r in records) for k in range(len(records[0]))]
     assert_close_list(out["clipped_sum"], expected, rtol=1e-4, atol=1e-5)
     # with clipping, the sum stays finite and bounded by (kept records) * C
-    out = run(JLStrategy(jl_projections=2, seed=1), model, _poisoned(x, bad, BAD[value]), y,
+    out = run(JLClipper(jl_projections=2, seed=1), model, _poisoned(x, bad, BAD[value]), y,
               clip=0.3, graph=True)
     total = np.sqrt(sum(float(np.sum(np.square(g))) for g in out["clipped_sum"]))
     assert np.isfinite(total) and total <= 8 * 0.3 * (1 + 1e-5)

@@ -13,7 +13,7 @@ import tensorflow as tf
 import tf_dp
 import tf_dp.keras as dpk
 from tf_dp.dp_query.gaussian_query import GaussianSumQuery
-from tf_dp.gradients import make_strategy
+from tf_dp.gradients import make_clipper
 from tf_dp.gradients.physical_batches import PhysicalBatches
 from tf_dp.keras.losses import PerExampleLoss
 from tests.test_gradients_exact import (
@@ -59,7 +59,7 @@ def test_pieces_give_the_reference_clipped_sum(builder, mode, compile_as):
     sw[4] = 0.0  # a zero-weight row (like Poisson padding) inside a piece
     clip = 0.3
     # 10 records in pieces of 3: a first piece of 1, then three of 3
-    out = _run(PhysicalBatches(make_strategy(mode, model=model), 3), model, x, y, sw, clip,
+    out = _run(PhysicalBatches(make_clipper(mode, model=model), 3), model, x, y, sw, clip,
                compile_as)
     want, norms = reference_clipped_sum(reference_grads(model, x, y, sw), clip)
     assert np.sum(norms > clip) >= 3, "the clip must bind for several examples"
@@ -84,7 +84,7 @@ def test_any_piece_size_gives_the_unsplit_ghost_sum_on_a_masked_bilstm(size):
     total = np.sqrt(sum(np.sum(g.reshape(7, -1) ** 2, axis=1) for g in ref))
     clip = float(np.median(total))
     want = [np.tensordot(np.minimum(1.0, clip / total), g, axes=1) for g in ref]
-    split = _run(PhysicalBatches(make_strategy("ghost", model=model), size), model, x, y,
+    split = _run(PhysicalBatches(make_clipper("ghost", model=model), size), model, x, y,
                  clip=clip, compile_as="graph")
     for got, ref_sum in zip(split["clipped_sum"], want):
         np.testing.assert_allclose(got, ref_sum, rtol=1e-4, atol=1e-6)
@@ -95,7 +95,7 @@ def test_a_non_finite_record_in_one_piece_adds_nothing():
     model = compiled(sequential_model())
     x, y = data(batch=9)
     x[5, 1] = np.nan  # in the second piece of 3 (pieces: 3, 3, 3)
-    out = _run(PhysicalBatches(make_strategy("ghost", model=model), 3), model, x, y,
+    out = _run(PhysicalBatches(make_clipper("ghost", model=model), 3), model, x, y,
                compile_as="graph")
     good = [i for i in range(9) if i != 5]
     want, _ = reference_clipped_sum(reference_grads(model, x[good], y[good]), 0.3)
@@ -157,10 +157,10 @@ def test_arguments_and_config():
     assert again.max_physical_batch_size == 16
     assert dpk.DPKerasAdamOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0).max_physical_batch_size is None
     with pytest.raises(ValueError, match="per-example gradient mode"):
-        PhysicalBatches(tf_dp.gradients.MicrobatchStrategy(4), 8)
+        PhysicalBatches(tf_dp.gradients.MicrobatchClipper(4), 8)
 
 
-class _Spy(tf_dp.gradients.GradientStrategy):
+class _Spy(tf_dp.gradients.GradientClipper):
     """Records the number of records of every call of the wrapped strategy (eager)."""
 
     name = "ghost"
@@ -176,7 +176,7 @@ class _Spy(tf_dp.gradients.GradientStrategy):
 def test_every_piece_holds_at_most_p_records():
     model = compiled(sequential_model())
     x, y = data(batch=10)
-    spy = _Spy(make_strategy("ghost", model=model))
+    spy = _Spy(make_clipper("ghost", model=model))
     out = _run(PhysicalBatches(spy, 3), model, x, y)
     assert spy.sizes == [1, 3, 3, 3], spy.sizes  # the remainder first, then full pieces
     want, _ = reference_clipped_sum(reference_grads(model, x, y), 0.3)
@@ -195,8 +195,8 @@ def test_pieces_made_only_of_padding_rows_stay_valid_input(mode):
     x[2:] = 0  # four padding rows: pieces of 2 -> [real, real], [pad, pad], [pad, pad]
     y = np.array([0, 1, 0, 0, 0, 0], "int32")
     sw = np.array([1, 1, 0, 0, 0, 0], "float32")
-    whole = _run(make_strategy(mode, model=model), model, x, y, sw, compile_as="graph")
-    split = _run(PhysicalBatches(make_strategy(mode, model=model), 2), model, x, y, sw,
+    whole = _run(make_clipper(mode, model=model), model, x, y, sw, compile_as="graph")
+    split = _run(PhysicalBatches(make_clipper(mode, model=model), 2), model, x, y, sw,
                  compile_as="graph")
     assert np.all(np.isfinite(split["losses"])), split["losses"]
     np.testing.assert_allclose(split["losses"], whole["losses"], rtol=1e-5, atol=1e-7)

@@ -18,8 +18,8 @@ import pytest
 import tensorflow as tf
 
 import tf_dp
-from tf_dp.gradients import make_strategy
-from tf_dp.gradients.ghost import GhostStrategy, find_rule
+from tf_dp.gradients import make_clipper
+from tf_dp.gradients.ghost import GhostClipper, find_rule
 from tf_dp.keras.losses import PerExampleLoss
 
 L = keras.layers
@@ -57,7 +57,7 @@ def loop_reference(model, x, y):
 
 
 def ghost_run(model, x, y, clip, graph=False):
-    strategy = GhostStrategy()
+    strategy = GhostClipper()
     query = RecordingQuery(clip, 0.0)
     params = query.derive_sample_params(query.initial_global_state())
     loss_fn = PerExampleLoss(model)
@@ -220,8 +220,8 @@ def test_input_dropout_is_applied_and_training_runs():
 def test_auto_picks_the_recurrent_rule_and_logs_it(caplog):
     model = seq_model(L.Bidirectional(L.LSTM(3)), L.Dense(2))
     with caplog.at_level(logging.INFO, logger="tf_dp"):
-        s = make_strategy("auto", model=model)
-    assert isinstance(s, GhostStrategy) and s.mode == "ghost"
+        s = make_clipper("auto", model=model)
+    assert isinstance(s, GhostClipper) and s.mode == "ghost"
     assert s.description.startswith("ghost (recurrent rule: ")
     assert any("recurrent rule" in rec.message for rec in caplog.records)
 
@@ -270,7 +270,7 @@ def test_xla_and_mixed_precision():
     query = RecordingQuery(1e9, 0.0)  # no clipping: the sum of the per-example gradients
     params = query.derive_sample_params(query.initial_global_state())
     data = (tf.constant(x), tf.constant(y), None)
-    strategy = GhostStrategy()
+    strategy = GhostClipper()
     xla = tf.function(
         lambda: strategy.clipped_sum(loss_fn, data, model.trainable_variables, query, params).clipped_sum,
         jit_compile=True,
@@ -284,7 +284,7 @@ def test_xla_and_mixed_precision():
     finally:
         keras.mixed_precision.set_global_policy("float32")
     half.set_weights(model.get_weights())
-    strategy = GhostStrategy()
+    strategy = GhostClipper()
     out = strategy.clipped_sum(
         PerExampleLoss(half), data, half.trainable_variables, RecordingQuery(1e9, 0.0), params
     )

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import tf_dp
-from tf_dp.gradients import MicrobatchStrategy, VectorizedStrategy
+from tf_dp.gradients import MicrobatchClipper, VectorizedClipper
 from tests.test_gradients_exact import (
     assert_close_list,
     compiled,
@@ -87,7 +87,7 @@ def test_masked_pooling_microbatches_match_the_reference():
     x, y = tokens(16, 7, 30, seed=2)
     y = y % 5
     # 16 microbatches over 16 examples: several are empty (their slots read padding tokens)
-    out = run(MicrobatchStrategy(16, seed=5), model, x, y, clip=0.2, graph=True)
+    out = run(MicrobatchClipper(16, seed=5), model, x, y, clip=0.2, graph=True)
     groups = twin_groups(16, 16, seed=5)
     assert len(groups) < 16
     expected, _ = reference_clipped_sum(reference_grads(model, x, y, groups=groups), 0.2)
@@ -104,9 +104,9 @@ def test_zero_weight_rows_of_padding_tokens_add_nothing():
     kept = [i for i in range(10) if sw[i] > 0]
     expected, _ = reference_clipped_sum(
         reference_grads(model, x, y, groups=[[i] for i in kept]), 0.3)
-    for strategy in (VectorizedStrategy(), MicrobatchStrategy(10, seed=1)):
+    for strategy in (VectorizedClipper(), MicrobatchClipper(10, seed=1)):
         out = run(strategy, model, x, y, sw=sw, clip=0.3, graph=True)
-        if isinstance(strategy, MicrobatchStrategy):
+        if isinstance(strategy, MicrobatchClipper):
             groups = [[i for i in g if sw[i] > 0] for g in twin_groups(10, 10, seed=1)]
             expected_mb, _ = reference_clipped_sum(
                 reference_grads(model, x, y, sw=sw, groups=[g for g in groups if g]), 0.3)
@@ -121,10 +121,10 @@ def test_embedding_lstm_per_example_gradients_match_the_reference(strategy):
     model = compiled(lstm_model())
     x, y = tokens(6, 6, 20, seed=4, zero_tail=0)
     if strategy == "vectorized":
-        out = run(VectorizedStrategy(), model, x, y, clip=0.05, graph=True)
+        out = run(VectorizedClipper(), model, x, y, clip=0.05, graph=True)
         groups = None
     else:
-        out = run(MicrobatchStrategy(3, seed=2), model, x, y, clip=0.05, graph=True)
+        out = run(MicrobatchClipper(3, seed=2), model, x, y, clip=0.05, graph=True)
         groups = twin_groups(3, 6, seed=2)
     expected, norms = reference_clipped_sum(reference_grads(model, x, y, groups=groups), 0.05)
     assert np.all(norms > 0.05), "the clip must bind for this test to mean much"

@@ -16,82 +16,87 @@ The Keras side (``tf_dp.keras``, ``tf_dp.gradients``) needs Keras's TensorFlow b
 ``ImportError`` under any other ``KERAS_BACKEND`` (jax, torch, numpy, ...); the accountants, the
 ledger file and the command-line tools do not import Keras and work under any backend.
 
-Example::
+Example:
 
-    import tf_dp
-    query = tf_dp.GaussianSumQuery(l2_norm_clip=1.0, stddev=1.1)
+>>> import tf_dp
+>>> query = tf_dp.GaussianSumQuery(l2_norm_clip=1.0, stddev=1.1)
+>>> query.get_config()
+{'l2_norm_clip': 1.0, 'stddev': 1.1, 'seed': None, 'noise_mode': 'continuous'}
 """
 
-import importlib
+from tf_dp._backend import require_tensorflow_backend as _require_tensorflow_backend  # noqa: F401
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "DPQuery": "tf_dp.dp_query",
-    "SumAggregationDPQuery": "tf_dp.dp_query",
-    "GaussianSumQuery": "tf_dp.dp_query",
-    "NestedQuery": "tf_dp.dp_query",
-    "NormalizedQuery": "tf_dp.dp_query",
-    "JointClipGaussianSumQuery": "tf_dp.dp_query",
-    "AutomaticClipSumQuery": "tf_dp.dp_query",
-    "QuantileAdaptiveClipSumQuery": "tf_dp.dp_query",
-    "QuantileAdaptiveClipAverageQuery": "tf_dp.dp_query",
-    "NoPrivacySumQuery": "tf_dp.dp_query",
-    "TreeCumulativeSumQuery": "tf_dp.dp_query",
-    "TreeResidualSumQuery": "tf_dp.dp_query",
-    "NoPrivacyAverageQuery": "tf_dp.dp_query",
-    "proportional_noise_allocation": "tf_dp.dp_query",
-    "dimension_adjusted_noise_allocation": "tf_dp.dp_query",
-    "PrivacyLedger": "tf_dp.ledger.privacy_ledger",
-    "QueryWithLedger": "tf_dp.ledger.query_with_ledger",
-    "SampleEntry": "tf_dp.ledger.events",
-    "SamplingEvent": "tf_dp.ledger.events",
-    "SumQueryEvent": "tf_dp.ledger.events",
-    "LedgerFileError": "tf_dp.ledger.ledger_file",
-    "DPKerasSGDOptimizer": "tf_dp.keras",
-    "DPKerasAdamOptimizer": "tf_dp.keras",
-    "DPKerasAdagradOptimizer": "tf_dp.keras",
-    "make_dp_optimizer_class": "tf_dp.keras",
-    "make_private": "tf_dp.keras",
-    "DPSequential": "tf_dp.keras",
-    "DPModel": "tf_dp.keras",
-    "PrivacyReport": "tf_dp.keras",
-    "PrivacyBudget": "tf_dp.keras",
-    "poisson_batches": "tf_dp.data",
-    "compute_epsilon": "tf_dp.accounting",
+    "DPQuery": "dp_query",
+    "SumAggregationDPQuery": "dp_query",
+    "GaussianSumQuery": "dp_query",
+    "NestedQuery": "dp_query",
+    "NormalizedQuery": "dp_query",
+    "JointClipGaussianSumQuery": "dp_query",
+    "AutomaticClipSumQuery": "dp_query",
+    "QuantileAdaptiveClipSumQuery": "dp_query",
+    "QuantileAdaptiveClipAverageQuery": "dp_query",
+    "NoPrivacySumQuery": "dp_query",
+    "TreeCumulativeSumQuery": "dp_query",
+    "TreeResidualSumQuery": "dp_query",
+    "NoPrivacyAverageQuery": "dp_query",
+    "proportional_noise_allocation": "dp_query",
+    "dimension_adjusted_noise_allocation": "dp_query",
+    "PrivacyLedger": "ledger",
+    "QueryWithLedger": "ledger",
+    "SampleEntry": "ledger",
+    "SamplingEvent": "ledger",
+    "SumQueryEvent": "ledger",
+    "LedgerFileError": "ledger",
+    "DPKerasSGDOptimizer": "keras",
+    "DPKerasAdamOptimizer": "keras",
+    "DPKerasAdagradOptimizer": "keras",
+    "make_dp_optimizer_class": "keras",
+    "make_private": "keras",
+    "DPSequential": "keras",
+    "DPModel": "keras",
+    "PrivacyReport": "keras",
+    "PrivacyBudget": "keras",
+    "poisson_batches": "data",
+    "compute_epsilon": "accounting",
 }
 
 _SUBMODULES = ("dp_query", "ledger", "accounting", "gradients", "keras", "cli", "data", "auditing")
 
 
-def _require_tensorflow_backend() -> None:
-    """Raises ``ImportError`` unless Keras runs on its TensorFlow backend.
-
-    Called when ``tf_dp.keras`` or ``tf_dp.gradients`` is imported: their DP step is written in
-    TensorFlow ops (per-example gradients, ``tf.distribute``, the ledger's variables), so under
-    another backend (jax, torch, numpy, ...) it cannot run. The check is "the backend is not
-    ``tensorflow``", whichever other backend it is.
-
-    Example::
-
-        tf_dp._require_tensorflow_backend()  # ImportError when KERAS_BACKEND=jax
-    """
-    import keras
-
-    backend = keras.backend.backend()
-    if backend != "tensorflow":
-        raise ImportError(
-            f"tf_dp needs Keras's TensorFlow backend for training, but Keras runs on {backend!r}: "
-            "set the environment variable KERAS_BACKEND=tensorflow before keras is first imported "
-            "(tf_dp.accounting and the command-line tools work under any backend)"
-        )
+def _submodule(name: str):
+    """``tf_dp.<name>``, imported on first use (plain imports: each subpackage is a module of its
+    own, and the accountants must not pull in TensorFlow)."""
+    if name == "dp_query":
+        import tf_dp.dp_query as module
+    elif name == "ledger":
+        import tf_dp.ledger as module
+    elif name == "accounting":
+        import tf_dp.accounting as module
+    elif name == "gradients":
+        import tf_dp.gradients as module
+    elif name == "keras":
+        import tf_dp.keras as module
+    elif name == "cli":
+        import tf_dp.cli as module
+    elif name == "data":
+        import tf_dp.data as module
+    elif name == "auditing":
+        import tf_dp.auditing as module
+    else:
+        raise AttributeError(f"module 'tf_dp' has no attribute {name!r}")
+    return module
 
 
 def __getattr__(name):
     if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
+        value = getattr(_submodule(_EXPORTS[name]), name)
+        globals()[name] = value  # resolved once
+        return value
     if name in _SUBMODULES:
-        return importlib.import_module(f"tf_dp.{name}")
+        return _submodule(name)
     raise AttributeError(f"module 'tf_dp' has no attribute {name!r}")
 
 

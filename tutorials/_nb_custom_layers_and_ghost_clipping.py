@@ -67,7 +67,7 @@ print(f"DATA: {data_name}: {n} training and {len(x_test)} test images, flattened
 # %% [markdown]
 # ## 1. How `gradient_mode="auto"` chooses
 #
-# `tf_dp.gradients.make_strategy(gradient_mode, model)` is what the DP optimizers call on the
+# `tf_dp.gradients.make_clipper(gradient_mode, model)` is what the DP optimizers call on the
 # first step. With `"auto"` it returns the ghost strategy when at least one layer of the model has
 # a registered norm rule (`Dense`, `EinsumDense`, `Conv1D/2D`, `Embedding`, layer and group
 # normalisation, attention through its projections, Keras's recurrent layers), and the
@@ -116,7 +116,7 @@ def custom_only_model():
 
 
 def describe(model):
-    strategy = tf_dp.gradients.make_strategy("auto", model)
+    strategy = tf_dp.gradients.make_clipper("auto", model)
     if strategy.name == "ghost":
         plan = tf_dp.gradients.ghost.make_plan(model, model.trainable_variables)
         return f"{strategy.name} strategy, plan: {plan.description}"
@@ -210,7 +210,7 @@ def low_rank_dense_rule(layer, inputs, grad_output):
 # its training step) on a batch of `CHECK_BATCH` real images.
 
 # %%
-from tf_dp.gradients.ghost import GhostStrategy
+from tf_dp.gradients.ghost import GhostClipper
 
 
 class RecordingQuery(tf_dp.GaussianSumQuery):
@@ -238,7 +238,7 @@ def check_rule(model, x, y, clip=L2_NORM_CLIP):
     model.compile(loss=loss)
     query = RecordingQuery(clip, 0.0)
     params = query.derive_sample_params(query.initial_global_state())
-    out = GhostStrategy().clipped_sum(
+    out = GhostClipper().clipped_sum(
         tf_dp.keras.PerExampleLoss(model), (x, y, None), model.trainable_variables, query, params)
     ghost_norms = np.sqrt(np.stack([np.asarray(s) for s in query.squared_norms], 1))  # [B, vars]
     ref = reference_per_example_gradients(model, x, y)
@@ -338,7 +338,7 @@ def per_layer_error(model, x, y):
     model.compile(loss=loss)
     query = tf_dp.NestedQuery([tf_dp.GaussianSumQuery(s, 0.0) for s in clips])
     params = query.derive_sample_params(query.initial_global_state())
-    out = GhostStrategy().clipped_sum(
+    out = GhostClipper().clipped_sum(
         tf_dp.keras.PerExampleLoss(model), (x, y, None), model.trainable_variables, query, params)
     ref = reference_per_example_gradients(model, x, y)
     errors = []
@@ -389,7 +389,7 @@ print(f"per-layer clipping: epsilon = {per_layer_epsilon:.4f}; flat clipping wit
 # ## Summary
 #
 # - `gradient_mode="auto"` uses ghost clipping when a layer has a norm rule and tells you what it
-#   chose (`make_strategy`, the `tf_dp` log line, `optimizer.gradient_strategy`).
+#   chose (`make_clipper`, the `tf_dp` log line, `optimizer.gradient_strategy`).
 # - A custom layer gets ghost clipping from a few lines: a rule returning `Outer`, `Rows` or
 #   `PerExample` factors for each of its variables. Test it against a per-example gradient loop
 #   before using it: a wrong rule trains happily with the wrong clipping.

@@ -23,7 +23,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tf_dp.gradients.ghost.rules import _same_pads, _unfold, _unfold_gather  # noqa: E402
+from tf_dp.gradients.ghost.conv import _same_pads, _unfold, _unfold_gather  # noqa: E402
 
 B = 256
 CASES = {

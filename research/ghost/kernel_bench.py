@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from research.ghost.conv_bench import cpu_ms  # noqa: E402
-from tf_dp.gradients.ghost.rules import _unfold  # noqa: E402
+from tf_dp.gradients.ghost.conv import _unfold  # noqa: E402
 
 B = 256
 rng = np.random.default_rng(0)

@@ -13,7 +13,7 @@ import tensorflow as tf  # noqa: E402
 
 import tf_dp  # noqa: E402
 from bench.models import build_model, make_batch  # noqa: E402
-from tf_dp.gradients import make_strategy  # noqa: E402
+from tf_dp.gradients import make_clipper  # noqa: E402
 from tf_dp.keras.losses import PerExampleLoss  # noqa: E402
 
 
@@ -54,7 +54,7 @@ def main():
     print("nonprivate fwd+bwd+apply", round(bench(nonprivate), 2))
     lf = PerExampleLoss(model)
     for mode in a.modes.split(","):
-        s = make_strategy(mode, model=model)
+        s = make_clipper(mode, model=model)
         q = tf_dp.GaussianSumQuery(1.0, 1.1)
         gs = q.initial_global_state()
 

@@ -13,7 +13,7 @@ import json
 import statistics
 
 from bench import step_time
-from tf_dp.gradients.jl import JLStrategy
+from tf_dp.gradients.jl import JLClipper
 
 _build = step_time.build
 
@@ -24,7 +24,7 @@ def build(model_name: str, mode: str, batch_size: int, seed: int = 0):
         return _build(model_name, mode, batch_size, seed)
     model = _build(model_name, ":".join(parts[:2]), batch_size, seed)
     # Select the route (the optimizer resolves its strategy once; pre-set it before any step).
-    model.optimizer._strategy = JLStrategy(int(parts[1]), method=parts[2])
+    model.optimizer._strategy = JLClipper(int(parts[1]), method=parts[2])
     return model
 
 

@@ -12,11 +12,12 @@ Pure numpy/scipy (no TensorFlow).  Which accountant to use (see docs/accounting.
 Tradeoff curves (f-DP) of a run: ``pld_tradeoff`` (certified) and ``gaussian_tradeoff`` (mu-GDP),
 see ``tf_dp.accounting.tradeoff``.
 
-Example::
+Example (``compute_epsilon(ledger_or_file, delta)`` does the same from a ledger of what ran):
 
-    from tf_dp.accounting import compute_epsilon, dp_sgd_epsilon
-    print(dp_sgd_epsilon(60000, 256, 1.1, 1e-5, epochs=60, accountant="pld"))
-    print(compute_epsilon("run.ledger.json", 1e-5))
+>>> from tf_dp.accounting import dp_sgd_epsilon
+>>> result = dp_sgd_epsilon(60000, 256, 1.1, 1e-5, epochs=60)
+>>> round(result.epsilon, 3), result.certified
+(2.597, True)
 """
 
 from tf_dp.accounting.calibration import calibrate_noise_multiplier

@@ -5,10 +5,12 @@ and halving from 1) and bisects until the bracket is within ``rtol``.  The retur
 upper end of the final bracket, so the guarantee at that noise is never above the target (for the
 certified accountants).  ``gdp`` calibrates against the CLT approximation (not certified).
 
-Example::
+Example:
 
-    from tf_dp.accounting import calibrate_noise_multiplier
-    sigma = calibrate_noise_multiplier(3.0, 1e-5, n=60000, batch_size=256, epochs=60)
+>>> from tf_dp.accounting import calibrate_noise_multiplier
+>>> sigma = calibrate_noise_multiplier(3.0, 1e-5, n=60000, batch_size=256, epochs=60)
+>>> round(sigma, 3)
+1.015
 """
 
 from __future__ import annotations

@@ -22,11 +22,13 @@ A ``mu``-GDP mechanism is ``(eps, delta(eps; mu))``-DP for every ``eps >= 0`` wi
 reduction of Eqs. (3.3)-(3.4): the smaller ``sigma~`` whose CLT guarantee equals the moments
 accountant's guarantee at the original ``sigma``.
 
-Example::
+Example (an approximation, not a certified bound):
 
-    from tf_dp.accounting import gdp
-    mu = gdp.mu_poisson(q=256 / 60000, noise_multiplier=1.1, steps=60 * 60000 // 256)
-    eps = gdp.epsilon_from_mu(mu, delta=1e-5)      # approximate
+>>> from tf_dp.accounting import gdp
+>>> mu = gdp.mu_poisson(q=256 / 60000, noise_multiplier=1.1, steps=60 * 60000 // 256)
+>>> eps = gdp.epsilon_from_mu(1e-5, mu)
+>>> round(mu, 3), round(eps, 3)
+(0.574, 2.324)
 """
 
 from __future__ import annotations

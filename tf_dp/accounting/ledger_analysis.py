@@ -24,12 +24,17 @@ Sampling policies (design invariant 5):
 
 Non-private samples (a query without noise) give ``epsilon = inf``.
 
-Example::
+Example (a ledger file's path, a ``PrivacyLedger`` or its runs, here 14063 identical steps; the
+result prints as a plain-words statement):
 
-    from tf_dp.accounting import compute_epsilon
-    result = compute_epsilon("run.ledger.json", delta=1e-5, accountant="pld")
-    print(result)           # plain-words statement
-    result.epsilon, result.certified
+>>> from tf_dp.accounting import compute_epsilon
+>>> from tf_dp.ledger import SampleEntry, SamplingEvent, SumQueryEvent
+>>> step = SampleEntry(
+...     sampling=SamplingEvent(population_size=60000, selection_probability=256 / 60000),
+...     queries=(SumQueryEvent(l2_sensitivity=1.0, noise_stddev=1.1),))
+>>> result = compute_epsilon([(step, 14063)], delta=1e-5)
+>>> round(result.epsilon, 3), result.certified
+(2.597, True)
 """
 
 from __future__ import annotations

@@ -18,8 +18,6 @@ Example::
     bound = one_run.epsilon_lower_bound(scores, included, delta=1e-5, confidence=0.95)
 """
 
-import importlib
-
 from tf_dp.auditing import gaussian, many_run, membership_inference, one_run
 from tf_dp.auditing.gaussian import mu_estimate, mu_lower_bound
 from tf_dp.auditing.many_run import clopper_pearson
@@ -27,22 +25,23 @@ from tf_dp.auditing.many_run import epsilon_lower_bound as many_run_epsilon_lowe
 from tf_dp.auditing.membership_inference import MIResult, loss_attack
 from tf_dp.auditing.one_run import epsilon_lower_bound as one_run_epsilon_lower_bound
 
-_LAZY = {
-    "audit_dp_sgd": "tf_dp.auditing.audit",
-    "AuditReport": "tf_dp.auditing.audit",
-    "THREAT_MODELS": "tf_dp.auditing.audit",
-    "CanaryHead": "tf_dp.auditing.canaries",
-    "mislabeled_canaries": "tf_dp.auditing.canaries",
-    "draw_inclusion": "tf_dp.auditing.canaries",
-    "dirac_score": "tf_dp.auditing.canaries",
-}
+_AUDIT = ("audit_dp_sgd", "AuditReport", "THREAT_MODELS")
+_CANARIES = ("CanaryHead", "mislabeled_canaries", "draw_inclusion", "dirac_score")
 
 
 def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    if name in ("audit", "canaries"):
-        return importlib.import_module(f"tf_dp.auditing.{name}")
+    # The Keras side, imported on first use (the estimators above need no TensorFlow).
+    if name in _AUDIT or name == "audit":
+        import tf_dp.auditing.audit as audit  # not "from tf_dp.auditing import": that asks
+        # this __getattr__ for "audit" again
+
+        globals().update({n: getattr(audit, n) for n in _AUDIT})
+        return audit if name == "audit" else globals()[name]
+    if name in _CANARIES or name == "canaries":
+        import tf_dp.auditing.canaries as canaries
+
+        globals().update({n: getattr(canaries, n) for n in _CANARIES})
+        return canaries if name == "canaries" else globals()[name]
     raise AttributeError(f"module 'tf_dp.auditing' has no attribute {name!r}")
 
 

@@ -56,9 +56,11 @@ def default_max_batch_size(
 ) -> int:
     """Smallest ``k`` with ``P[Binomial(n, q) > k] <= overflow_probability`` (at least 1).
 
-    Example::
+    Example:
 
-        default_max_batch_size(60000, 256 / 60000)   # about 333
+    >>> from tf_dp.data.poisson import default_max_batch_size
+    >>> default_max_batch_size(60000, 256 / 60000)
+    335
     """
     from scipy import stats
 
@@ -215,10 +217,17 @@ def poisson_batches(
     Returns:
       A :class:`PoissonBatches` (``.dataset``, ``.tf_dp_sampling == (n, q)``, ``.steps_per_epoch``).
 
-    Example::
+    Example (``model.fit(batches, epochs=3)`` on a private model trains on these batches and
+    declares the sampling to its DP optimizer):
 
-        batches = tf_dp.data.poisson_batches(x, y, sampling_probability=256 / len(x))
-        model.fit(batches, epochs=3)
+    >>> import numpy as np, tf_dp
+    >>> x, y = np.ones((100, 2), np.float32), np.zeros(100, np.int32)
+    >>> batches = tf_dp.data.poisson_batches(x, y, sampling_probability=0.1, seed=0)
+    >>> batches.tf_dp_sampling, batches.steps_per_epoch, batches.expected_batch_size
+    ((100, 0.1), 10, 10.0)
+    >>> xb, yb, weights = next(iter(batches.dataset))
+    >>> xb.shape[0] == weights.shape[0] == batches.max_batch_size   # padded, padding weight 0
+    True
     """
     x = _as_numpy_leaves("x", x)  # first: a data set or ragged x is the real problem
     q = _check_probability(sampling_probability)

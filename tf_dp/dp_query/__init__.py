@@ -12,7 +12,11 @@ from tf_dp.dp_query.noise_allocation import (
     proportional_noise_allocation,
 )
 from tf_dp.dp_query.normalized_query import NormalizedQuery
-from tf_dp.dp_query.serialization import deserialize_query, serialize_query
+from tf_dp.dp_query.serialization import (
+    deserialize_query,
+    serializable_query,
+    serialize_query,
+)
 from tf_dp.dp_query.tree_aggregation import TreeCumulativeSumQuery, TreeResidualSumQuery
 from tf_dp.dp_query.quantile_adaptive_clip_query import (
     QuantileAdaptiveClipAverageQuery,
@@ -37,6 +41,7 @@ __all__ = [
     "QuantileAdaptiveClipAverageQuery",
     "sum_noise_multiplier_for",
     "serialize_query",
+    "serializable_query",
     "deserialize_query",
     "make_generator",
     "proportional_noise_allocation",

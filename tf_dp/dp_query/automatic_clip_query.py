@@ -23,6 +23,7 @@ import tensorflow as tf
 from tf_dp.dp_query import dp_query
 from tf_dp.dp_query.noise import add_gaussian_noise_structure, make_generator
 from tf_dp.dp_query.validation import check_scalar
+from tf_dp.dp_query.serialization import plain_number, serializable_query
 
 
 class AutomaticClipGlobalState(NamedTuple):
@@ -37,6 +38,7 @@ def automatic_clip_weight(l2_norm_clip, gamma, squared_norm):
     return clip / (tf.sqrt(squared_norm) + tf.cast(gamma, squared_norm.dtype))
 
 
+@serializable_query
 class AutomaticClipSumQuery(dp_query.SumAggregationDPQuery):
     """Sums records normalised to weight ``C / (||x|| + gamma)`` and adds Gaussian noise.
 
@@ -90,8 +92,6 @@ class AutomaticClipSumQuery(dp_query.SumAggregationDPQuery):
 
     def get_config(self) -> dict[str, Any]:
         """Constructor arguments (Python numbers); see ``tf_dp.dp_query.serialize_query``."""
-        from tf_dp.dp_query.serialization import plain_number
-
         return {"l2_norm_clip": plain_number("l2_norm_clip", self._l2_norm_clip, self),
                 "stddev": plain_number("stddev", self._stddev, self),
                 "gamma": float(self._gamma), "seed": self._seed}

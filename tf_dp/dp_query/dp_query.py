@@ -20,18 +20,18 @@ deviation as tensors *of that step*. Sum queries additionally expose a *norm-bas
 (:meth:`SumAggregationDPQuery.clip_weights`) that the fast gradient strategies (ghost clipping,
 JL) use without materialising per-example gradients.
 
-Example::
+Example:
 
-    import tensorflow as tf
-    import tf_dp
-
-    query = tf_dp.GaussianSumQuery(l2_norm_clip=1.0, stddev=1.1)
-    gs = query.initial_global_state()
-    params = query.derive_sample_params(gs)
-    state = query.initial_sample_state(tf.zeros([3]))
-    for record in [tf.constant([3.0, 4.0, 0.0]), tf.constant([0.1, 0.0, 0.0])]:
-        state = query.accumulate_record(params, state, record)
-    noised_sum, gs = query.get_noised_result(state, gs)
+>>> import tensorflow as tf, tf_dp
+>>> query = tf_dp.GaussianSumQuery(l2_norm_clip=1.0, stddev=1.1)
+>>> gs = query.initial_global_state()
+>>> params = query.derive_sample_params(gs)
+>>> state = query.initial_sample_state(tf.zeros([3]))
+>>> for record in [tf.constant([3.0, 4.0, 0.0]), tf.constant([0.1, 0.0, 0.0])]:
+...     state = query.accumulate_record(params, state, record)
+>>> noised_sum, gs = query.get_noised_result(state, gs)
+>>> noised_sum.shape
+TensorShape([3])
 """
 
 from __future__ import annotations

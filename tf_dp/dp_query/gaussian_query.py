@@ -23,6 +23,7 @@ from tf_dp.dp_query.noise import (
     num_coordinates,
 )
 from tf_dp.dp_query.validation import check_scalar
+from tf_dp.dp_query.serialization import plain_number, serializable_query
 
 
 class GaussianGlobalState(NamedTuple):
@@ -37,6 +38,7 @@ def clip_weight(l2_norm_clip, squared_norm):
     return tf.math.divide_no_nan(clip, tf.maximum(norm, clip))
 
 
+@serializable_query
 class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     """Sums records clipped to L2 norm ``l2_norm_clip`` and adds Gaussian noise of ``stddev``.
 
@@ -58,14 +60,18 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
         Gaussian mechanism on the rounded sum, whose sensitivity ``C + g sqrt(d)`` the ledger
         records. See :func:`tf_dp.dp_query.noise.add_grid_noise_structure`.
 
-    Example::
+    Example (with ``stddev=0.0`` the released sum is the clipped sum itself):
 
-        query = tf_dp.GaussianSumQuery(l2_norm_clip=1.0, stddev=1.1)
-        gs = query.initial_global_state()
-        params = query.derive_sample_params(gs)
-        state = query.initial_sample_state(tf.zeros([2]))
-        state = query.accumulate_record(params, state, tf.constant([3.0, 4.0]))  # clipped to [.6, .8]
-        noised_sum, gs = query.get_noised_result(state, gs)
+    >>> import tensorflow as tf, tf_dp
+    >>> query = tf_dp.GaussianSumQuery(l2_norm_clip=1.0, stddev=0.0)
+    >>> gs = query.initial_global_state()
+    >>> params = query.derive_sample_params(gs)
+    >>> state = query.initial_sample_state(tf.zeros([2]))
+    >>> state = query.accumulate_record(params, state, tf.constant([3.0, 4.0]))  # norm 5 -> 1
+    >>> state = query.accumulate_record(params, state, tf.constant([0.0, 0.5]))  # kept
+    >>> noised_sum, gs = query.get_noised_result(state, gs)
+    >>> [round(float(v), 4) for v in noised_sum]
+    [0.6, 1.3]
     """
 
     def __init__(
@@ -97,8 +103,6 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
 
     def get_config(self) -> dict[str, Any]:
         """Constructor arguments (Python numbers); see ``tf_dp.dp_query.serialize_query``."""
-        from tf_dp.dp_query.serialization import plain_number
-
         return {"l2_norm_clip": plain_number("l2_norm_clip", self._l2_norm_clip, self),
                 "stddev": plain_number("stddev", self._stddev, self), "seed": self._seed,
                 "noise_mode": self._noise_mode}

@@ -13,8 +13,14 @@ from typing import Any
 import tensorflow as tf
 
 from tf_dp.dp_query import dp_query
+from tf_dp.dp_query.serialization import (
+    deserialize_structure,
+    serializable_query,
+    serialize_structure,
+)
 
 
+@serializable_query
 class NestedQuery(dp_query.DPQuery):
     """Applies a structure of queries to records of a matching (or deeper) structure.
 
@@ -50,14 +56,10 @@ class NestedQuery(dp_query.DPQuery):
 
     def get_config(self) -> dict[str, Any]:
         """The structure and every leaf query's config; see ``tf_dp.dp_query.serialize_query``."""
-        from tf_dp.dp_query.serialization import serialize_structure
-
         return {"queries": serialize_structure(self._queries)}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "NestedQuery":
-        from tf_dp.dp_query.serialization import deserialize_structure
-
         return cls(deserialize_structure(config["queries"]))
 
     def _map(self, fn, *structures):

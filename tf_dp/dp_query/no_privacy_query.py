@@ -34,12 +34,16 @@ class NoPrivacyAverageQuery(dp_query.DPQuery):
     The sample state is ``(weighted sum, total weight)``; the result is their ratio (0 when no
     weight was accumulated).
 
-    Example::
+    Example:
 
-        query = tf_dp.NoPrivacyAverageQuery()
-        state = query.initial_sample_state(tf.zeros([2]))
-        state = query.accumulate_record((), state, tf.constant([1.0, 3.0]))
-        mean, _ = query.get_noised_result(state, query.initial_global_state())
+    >>> import tensorflow as tf, tf_dp
+    >>> query = tf_dp.NoPrivacyAverageQuery()
+    >>> state = query.initial_sample_state(tf.zeros([2]))
+    >>> state = query.accumulate_record((), state, tf.constant([1.0, 3.0]))
+    >>> state = query.accumulate_record((), state, tf.constant([3.0, 5.0]))
+    >>> mean, _ = query.get_noised_result(state, query.initial_global_state())
+    >>> mean.numpy().tolist()
+    [2.0, 4.0]
     """
 
     def initial_sample_state(self, template: Any) -> Any:

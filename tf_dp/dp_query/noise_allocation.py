@@ -34,7 +34,14 @@ def _clips(l2_norm_clips: Any) -> list[float]:
 
 
 def proportional_noise_allocation(noise_multiplier: float, l2_norm_clips: Any) -> Any:
-    """Returns ``z * sqrt(G) * S_g`` for every clip, in the structure of ``l2_norm_clips``."""
+    """Returns ``z * sqrt(G) * S_g`` for every clip, in the structure of ``l2_norm_clips``.
+
+    Example (two groups, clips 3 and 4):
+
+    >>> from tf_dp.dp_query import proportional_noise_allocation
+    >>> [round(s, 4) for s in proportional_noise_allocation(1.0, [3.0, 4.0])]
+    [4.2426, 5.6569]
+    """
     z = check_scalar("noise_multiplier", noise_multiplier)
     clips = _clips(l2_norm_clips)
     g = len(clips)

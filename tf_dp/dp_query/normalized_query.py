@@ -8,6 +8,12 @@ import tensorflow as tf
 
 from tf_dp.dp_query import dp_query
 from tf_dp.dp_query.validation import check_scalar
+from tf_dp.dp_query.serialization import (
+    deserialize_query,
+    plain_number,
+    serializable_query,
+    serialize_query,
+)
 
 
 class NormalizedGlobalState(NamedTuple):
@@ -15,6 +21,7 @@ class NormalizedGlobalState(NamedTuple):
     denominator: Any
 
 
+@serializable_query
 class NormalizedQuery(dp_query.DPQuery):
     """Divides the noised result of ``numerator_query`` by ``denominator``.
 
@@ -25,9 +32,16 @@ class NormalizedQuery(dp_query.DPQuery):
       numerator_query: a DPQuery (typically a ``GaussianSumQuery``).
       denominator: a finite number > 0, or a scalar tensor/variable read at run time.
 
-    Example::
+    Example:
 
-        query = tf_dp.NormalizedQuery(tf_dp.GaussianSumQuery(1.0, 1.1), denominator=256.0)
+    >>> import tensorflow as tf, tf_dp
+    >>> query = tf_dp.NormalizedQuery(tf_dp.GaussianSumQuery(1.0, 0.0), denominator=4.0)
+    >>> gs = query.initial_global_state()
+    >>> state = query.initial_sample_state(tf.zeros([1]))
+    >>> for x in (0.5, 3.0):  # the second record is clipped to 1.0
+    ...     state = query.accumulate_record(query.derive_sample_params(gs), state, tf.constant([x]))
+    >>> float(query.get_noised_result(state, gs)[0][0])
+    0.375
     """
 
     def __init__(self, numerator_query: dp_query.DPQuery, denominator: Any):
@@ -46,15 +60,11 @@ class NormalizedQuery(dp_query.DPQuery):
 
     def get_config(self) -> dict[str, Any]:
         """The numerator's config and the denominator; see ``tf_dp.dp_query.serialize_query``."""
-        from tf_dp.dp_query.serialization import plain_number, serialize_query
-
         return {"numerator_query": serialize_query(self._numerator),
                 "denominator": plain_number("denominator", self._denominator, self)}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "NormalizedQuery":
-        from tf_dp.dp_query.serialization import deserialize_query
-
         return cls(deserialize_query(config["numerator_query"]), config["denominator"])
 
     def initial_global_state(self) -> NormalizedGlobalState:

@@ -47,6 +47,7 @@ from tf_dp.dp_query import dp_query
 from tf_dp.dp_query.gaussian_query import clip_weight
 from tf_dp.dp_query.noise import add_gaussian_noise_structure, gaussian_noise, make_generator
 from tf_dp.dp_query.normalized_query import NormalizedQuery
+from tf_dp.dp_query.serialization import serializable_query
 
 #: L2 sensitivity of the count query: each record contributes ``b_i - 1/2`` in ``{-1/2, 1/2}``.
 COUNT_SENSITIVITY = 0.5
@@ -76,9 +77,11 @@ def sum_noise_multiplier_for(
     Raises ValueError when the count query alone already spends more than ``z_eff`` allows
     (``2 sigma_b <= z_eff``).
 
-    Example::
+    Example:
 
-        z = sum_noise_multiplier_for(1.1, clipped_count_stddev=0.05 * 256)  # about 1.1010
+    >>> from tf_dp.dp_query import sum_noise_multiplier_for
+    >>> round(sum_noise_multiplier_for(1.1, clipped_count_stddev=0.05 * 256), 4)
+    1.101
     """
     z_eff = _check_number("total_noise_multiplier", total_noise_multiplier, positive=True)
     sb = _check_number("clipped_count_stddev", clipped_count_stddev, positive=True)
@@ -93,6 +96,7 @@ def sum_noise_multiplier_for(
     return rest**-0.5
 
 
+@serializable_query
 class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
     """Gaussian sum query whose clip follows a target quantile of the record norms.
 
@@ -333,6 +337,7 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
         )
 
 
+@serializable_query
 class QuantileAdaptiveClipAverageQuery(NormalizedQuery):
     """:class:`QuantileAdaptiveClipSumQuery` whose noised sum is divided by the public
     ``expected_num_records`` (an average gradient). Same arguments.

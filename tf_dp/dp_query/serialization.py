@@ -7,17 +7,26 @@ becomes the rebuilt query's ``initial_l2_norm_clip``, so a reloaded model resume
 reached. Seeds are stored as given (``None``, the default, keys the rebuilt query's noise from OS
 entropy again).
 
-Example::
+A query class is serialisable when it is decorated with :func:`serializable_query` (the
+built-in queries are, in their own modules; a user's query class can be too). This module imports
+nothing but the ``DPQuery`` protocol, so every query module can import it.
 
-    query = tf_dp.QuantileAdaptiveClipSumQuery(0.1, 1.1, 0.5, 0.2, 256 / 20, 256)
-    config = tf_dp.dp_query.serialize_query(query)
-    same = tf_dp.dp_query.deserialize_query(config)
+Example:
+
+>>> import tf_dp
+>>> query = tf_dp.QuantileAdaptiveClipSumQuery(0.1, 1.1, 0.5, 0.2, 256 / 20, 256)
+>>> config = tf_dp.dp_query.serialize_query(query)
+>>> config["class_name"]
+'QuantileAdaptiveClipSumQuery'
+>>> same = tf_dp.dp_query.deserialize_query(config)
+>>> same.get_config() == query.get_config()
+True
 """
 
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import tensorflow as tf
@@ -25,19 +34,49 @@ import tensorflow as tf
 from tf_dp.dp_query.dp_query import DPQuery
 
 
-def _classes() -> dict[str, type]:
-    from tf_dp.dp_query.automatic_clip_query import AutomaticClipSumQuery
-    from tf_dp.dp_query.gaussian_query import GaussianSumQuery
-    from tf_dp.dp_query.nested_query import NestedQuery
-    from tf_dp.dp_query.normalized_query import NormalizedQuery
-    from tf_dp.dp_query.quantile_adaptive_clip_query import (
-        QuantileAdaptiveClipAverageQuery,
-        QuantileAdaptiveClipSumQuery,
-    )
+_REGISTRY: dict[str, type] = {}
 
-    return {c.__name__: c for c in (
-        GaussianSumQuery, AutomaticClipSumQuery, QuantileAdaptiveClipSumQuery,
-        QuantileAdaptiveClipAverageQuery, NestedQuery, NormalizedQuery)}
+Q = TypeVar("Q", bound=type)
+
+
+def serializable_query(cls: Q) -> Q:
+    """Class decorator: ``serialize_query`` / ``deserialize_query`` accept ``cls``.
+
+    The class must implement ``get_config()`` (JSON-compatible values) and
+    ``from_config(config)``; it is registered under its ``__name__``, which a serialised config
+    stores as ``class_name``. A different class under a name already taken raises ValueError.
+
+    Example:
+
+    >>> import tf_dp
+    >>> from tf_dp.dp_query import deserialize_query, serializable_query, serialize_query
+    >>> @serializable_query
+    ... class MyGaussianQuery(tf_dp.GaussianSumQuery):
+    ...     pass
+    >>> config = serialize_query(MyGaussianQuery(l2_norm_clip=1.0, stddev=1.1))
+    >>> config["class_name"], config["config"]["l2_norm_clip"]
+    ('MyGaussianQuery', 1.0)
+    >>> type(deserialize_query(config)).__name__
+    'MyGaussianQuery'
+    """
+    if not (isinstance(cls, type) and issubclass(cls, DPQuery)):
+        raise TypeError(f"serializable_query decorates DPQuery subclasses, got {cls!r}")
+    name = cls.__name__
+    known = _REGISTRY.get(name)
+    if known is not None and (known.__module__, known.__qualname__) != (
+        cls.__module__, cls.__qualname__
+    ):
+        raise ValueError(
+            f"a serialisable query named {name!r} is already registered "
+            f"({known.__module__}.{known.__qualname__}); rename the class"
+        )
+    _REGISTRY[name] = cls
+    return cls
+
+
+def serializable_query_classes() -> tuple[str, ...]:
+    """The class names ``deserialize_query`` accepts (sorted)."""
+    return tuple(sorted(_REGISTRY))
 
 
 def plain_number(name: str, value: Any, query: DPQuery) -> float:
@@ -55,12 +94,12 @@ def plain_number(name: str, value: Any, query: DPQuery) -> float:
 def serialize_query(query: DPQuery) -> dict[str, Any]:
     """``{"class_name", "config"}`` of ``query``; NotImplementedError for a query class that
     cannot be serialised (it names the class and the ones that can)."""
-    classes = _classes()
     name = type(query).__name__
-    if classes.get(name) is not type(query):
+    if _REGISTRY.get(name) is not type(query):
         raise NotImplementedError(
-            f"{name} cannot be serialised; optimizers built from dp_sum_query can be saved with "
-            f"one of {sorted(classes)}"
+            f"{name} cannot be serialised: decorate the class with "
+            "@tf_dp.dp_query.serializable_query (it needs get_config and from_config); "
+            f"registered query classes: {list(serializable_query_classes())}"
         )
     return {"class_name": name, "config": query.get_config()}
 
@@ -72,11 +111,11 @@ def deserialize_query(config: dict[str, Any]) -> DPQuery:
             "config must be a dict with keys 'class_name' and 'config' (from serialize_query), "
             f"got {config!r}"
         )
-    classes = _classes()
-    cls = classes.get(config["class_name"])
+    cls = _REGISTRY.get(config["class_name"])
     if cls is None:
         raise ValueError(
-            f"class_name must be one of {sorted(classes)}, got {config['class_name']!r}"
+            f"class_name must be one of {list(serializable_query_classes())} (classes decorated "
+            f"with @serializable_query, imported before loading), got {config['class_name']!r}"
         )
     return cls.from_config(config["config"])
 

@@ -44,18 +44,18 @@ Ledger: every step is recorded as a ``tree`` sum query with its clip, node stdde
 in the current tree (``tree_step = m - 1``); the accountants rebuild the trees from those indices
 (see ``tf_dp.accounting.tree``).
 
-Example::
+Example:
 
-    import tensorflow as tf
-    import tf_dp
-
-    query = tf_dp.TreeResidualSumQuery(
-        l2_norm_clip=1.0, stddev=1.1, record_specs=tf.TensorSpec([3]), restart_every=100)
-    gs = query.initial_global_state()
-    params = query.derive_sample_params(gs)
-    state = query.initial_sample_state(tf.zeros([3]))
-    state = query.accumulate_record(params, state, tf.constant([3.0, 4.0, 0.0]))
-    noised_residual, gs = query.get_noised_result(state, gs)
+>>> import tensorflow as tf, tf_dp
+>>> query = tf_dp.TreeResidualSumQuery(
+...     l2_norm_clip=1.0, stddev=1.1, record_specs=tf.TensorSpec([3]), restart_every=100)
+>>> gs = query.initial_global_state()
+>>> params = query.derive_sample_params(gs)
+>>> state = query.initial_sample_state(tf.zeros([3]))
+>>> state = query.accumulate_record(params, state, tf.constant([3.0, 4.0, 0.0]))
+>>> noised_residual, gs = query.get_noised_result(state, gs)
+>>> noised_residual.shape
+TensorShape([3])
 """
 
 from __future__ import annotations

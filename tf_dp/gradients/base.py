@@ -1,12 +1,12 @@
-"""Gradient strategies: from a per-example loss to the clipped sum of per-example gradients.
+"""Gradient clippers: from a per-example loss to the clipped sum of per-example gradients.
 
-A strategy receives
+A clipper receives
 
 - ``loss_fn``: a :class:`PerExampleLoss`-like callable ``loss_fn(x, y, sample_weight)`` that runs
   the model forward (training mode) and returns ``(per_example_losses [B], y_pred)``;
 - ``data``: the batch ``(x, y, sample_weight)`` (``sample_weight`` may be None);
 - ``variables``: the trainable variables (Keras 3 or ``tf.Variable``);
-- ``query`` and ``params``: the DP sum query and its sample params. Exact strategies clip through
+- ``query`` and ``params``: the DP sum query and its sample params. Exact clippers clip through
   the query's clipping rule (:meth:`tf_dp.dp_query.DPQuery.clip_weights` from per-record squared
   norms, one leaf per variable), so per-layer (nested) and joint clipping work on every path.
 
@@ -16,14 +16,14 @@ microbatches), the L2 sensitivity multiplier of one record (1 for single example
 randomly assigned microbatches under add/remove adjacency), and ``y_pred`` and the per-example
 losses for metrics.
 
-Strategies never add noise: the DP optimizer's query does (``get_noised_result``).
+Clippers never add noise: the DP optimizer's query does (``get_noised_result``).
 
 Non-finite records. Clipping bounds a record only if its gradient is finite: ``min(1, C/||g||)``
 of a NaN gradient is NaN, and ``0 * NaN`` is NaN, so one NaN or inf in one example would make the
-whole sum (and every weight after the update) NaN. Every strategy therefore gives a record whose
+whole sum (and every weight after the update) NaN. Every clipper therefore gives a record whose
 per-example loss or gradient norm is not finite clip weight 0 (:func:`record_weights`) and
 *removes* it from the sum by selection, never by multiplying it by 0 (:func:`weighted_sum`).
-Strategies whose sum goes through a backward pass shared by several records (a microbatch, JL's
+Clippers whose sum goes through a backward pass shared by several records (a microbatch, JL's
 weighted backward pass) re-run that pass with the bad records replaced by copies of a kept record
 of weight 0 (:func:`fill_rows`): NaN activations of one record would otherwise reach every
 parameter gradient. The clipped sum is then exactly the clipped sum of the other records.
@@ -219,17 +219,17 @@ def global_norms(squared_norms: Sequence[tf.Tensor]) -> tf.Tensor:
 def check_weights_structure(query, variables) -> None:
     if not query.supports_norm_clipping:
         raise TypeError(
-            f"the gradient strategy needs a query with a norm-based clipping rule, but "
+            f"the gradient clipper needs a query with a norm-based clipping rule, but "
             f"{type(query).__name__} has none"
         )
 
 
-class GradientStrategy(abc.ABC):
+class GradientClipper(abc.ABC):
     """Computes the clipped sum of per-record gradients. See the module docstring."""
 
     #: registry name (``gradient_mode``)
     name: str = ""
-    #: exact strategies give the same clipped sum as per-example clipping
+    #: exact clippers give the same clipped sum as per-example clipping
     exact: bool = True
 
     @abc.abstractmethod
@@ -244,7 +244,7 @@ class GradientStrategy(abc.ABC):
         ...
 
     def supports(self, model: Optional[Any]) -> Optional[str]:
-        """``None`` if the strategy supports ``model``; otherwise the reason it does not."""
+        """``None`` if the clipper supports ``model``; otherwise the reason it does not."""
         return None
 
     def __repr__(self) -> str:
@@ -256,7 +256,7 @@ def vectorized_map_blocker(model: Optional[Any]) -> Optional[str]:
 
     On TF 2.21, vectorising the gradient of an ``EinsumDense`` whose kernel has rank >= 3 (every
     ``MultiHeadAttention`` has some) kills the process with a segmentation fault inside
-    TensorFlow, so the strategies built on it refuse such models up front (each strategy adds
+    TensorFlow, so the clippers built on it refuse such models up front (each clipper adds
     what to use instead).
     """
     if model is None:

@@ -62,8 +62,8 @@ Example::
     # opt.ledger records every step with mechanism "jl" and r = 1
 
     # or directly:
-    strategy = JLStrategy(jl_projections=4)
-    out = strategy.clipped_sum(loss_fn, (x, y, None), model.trainable_variables, query, params)
+    clipper = JLClipper(jl_projections=4)
+    out = clipper.clipped_sum(loss_fn, (x, y, None), model.trainable_variables, query, params)
 """
 
 from __future__ import annotations
@@ -82,7 +82,6 @@ from tf_dp.dp_query.no_privacy_query import NoPrivacySumQuery
 from tf_dp.dp_query.noise import gaussian_noise, make_generator
 from tf_dp.dp_query.normalized_query import NormalizedQuery
 from tf_dp.gradients import base
-from tf_dp.gradients.registry import register_gradient_mode
 
 _logger = logging.getLogger("tf_dp")
 
@@ -316,7 +315,7 @@ def _same_losses(reference: tf.Tensor, replay: tf.Tensor):
     message = (
         "gradient_mode='jl' (forward route, r > 1): a replayed forward pass gave different "
         "per-example losses, so the model's randomness is not replayable; use "
-        "JLStrategy(method='double_vjp'), which needs a single forward pass"
+        "JLClipper(method='double_vjp'), which needs a single forward pass"
     )
     if tf.executing_eagerly():
         if not bool(tf.reduce_all(tf.abs(rep - ref) <= tol)):
@@ -329,7 +328,7 @@ def _dense(g: Any) -> tf.Tensor:
     return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
 
-class JLStrategy(base.GradientStrategy):
+class JLClipper(base.GradientClipper):
     """JL clipping (DP-SGD-JL, Bu et al. 2020, Algorithm 1). See the module docstring.
 
     Args:
@@ -348,8 +347,8 @@ class JLStrategy(base.GradientStrategy):
 
     Example::
 
-        strategy = JLStrategy(jl_projections=1)
-        out = strategy.clipped_sum(loss_fn, (x, y, None), variables, query, params)
+        clipper = JLClipper(jl_projections=1)
+        out = clipper.clipped_sum(loss_fn, (x, y, None), variables, query, params)
         out.jl_projections  # 1: the optimizer records a JL step in its ledger
     """
 
@@ -384,7 +383,7 @@ class JLStrategy(base.GradientStrategy):
         self.noise_after_sum = noise_after_sum
 
     def __repr__(self) -> str:
-        return f"JLStrategy(jl_projections={self.jl_projections}, method={self.method!r})"
+        return f"JLClipper(jl_projections={self.jl_projections}, method={self.method!r})"
 
     @property
     def generator(self) -> tf.random.Generator:
@@ -509,7 +508,7 @@ class JLStrategy(base.GradientStrategy):
         del tape
         return p, losses, directions
 
-    # -- the strategy ----------------------------------------------------------------------------
+    # -- the clipper ----------------------------------------------------------------------------
 
     def clipped_sum(self, loss_fn, data, variables, query, params) -> base.ClippedGradients:
         check_query(query)
@@ -562,10 +561,3 @@ class JLStrategy(base.GradientStrategy):
                 method == "double_vjp" if self.noise_after_sum is None else self.noise_after_sum
             ),
         )
-
-
-def _factory(jl_projections: int = 1, jl_method: str = "auto", **_: Any) -> JLStrategy:
-    return JLStrategy(jl_projections=jl_projections, method=jl_method)
-
-
-register_gradient_mode("jl", _factory)

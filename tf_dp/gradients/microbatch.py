@@ -41,7 +41,7 @@ from tf_dp.gradients import base
 from tf_dp.gradients.vectorized import map_records
 
 
-class MicrobatchStrategy(base.GradientStrategy):
+class MicrobatchClipper(base.GradientClipper):
     """Per-microbatch gradients (vectorized over microbatches) clipped by the query's rule.
 
     Args:
@@ -50,7 +50,7 @@ class MicrobatchStrategy(base.GradientStrategy):
 
     Example::
 
-        strategy = tf_dp.gradients.MicrobatchStrategy(num_microbatches=32)
+        clipper = tf_dp.gradients.MicrobatchClipper(num_microbatches=32)
     """
 
     name = "microbatch"

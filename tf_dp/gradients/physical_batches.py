@@ -1,9 +1,9 @@
 """Physical batches: one sampled (logical) batch clipped in pieces, to bound a step's memory.
 
 DP-SGD's batch is what the sampler drew (Poisson sampling at rate ``q``): that is the batch the
-ledger records and the noise is calibrated for. The memory a strategy needs grows with the
+ledger records and the noise is calibrated for. The memory a clipper needs grows with the
 number of records it clips at once (activations, per-layer gradient factors, per-example
-gradients). :class:`PhysicalBatches` runs another per-example strategy on consecutive pieces of
+gradients). :class:`PhysicalBatches` runs another per-example clipper on consecutive pieces of
 at most ``max_physical_batch_size`` records, one after another, and adds their clipped sums.
 
 Why this is the same mechanism. Per-example clipping weighs each record by its own norm only
@@ -15,7 +15,7 @@ matrix products, one forward and backward pass per piece) do.
 
 The pieces run in a ``tf.while_loop`` with ``parallel_iterations=1`` (one piece in memory at a
 time), all of the same static size except the first, which takes the remainder; so the step
-compiles under XLA. Only exact per-example strategies (``vectorized``, ``ghost``) can be split:
+compiles under XLA. Only exact per-example clippers (``vectorized``, ``ghost``) can be split:
 microbatches clip groups of records, and JL projections are drawn per step.
 
 Example::
@@ -49,26 +49,26 @@ def _dense(t: Any) -> tf.Tensor:
     return tf.convert_to_tensor(t) if isinstance(t, tf.IndexedSlices) else t
 
 
-class PhysicalBatches(base.GradientStrategy):
+class PhysicalBatches(base.GradientClipper):
     """Runs ``inner`` on pieces of at most ``max_physical_batch_size`` records and adds their
     clipped sums (see the module docstring).
 
     Args:
-      inner: an exact per-example strategy (``VectorizedStrategy`` or the ghost strategy).
+      inner: an exact per-example clipper (``VectorizedClipper`` or the ghost clipper).
       max_physical_batch_size: records per piece, an integer >= 1.
 
-    Attributes ``name``, ``exact``, ``mode`` and ``description`` are the inner strategy's (the
+    Attributes ``name``, ``exact``, ``mode`` and ``description`` are the inner clipper's (the
     description says that the batch is split).
     """
 
-    def __init__(self, inner: base.GradientStrategy, max_physical_batch_size: int):
+    def __init__(self, inner: base.GradientClipper, max_physical_batch_size: int):
         max_physical_batch_size = check_max_physical_batch_size(max_physical_batch_size)
         if max_physical_batch_size is None:
             raise ValueError("max_physical_batch_size must be an integer >= 1, got None")
         if not inner.exact or inner.name not in ("vectorized", "ghost"):
             raise ValueError(
                 "max_physical_batch_size needs a per-example gradient mode ('auto', 'vectorized' or "
-                f"'ghost' without num_microbatches); got the {inner.name!r} strategy"
+                f"'ghost' without num_microbatches); got the {inner.name!r} clipper"
             )
         self.inner = inner
         self.max_physical_batch_size = max_physical_batch_size
@@ -120,7 +120,7 @@ class PhysicalBatches(base.GradientStrategy):
             if not isinstance(out.sensitivity_multiplier, (int, float)) or (
                 float(out.sensitivity_multiplier) != 1.0
             ) or out.jl_projections:
-                raise ValueError("physical batches need a per-example strategy (sensitivity 1)")
+                raise ValueError("physical batches need a per-example clipper (sensitivity 1)")
             mask = out.record_mask
             if mask is None:
                 mask = tf.ones([base.batch_size_of(sub[0])], tf.bool)

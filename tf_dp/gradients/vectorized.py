@@ -16,9 +16,9 @@ Two things keep it fast:
   was measured (no second forward pass, so dropout masks and other randomness stay consistent).
 - **Convolutions.** TensorFlow's vectorizer turns the per-example filter gradient of a convolution
   (``Conv2DBackpropFilter`` with per-example inputs) into a ``while_loop`` over the examples. While
-  this strategy traces, that op is vectorized instead as image patches times output gradients (one
+  this clipper traces, that op is vectorized instead as image patches times output gradients (one
   batched matmul, Rochette et al. 2019 style); other ops and formats keep TensorFlow's converter.
-  This uses TensorFlow's internal ``pfor`` converter registry; if that changes, the strategy falls
+  This uses TensorFlow's internal ``pfor`` converter registry; if that changes, the clipper falls
   back to TensorFlow's default (same results, slower) -- tests compare both with a slow reference.
 
 Recurrent layers: Keras 3's ``LSTM``/``GRU``/``SimpleRNN`` run a ``tf.while_loop``, and
@@ -226,10 +226,10 @@ def sequential_map(fn, elems: Any):
     return tf.nest.map_structure(lambda ta: ta.stack(), tas)
 
 
-# -- the strategy -----------------------------------------------------------------------------------
+# -- the clipper -----------------------------------------------------------------------------------
 
 
-class VectorizedStrategy(base.GradientStrategy):
+class VectorizedClipper(base.GradientClipper):
     """Per-example gradients with ``tf.vectorized_map``; clipping by the query's rule.
 
     Args:
@@ -241,8 +241,8 @@ class VectorizedStrategy(base.GradientStrategy):
 
     Example::
 
-        strategy = tf_dp.gradients.VectorizedStrategy()
-        out = strategy.clipped_sum(loss_fn, (x, y, None), model.trainable_variables, query, params)
+        clipper = tf_dp.gradients.VectorizedClipper()
+        out = clipper.clipped_sum(loss_fn, (x, y, None), model.trainable_variables, query, params)
     """
 
     name = "vectorized"
@@ -268,7 +268,7 @@ class VectorizedStrategy(base.GradientStrategy):
         self._fast_conv = fast_conv
 
     def __repr__(self) -> str:
-        return f"VectorizedStrategy(chunk_bytes={self._chunk_bytes}, fast_conv={self._fast_conv})"
+        return f"VectorizedClipper(chunk_bytes={self._chunk_bytes}, fast_conv={self._fast_conv})"
 
     def _converters(self):
         return fast_pfor_converters() if self._fast_conv else contextlib.nullcontext()

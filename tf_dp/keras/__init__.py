@@ -1,8 +1,8 @@
 """Keras 3 integration: DP optimizers, private models, callbacks."""
 
-from tf_dp import _require_tensorflow_backend
+from tf_dp._backend import require_tensorflow_backend
 
-_require_tensorflow_backend()  # before any module that runs Keras on TensorFlow ops
+require_tensorflow_backend()  # before any module that runs Keras on TensorFlow ops
 
 from tf_dp.keras import callbacks, schedules
 from tf_dp.keras.callbacks import (

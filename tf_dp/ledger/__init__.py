@@ -14,18 +14,19 @@ from tf_dp.ledger.ledger_file import (
     write_ledger_file,
 )
 
-_LAZY = {
-    "PrivacyLedger": "tf_dp.ledger.privacy_ledger",
-    "QueryWithLedger": "tf_dp.ledger.query_with_ledger",
-    "LedgerOverflowError": "tf_dp.ledger.privacy_ledger",
-}
-
-
 def __getattr__(name):
-    if name in _LAZY:
-        import importlib
+    # The TensorFlow side, imported on first use (events, ledger files and journals stay
+    # readable without TensorFlow).
+    if name in ("PrivacyLedger", "LedgerOverflowError"):
+        from tf_dp.ledger.privacy_ledger import LedgerOverflowError, PrivacyLedger
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        globals().update(PrivacyLedger=PrivacyLedger, LedgerOverflowError=LedgerOverflowError)
+        return globals()[name]
+    if name == "QueryWithLedger":
+        from tf_dp.ledger.query_with_ledger import QueryWithLedger
+
+        globals()[name] = QueryWithLedger
+        return QueryWithLedger
     raise AttributeError(f"module 'tf_dp.ledger' has no attribute {name!r}")
 
 

@@ -13,15 +13,15 @@ so each sample reduces to a single *effective noise multiplier*
 These records are pure Python (no TensorFlow) so that the accountants in ``tf_dp.accounting`` can
 consume them without importing TensorFlow.
 
-Example::
+Example:
 
-    from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
-
-    entry = SampleEntry(
-        sampling=SamplingEvent(population_size=60000, selection_probability=256 / 60000),
-        queries=(SumQueryEvent(l2_sensitivity=1.0, noise_stddev=1.1),),
-    )
-    entry.effective_noise_multiplier()  # 1.1
+>>> from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
+>>> entry = SampleEntry(
+...     sampling=SamplingEvent(population_size=60000, selection_probability=256 / 60000),
+...     queries=(SumQueryEvent(l2_sensitivity=1.0, noise_stddev=1.1),),
+... )
+>>> round(entry.effective_noise_multiplier(), 6)
+1.1
 """
 
 from __future__ import annotations

@@ -14,15 +14,22 @@ written by index; :meth:`PrivacyLedger.flush` moves them into the ledger between
 staging table full records nothing and must release nothing (:meth:`PrivacyLedger.has_room`;
 the DP optimizers withhold its update), and the next flush raises :class:`LedgerOverflowError`.
 
-Example::
+Example (every ``query.get_noised_result(...)`` call records one sample; training does it once
+per step):
 
-    ledger = tf_dp.PrivacyLedger()
-    query = tf_dp.QueryWithLedger(
-        tf_dp.GaussianSumQuery(l2_norm_clip=1.0, stddev=1.1), ledger,
-        population_size=60000, selection_probability=256 / 60000)
-    ...  # train; every query.get_noised_result(...) call records one sample
-    ledger.save("ledger.json")                 # versioned, checksummed JSON
-    entries = tf_dp.PrivacyLedger.load("ledger.json").samples()
+>>> import os, tempfile, tensorflow as tf, tf_dp
+>>> ledger = tf_dp.PrivacyLedger()
+>>> query = tf_dp.QueryWithLedger(
+...     tf_dp.GaussianSumQuery(l2_norm_clip=1.0, stddev=1.1), ledger,
+...     population_size=60000, selection_probability=256 / 60000)
+>>> gs = query.initial_global_state()
+>>> state = query.initial_sample_state(tf.zeros([2]))
+>>> state = query.accumulate_record(query.derive_sample_params(gs), state, tf.constant([3.0, 4.0]))
+>>> _ = query.get_noised_result(state, gs)
+>>> path = os.path.join(tempfile.mkdtemp(), "ledger.json")
+>>> ledger.save(path)                       # versioned, checksummed JSON
+>>> [e.sampling.population_size for e in tf_dp.PrivacyLedger.load(path).samples()]
+[60000]
 """
 
 from __future__ import annotations

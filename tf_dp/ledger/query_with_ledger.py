@@ -43,11 +43,21 @@ class QueryWithLedger(DPQuery):
       selection_probability: ``q`` in (0, 1].
       sampling_policy: ``"poisson"`` or ``"shuffle"``.
 
-    Example::
+    Example (one sample of two records, recorded with the population and rate as given):
 
-        ledger = tf_dp.PrivacyLedger()
-        query = tf_dp.QueryWithLedger(tf_dp.GaussianSumQuery(1.0, 1.1), ledger,
-                                      population_size=60000, selection_probability=0.004)
+    >>> import tensorflow as tf, tf_dp
+    >>> ledger = tf_dp.PrivacyLedger()
+    >>> query = tf_dp.QueryWithLedger(tf_dp.GaussianSumQuery(1.0, 1.1), ledger,
+    ...                               population_size=60000, selection_probability=0.004)
+    >>> gs = query.initial_global_state()
+    >>> state = query.initial_sample_state(tf.zeros([2]))
+    >>> for record in ([1.0, 0.0], [0.0, 2.0]):
+    ...     state = query.accumulate_record(query.derive_sample_params(gs), state,
+    ...                                     tf.constant(record))
+    >>> _ = query.get_noised_result(state, gs)
+    >>> [(entry.sampling.population_size, round(entry.queries[0].noise_stddev, 6))
+    ...  for entry in ledger.samples()]
+    [(60000, 1.1)]
     """
 
     def __init__(

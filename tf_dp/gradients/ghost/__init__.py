@@ -8,10 +8,13 @@ fall back to vectorized per-example gradients of their own variables in the same
 
 Public API:
 
-- :class:`GhostStrategy` (registered as ``gradient_mode="ghost"``; ``gradient_mode="auto"`` uses it
+- :class:`GhostClipper` (registered as ``gradient_mode="ghost"``; ``gradient_mode="auto"`` uses it
   whenever at least one layer has a rule);
 - :func:`register_layer_norm_rule` ``(layer_class, rule, *, supports=None, split_activation=False)``
-  with ``rule(layer, inputs, grad_output) -> [(variable, factor), ...]``;
+  with ``rule(layer, inputs, grad_output) -> [(variable, factor), ...]``, adding a rule to the
+  :func:`default_registry` (a :class:`LayerRuleRegistry`);
+- the built-in rules, one module per layer family (``dense.py``, ``conv.py``, ``embeddings.py``,
+  ``normalization.py``, ``recurrent.py``, ``lora.py``), each rule marked by :func:`norm_rule`;
 - the factors :class:`Outer`, :class:`Rows`, :class:`PerExample`.
 
 See ``docs/ghost.md``.
@@ -24,13 +27,16 @@ from tf_dp.gradients.ghost.rules import (
     registered_layer_classes,
     unregister_layer_norm_rule,
 )
-from tf_dp.gradients.ghost.strategy import GhostStrategy, make_plan
-from tf_dp.gradients.registry import register_gradient_mode
-
-register_gradient_mode("ghost", lambda **options: GhostStrategy(**options))
+from tf_dp.gradients.ghost.clipper import GhostClipper, make_plan
+from tf_dp.gradients.ghost.registry import LayerRuleRegistry, RuleEntry, norm_rule
+from tf_dp.gradients.ghost.rules import default_registry
 
 __all__ = [
-    "GhostStrategy",
+    "GhostClipper",
+    "LayerRuleRegistry",
+    "RuleEntry",
+    "default_registry",
+    "norm_rule",
     "Outer",
     "PerExample",
     "Rows",

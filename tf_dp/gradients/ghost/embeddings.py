@@ -1,10 +1,12 @@
-"""Norm rules for embedding layers beyond ``keras.layers.Embedding``.
+"""Norm rules for embedding layers.
 
+- ``keras.layers.Embedding``: the table's per-example gradient is the output gradient's rows at
+  the looked-up ids (:class:`Rows`).
 - ``keras.layers.ReversibleEmbedding`` (also ``keras_hub.layers.ReversibleEmbedding``, a subclass
   that keeps its ``call``): called with token ids it looks rows up (:class:`Rows`); called with
   ``reverse=True`` on hidden states ``h`` it returns logits ``h E^T`` (tied weights) or
   ``h R`` (``tie_weights=False``, a separate ``reverse_embeddings`` matrix). For the tied table the
-  rule gives ``Outer(dlogits, h)`` for the reverse call, and the strategy combines it with the
+  rule gives ``Outer(dlogits, h)`` for the reverse call, and the clipper combines it with the
   lookup's :class:`Rows` into one per-example gradient whose squared norm includes the cross term
   (:class:`~tf_dp.gradients.ghost.factors.RowsPlus`). With ``logit_soft_cap`` the recorded pass
   runs the reverse call without the cap and applies it after the watched logits, so the output
@@ -22,12 +24,22 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tf_dp.gradients.ghost.common import batch_size, f32, plain
 from tf_dp.gradients.ghost.factors import Outer, Rows
+from tf_dp.gradients.ghost.registry import norm_rule
 
 
-def _f32(t):
-    t = tf.convert_to_tensor(t)
-    return t if t.dtype in (tf.float32, tf.float64) else tf.cast(t, tf.float32)
+@norm_rule(keras.layers.Embedding, supports=plain)
+def embedding_rule(layer, inputs, grad_output):
+    ids = tf.convert_to_tensor(inputs)
+    g = f32(grad_output)
+    d = g.shape[-1]
+    return [
+        (
+            layer.embeddings,
+            Rows(tf.reshape(ids, [batch_size(ids), -1]), tf.reshape(g, [batch_size(g), -1, d]), layer.input_dim),
+        )
+    ]
 
 
 def _arg(args, kwargs, name, index, default):
@@ -64,9 +76,14 @@ def reversible_forward(layer, call, args, kwargs, watch):
     return logits, ("reverse", inputs)
 
 
+@norm_rule(
+    getattr(keras.layers, "ReversibleEmbedding", None),
+    supports=_reversible_supports,
+    forward=reversible_forward,
+)
 def reversible_embedding_rule(layer, context, grads):
     kind, inputs = context
-    g = _f32(grads[0])
+    g = f32(grads[0])
     batch = tf.shape(g)[0]
     table = _table(layer)
     if kind == "lookup":
@@ -74,7 +91,7 @@ def reversible_embedding_rule(layer, context, grads):
             return []
         ids = tf.reshape(tf.convert_to_tensor(inputs), [batch, -1])
         return [(table, Rows(ids, tf.reshape(g, [batch, -1, g.shape[-1]]), layer.input_dim))]
-    h = _f32(inputs)
+    h = f32(inputs)
     h = tf.reshape(h, [batch, -1, h.shape[-1]])
     g = tf.reshape(g, [batch, -1, g.shape[-1]])
     if layer.tie_weights:
@@ -90,7 +107,7 @@ def position_forward(layer, call, args, kwargs, watch):
 
 def position_embedding_rule(layer, context, grads):
     start, positions = context
-    g = _f32(grads[0])
+    g = f32(grads[0])
     batch, t, d = tf.shape(g)[0], tf.shape(g)[-2], g.shape[-1]
     g = tf.reduce_sum(tf.reshape(g, [batch, -1, t, d]), axis=1)  # [B, T, D]
     if positions is None:
@@ -99,24 +116,3 @@ def position_embedding_rule(layer, context, grads):
         ids = tf.cast(positions, tf.int64)
     ids = tf.broadcast_to(ids, [batch, t])
     return [(layer.position_embeddings, Rows(ids, g, layer.sequence_length))]
-
-
-def register() -> None:
-    from tf_dp.gradients.ghost.rules import register_layer_norm_rule
-
-    reversible = getattr(keras.layers, "ReversibleEmbedding", None)
-    if reversible is not None:
-        register_layer_norm_rule(
-            reversible,
-            reversible_embedding_rule,
-            supports=_reversible_supports,
-            forward=reversible_forward,
-        )
-
-
-def register_keras_hub() -> None:
-    from keras_hub.layers import PositionEmbedding
-
-    from tf_dp.gradients.ghost.rules import register_layer_norm_rule
-
-    register_layer_norm_rule(PositionEmbedding, position_embedding_rule, forward=position_forward)

@@ -12,7 +12,7 @@ with an intermediate ``u`` of the output's shape with ``n`` replaced by ``r``::
 
 so ``A``'s per-example gradient is that of an einsum kernel with input ``x`` and output gradient
 ``s g B^T`` (projected to ``r``), and ``B``'s that of an einsum kernel with input ``u`` and output
-gradient ``s g``. Both are the factors of :func:`~tf_dp.gradients.ghost.rules.einsum_kernel_factor`
+gradient ``s g``. Both are the factors of :func:`~tf_dp.gradients.ghost.common.einsum_kernel_factor`
 (an ``Outer`` of sizes ``[T, C]`` x ``[T, r]`` or ``[T, r]`` x ``[T, n]``): no per-example
 ``[C, n]`` gradient is formed. The frozen kernel ``W0`` gets no factor unless it is trainable.
 """
@@ -21,30 +21,25 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-
-def _f32(t):
-    t = tf.convert_to_tensor(t)
-    return t if t.dtype in (tf.float32, tf.float64) else tf.cast(t, tf.float32)
+from tf_dp.gradients.ghost.common import einsum_kernel_factor, f32, parse_einsum, trainable
 
 
 def lora_factors(layer, equation: str, x, g) -> list:
     """``[(lora_kernel_a, factor), (lora_kernel_b, factor)]`` (trainable ones only) for a LoRA
     layer computing ``einsum(equation, x, kernel)``; ``x``, ``g`` (float32) the recorded input
     and the output gradient before the activation."""
-    from tf_dp.gradients.ghost.rules import _parse_einsum, _trainable, einsum_kernel_factor
-
-    x_spec, k_spec, o_spec = _parse_einsum(equation)
+    x_spec, k_spec, o_spec = parse_einsum(equation)
     n = k_spec[-1]
     r = next(c for c in "zyxwvutsrqponmlkjihgfedcba" if c not in equation)
     a_spec, u_spec = k_spec[:-1] + r, o_spec.replace(n, r)
     scale = float(layer.lora_alpha) / float(layer.lora_rank)
     a_var, b_var = layer.lora_kernel_a, layer.lora_kernel_b
-    a, b = _f32(a_var), _f32(b_var)
+    a, b = f32(a_var), f32(b_var)
     out = []
-    if _trainable(a_var):
+    if trainable(a_var):
         g_u = tf.einsum(f"{o_spec},{r}{n}->{u_spec}", g, b) * scale
         out.append((a_var, einsum_kernel_factor(f"{x_spec},{a_spec}->{u_spec}", x, g_u, a.shape)))
-    if _trainable(b_var):
+    if trainable(b_var):
         u = tf.einsum(f"{x_spec},{a_spec}->{u_spec}", x, a)
         out.append((b_var, einsum_kernel_factor(f"{u_spec},{r}{n}->{o_spec}", u, g * scale, b.shape)))
     return out

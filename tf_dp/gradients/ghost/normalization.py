@@ -1,5 +1,7 @@
-"""Norm rules for RMS normalisation layers.
+"""Norm rules for normalisation layers.
 
+- ``keras.layers.LayerNormalization`` and ``keras.layers.GroupNormalization``: the per-example
+  gradients of ``gamma`` and ``beta`` are sums of ``g * xhat`` and ``g`` over the other axes;
 - ``keras.layers.RMSNormalization``: ``y = x / sqrt(mean(x^2, axis) + eps) * scale``;
 - keras-hub's Gemma ``RMSNormalization`` (``keras_hub.src.models.gemma``):
   ``y = x / sqrt(mean(x^2, -1) + eps) * (1 + scale)``.
@@ -14,12 +16,9 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tf_dp.gradients.ghost.common import batch_size, f32
 from tf_dp.gradients.ghost.factors import PerExample
-
-
-def _f32(t):
-    t = tf.convert_to_tensor(t)
-    return t if t.dtype in (tf.float32, tf.float64) else tf.cast(t, tf.float32)
+from tf_dp.gradients.ghost.registry import norm_rule
 
 
 def _scale_factor(layer, x, g, axes, epsilon):
@@ -33,27 +32,59 @@ def _scale_factor(layer, x, g, axes, epsilon):
     return [(layer.scale, PerExample(tf.reshape(per_ex, [tf.shape(g)[0]] + list(layer.scale.shape))))]
 
 
+@norm_rule(getattr(keras.layers, "RMSNormalization", None))
 def rms_normalization_rule(layer, inputs, grad_output):
     axes = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
     eps = layer.epsilon if layer.epsilon is not None else keras.config.epsilon()
-    return _scale_factor(layer, _f32(inputs), _f32(grad_output), axes, eps)
+    return _scale_factor(layer, f32(inputs), f32(grad_output), axes, eps)
 
 
 def gemma_rms_normalization_rule(layer, inputs, grad_output):
-    return _scale_factor(layer, _f32(inputs), _f32(grad_output), [-1], layer.epsilon)
+    return _scale_factor(layer, f32(inputs), f32(grad_output), [-1], layer.epsilon)
 
 
-def register() -> None:
-    from tf_dp.gradients.ghost.rules import register_layer_norm_rule
+def _affine_norm_factors(layer, xhat, g, param_axes, rank, beta_used=True):
+    """Per-example gamma/beta gradients: sums of ``g * xhat`` / ``g`` over the other axes."""
+    reduce_axes = [a for a in range(1, rank) if a not in param_axes]
+    out = []
+    gamma = getattr(layer, "gamma", None)
+    beta = getattr(layer, "beta", None)
+    if gamma is not None:
+        per_ex = tf.reduce_sum(g * xhat, axis=reduce_axes) if reduce_axes else g * xhat
+        out.append((gamma, PerExample(tf.reshape(per_ex, [batch_size(g)] + list(gamma.shape)))))
+    if beta is not None:
+        per_ex = tf.reduce_sum(g, axis=reduce_axes) if reduce_axes else g
+        if not beta_used:  # e.g. LayerNormalization(rms_scaling=True) ignores beta
+            per_ex = tf.zeros_like(per_ex)
+        out.append((beta, PerExample(tf.reshape(per_ex, [batch_size(g)] + list(beta.shape)))))
+    return out
 
-    rms = getattr(keras.layers, "RMSNormalization", None)
-    if rms is not None:
-        register_layer_norm_rule(rms, rms_normalization_rule)
+
+@norm_rule(keras.layers.LayerNormalization)
+def layer_norm_rule(layer, inputs, grad_output):
+    x, g = f32(inputs), f32(grad_output)
+    rank = x.shape.rank
+    axes = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+    axes = sorted(a % rank for a in axes)
+    xhat = keras.ops.layer_normalization(
+        x, None, None, axis=axes, epsilon=layer.epsilon, rms_scaling=layer.rms_scaling
+    )
+    return _affine_norm_factors(
+        layer, f32(xhat), g, axes, rank, beta_used=not layer.rms_scaling
+    )
 
 
-def register_keras_hub() -> None:
-    from keras_hub.src.models.gemma.rms_normalization import RMSNormalization
-
-    from tf_dp.gradients.ghost.rules import register_layer_norm_rule
-
-    register_layer_norm_rule(RMSNormalization, gemma_rms_normalization_rule)
+@norm_rule(keras.layers.GroupNormalization)
+def group_norm_rule(layer, inputs, grad_output):
+    x, g = f32(inputs), f32(grad_output)
+    rank = x.shape.rank
+    axis = layer.axis % rank
+    shape = tf.shape(x)
+    grouped = [shape[i] for i in range(rank)]
+    grouped[axis] = x.shape[axis] // layer.groups
+    grouped.insert(axis, layer.groups)
+    xg = tf.reshape(x, grouped)
+    red = [a for a in range(1, rank + 1) if a != axis]
+    mean, var = keras.ops.moments(xg, axes=red, keepdims=True)
+    xhat = tf.reshape((xg - mean) * tf.math.rsqrt(var + layer.epsilon), shape)
+    return _affine_norm_factors(layer, xhat, g, [axis], rank)

@@ -45,6 +45,7 @@ import tensorflow as tf
 from keras import ops
 
 from tf_dp.gradients.ghost.factors import Outer, PerExample
+from tf_dp.gradients.ghost.registry import norm_rule
 
 _CELLS = {
     "LSTM": keras.layers.LSTMCell,
@@ -210,6 +211,14 @@ def _inner_loop(layer, sequences, initial_state, mask, training, watch, ctx):
     return last, outs, states
 
 
+@norm_rule(
+    keras.layers.LSTM,
+    keras.layers.GRU,
+    keras.layers.SimpleRNN,
+    supports=supports,
+    forward=forward,
+    variables=variables,
+)
 def rule(layer, ctx, grads):
     cell = layer.cell
     grads = grads if isinstance(grads, (list, tuple)) else [grads]
@@ -246,10 +255,3 @@ def rule(layer, ctx, grads):
     if cell.use_bias:
         out.append((cell.bias, PerExample(tf.reduce_sum(dz, axis=1))))
     return out
-
-
-def register() -> None:
-    from tf_dp.gradients.ghost.rules import register_layer_norm_rule
-
-    for cls in (keras.layers.LSTM, keras.layers.GRU, keras.layers.SimpleRNN):
-        register_layer_norm_rule(cls, rule, supports=supports, forward=forward, variables=variables)

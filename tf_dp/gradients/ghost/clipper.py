@@ -1,4 +1,4 @@
-"""The ghost strategy: per-example norms from layer inputs and output gradients, no per-example
+"""The ghost clipper: per-example norms from layer inputs and output gradients, no per-example
 gradients, and the clipped sum by book-keeping (no second backward pass).
 
 One step:
@@ -17,7 +17,7 @@ One step:
    variables, from a ``tf.vectorized_map`` of their own ``call`` on each example's recorded inputs
    with its recorded output gradient (a local vectorized VJP, not a re-run of the model).
    Variables owned by no layer, or by several layers (tied weights), get per-example gradients
-   from the vectorized strategy on the whole model.
+   from the vectorized clipper on the whole model.
 
 Every clipped record is exactly the vector whose norm was measured (the same factors give both), so
 a rule that missed a use of a variable would bias the gradient but never break the clipping bound.
@@ -34,8 +34,9 @@ import tensorflow as tf
 
 from tf_dp.gradients import base
 from tf_dp.gradients.ghost import factors as F
-from tf_dp.gradients.ghost.rules import RuleEntry, find_rule
-from tf_dp.gradients.vectorized import VectorizedStrategy
+from tf_dp.gradients.ghost.registry import RuleEntry
+from tf_dp.gradients.ghost.rules import find_rule
+from tf_dp.gradients.vectorized import VectorizedClipper
 
 _logger = logging.getLogger("tf_dp")
 
@@ -71,7 +72,7 @@ def _all_layers(model) -> list:
 
 @dataclasses.dataclass
 class Plan:
-    """Which layers the ghost strategy records, and how each variable gets its norms."""
+    """Which layers the ghost clipper records, and how each variable gets its norms."""
 
     ghost: list  # [(layer, RuleEntry)]
     local: list  # [(layer, reason, variables)] -- vectorized over the layer's own call
@@ -283,7 +284,7 @@ class _Capture:
             leaves = watched if watched else _float_leaves(z)
             if nested:
                 # called inside control flow (a loop body or cond branch): the outer tape cannot
-                # give gradients for these tensors; the strategy falls back for this layer
+                # give gradients for these tensors; the clipper falls back for this layer
                 self.nested.add(id(layer))
                 return act(z) if act is not None else z
             self._tape.watch(leaves)
@@ -330,10 +331,10 @@ def _local_per_example(rec: _Record, grads: list, variables: list) -> list:
 
 
 def _whole_model_per_example(loss_fn, data, variables) -> list:
-    """Per-example gradients of ``variables`` through the whole model (vectorized strategy; a
+    """Per-example gradients of ``variables`` through the whole model (vectorized clipper; a
     sequential ``map_fn`` where ``vectorized_map`` cannot convert the model)."""
     try:
-        return VectorizedStrategy().per_example_gradients(loss_fn, data, variables)[0]
+        return VectorizedClipper().per_example_gradients(loss_fn, data, variables)[0]
     except (TypeError, ValueError, NotImplementedError) as e:
         _logger.info("tf_dp: vectorized_map failed on the model (%s); using map_fn", e)
     x, y, sw = data
@@ -353,12 +354,12 @@ def _whole_model_per_example(loss_fn, data, variables) -> list:
     return tf.map_fn(one, elems, fn_output_signature=signature)
 
 
-class GhostStrategy(base.GradientStrategy):
+class GhostClipper(base.GradientClipper):
     """Ghost clipping with a per-layer norm registry and a vectorized fallback.
 
     ``mode`` is ``"ghost"`` when every trainable variable is covered by a norm rule, ``"mixed"``
     otherwise; ``description`` names the layers that use the fallback. Both are set when the
-    strategy meets a model (``supports(model)`` or the first step).
+    clipper meets a model (``supports(model)`` or the first step).
 
     Example::
 
@@ -385,14 +386,14 @@ class GhostStrategy(base.GradientStrategy):
         self.mode, self.description = plan.mode, plan.description
         if key not in self._logged:
             self._logged.add(key)
-            _logger.info("tf_dp: ghost strategy for model %r: %s", model.name, plan.description)
+            _logger.info("tf_dp: ghost clipper for model %r: %s", model.name, plan.description)
         return plan
 
     def supports(self, model: Optional[Any]) -> Optional[str]:
         """``None`` for any built model with trainable variables: variables of layers without a
         norm rule get per-example gradients in the same step (``mode == "mixed"``)."""
         if model is None:
-            return "the ghost strategy needs the model"
+            return "the ghost clipper needs the model"
         if not getattr(model, "built", True) or not model.trainable_variables:
             return "the model is not built (or has no trainable variables)"
         self._plan_for(model, list(model.trainable_variables))
@@ -403,7 +404,7 @@ class GhostStrategy(base.GradientStrategy):
         return bool(self._plan_for(model, list(model.trainable_variables)).ghost)
 
     def __repr__(self) -> str:
-        return f"GhostStrategy(mode={self.mode!r}, description={self.description!r})"
+        return f"GhostClipper(mode={self.mode!r}, description={self.description!r})"
 
     def clipped_sum(self, loss_fn, data, variables, query, params) -> base.ClippedGradients:
         base.check_weights_structure(query, variables)
