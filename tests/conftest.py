@@ -27,7 +27,7 @@ UNIT = {
     "test_data_datasets",
     "test_dp_query_graph",
     "test_dp_query_validation",
-    "test_engine_sampling",
+    "test_data_sampling",
     "test_ledger",
     "test_ledger_file",
     "test_ledger_runs",

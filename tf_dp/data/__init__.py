@@ -7,6 +7,8 @@
   :class:`ArrayRecordSource`), reading only the sampled records.
 - :func:`shuffled_passes`: fixed-size batches of full passes of a sequential ``tf.data`` pipeline
   (the ledger records ``shuffle``: no amplification assumed).
+- :class:`Sampling`: the sampling claim every sampler hands over (population, rate, policy,
+  whether tf_dp drew the batches, example- or user-level).
 - :func:`load_mnist_or_fashion_mnist`: MNIST when it can be fetched, else Fashion-MNIST IDX files
   from a local directory (never synthetic data).
 
@@ -27,12 +29,17 @@ from tf_dp.data.datasets import (
 )
 from tf_dp.data.poisson import PoissonBatches, default_max_batch_size, poisson_batches
 from tf_dp.data.sampler import poisson_sample
+from tf_dp.data.sampling import ORIGINS, POLICIES, UNITS, Sampling
 from tf_dp.data.shuffled import ShuffledPasses, shuffled_passes
 from tf_dp.data.source import ArraySource, RandomAccessSource, hdf5_source
 from tf_dp.data.tfrecord import TFRecordSource
 
 __all__ = [
     "ArrayRecordSource",
+    "ORIGINS",
+    "POLICIES",
+    "UNITS",
+    "Sampling",
     "ArraySource",
     "DEBIAN_FASHION_MNIST_DIR",
     "DataNotFoundError",

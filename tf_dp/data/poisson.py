@@ -43,7 +43,7 @@ from typing import Any, Optional
 import numpy as np
 import tensorflow as tf
 
-from tf_dp.engine.sampling import Sampling
+from tf_dp.data.sampling import Sampling
 
 #: Default per-step probability that a Poisson sample exceeds the padded ``max_batch_size``.
 DEFAULT_OVERFLOW_PROBABILITY = 1e-6
@@ -83,7 +83,7 @@ class PoissonBatches:
       steps_per_epoch: number of batches per epoch (default ``round(1 / q)``: one expected pass).
       max_batch_size: the padded batch size.
       expected_batch_size: ``q * n``.
-      sampling: the :class:`tf_dp.engine.Sampling` of these batches: ``poisson``, ``(n, q)``,
+      sampling: the :class:`tf_dp.data.Sampling` of these batches: ``poisson``, ``(n, q)``,
         ``origin="sampled"`` (tf_dp drew them).
     """
 

@@ -37,7 +37,7 @@ from typing import Optional
 import tensorflow as tf
 
 from tf_dp.data.poisson import _check_positive_int
-from tf_dp.engine.sampling import Sampling
+from tf_dp.data.sampling import Sampling
 
 
 @dataclasses.dataclass(frozen=True)
