@@ -23,7 +23,7 @@ def test_every_record_once_per_pass_in_fixed_size_batches():
     sp = shuffled_passes(_dataset(n), population_size=n, batch_size=b, shuffle_buffer_size=n,
                          seed=1)
     assert sp.steps_per_epoch == 5 and sp.tf_dp_sampling == (n, b / n)
-    assert sp.sampling == tf_dp.engine.Sampling(n, b / n, "shuffle", "sampled")
+    assert sp.sampling == tf_dp.data.Sampling(n, b / n, "shuffle", "sampled")
     orders = []
     for _ in range(2):
         batches = list(sp.dataset.as_numpy_iterator())
@@ -68,7 +68,7 @@ def test_bad_datasets_are_refused():
 def test_poisson_batches_hand_over_a_sampled_poisson_claim():
     x = np.zeros((50, 2), np.float32)
     pb = poisson_batches(x, np.zeros(50, np.int32), sampling_probability=0.1)
-    assert pb.sampling == tf_dp.engine.Sampling(50, 0.1, "poisson", "sampled")
+    assert pb.sampling == tf_dp.data.Sampling(50, 0.1, "poisson", "sampled")
 
 
 def test_fit_records_shuffle_sampling_and_the_bound_without_amplification():

@@ -120,7 +120,7 @@ def test_each_record_participates_binomially_and_batches_hold_the_sampled_record
     source = _source(kind, tmp_path, n)
     x, _ = _records(n)
     batches = poisson_sample(source, sampling_probability=q, steps_per_epoch=steps, seed=11)
-    assert batches.sampling == tf_dp.engine.Sampling(n, q, "poisson", "sampled")
+    assert batches.sampling == tf_dp.data.Sampling(n, q, "poisson", "sampled")
     counts = np.zeros(n)
     sizes = []
     for bx, by, bw in batches.dataset.as_numpy_iterator():

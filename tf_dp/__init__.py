@@ -63,7 +63,9 @@ _EXPORTS = {
     "compute_epsilon": "accounting",
 }
 
-_SUBMODULES = ("dp_query", "ledger", "accounting", "gradients", "keras", "cli", "data", "auditing")
+_SUBMODULES = (
+    "dp_query", "ledger", "accounting", "gradients", "engine", "keras", "cli", "data", "auditing"
+)
 
 
 def _submodule(name: str):
@@ -77,6 +79,8 @@ def _submodule(name: str):
         import tf_dp.accounting as module
     elif name == "gradients":
         import tf_dp.gradients as module
+    elif name == "engine":
+        import tf_dp.engine as module
     elif name == "keras":
         import tf_dp.keras as module
     elif name == "cli":
