@@ -85,6 +85,19 @@ def run(name: str, mode: str) -> dict[str, np.ndarray]:
     return out
 
 
+def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
+    """Largest absolute difference; NaN in the same place in both (empty ledger cells) is equal,
+    NaN in one only is infinite."""
+    if a.shape != b.shape:
+        return float("inf")
+    if not a.size:
+        return 0.0
+    same_nan = np.isnan(a) & np.isnan(b)
+    if np.any(np.isnan(a) ^ np.isnan(b)):
+        return float("inf")
+    return float(np.max(np.where(same_nan, 0.0, np.abs(a - b))))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
@@ -97,7 +110,7 @@ def main() -> None:
         keys = sorted({k.split("/")[0] + "/" + k.split("/")[1] for k in a.files})
         for key in keys:
             names = [k for k in a.files if k.startswith(key + "/")]
-            diff = max(float(np.max(np.abs(a[k] - b[k]))) if a[k].size else 0.0 for k in names)
+            diff = max(_max_diff(a[k], b[k]) for k in names)
             print(f"{key:20s} max |diff| = {diff:.3g}")
         return
     out = {}

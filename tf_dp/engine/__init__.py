@@ -4,6 +4,8 @@ TensorFlow only (no Keras import): the Keras optimizers and custom training loop
 through it.
 """
 
+from tf_dp.engine.config import PrivacyConfig, SpeedConfig
 from tf_dp.engine.sampling import ORIGINS, POLICIES, UNITS, Sampling
+from tf_dp.engine.step import DPEngine
 
-__all__ = ["ORIGINS", "POLICIES", "UNITS", "Sampling"]
+__all__ = ["DPEngine", "ORIGINS", "POLICIES", "PrivacyConfig", "SpeedConfig", "UNITS", "Sampling"]

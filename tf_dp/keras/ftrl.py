@@ -36,7 +36,9 @@ import tensorflow as tf
 
 from tf_dp.dp_query.dp_query import DPQuery
 from tf_dp.dp_query.tree_aggregation import MAX_DEPTH, TreeResidualSumQuery, TreeState, tree_depth
-from tf_dp.keras.optimizers import DPOptimizerMixin, _check_number, _python_number
+from tf_dp.engine import Sampling
+from tf_dp.engine.validation import check_number, python_number
+from tf_dp.keras.optimizers import DPOptimizerMixin
 from tf_dp.ledger.privacy_ledger import ledger_variable
 
 _logger = logging.getLogger("tf_dp")
@@ -139,6 +141,8 @@ class _TreeStateInVariables(DPQuery):
 
 
 def _spec_of(g: Any) -> tf.TensorSpec:
+    if not isinstance(g, (tf.Tensor, tf.IndexedSlices, tf.TensorSpec)):  # a variable
+        return tf.TensorSpec(tf.TensorShape(g.shape), tf.as_dtype(g.dtype))
     if isinstance(g, tf.IndexedSlices):
         shape = tf.get_static_value(g.dense_shape)
         if shape is None:
@@ -197,14 +201,14 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         for name in ("dp_sum_query", "jl_projections"):
             if name in kwargs:
                 raise TypeError(f"DPKerasFTRLOptimizer does not take {name}")
-        l2_norm_clip, noise_multiplier = _python_number(l2_norm_clip), _python_number(noise_multiplier)
+        l2_norm_clip, noise_multiplier = python_number(l2_norm_clip), python_number(noise_multiplier)
         if l2_norm_clip is None or noise_multiplier is None:
             raise ValueError(
                 "DPKerasFTRLOptimizer needs l2_norm_clip (a finite number > 0) and "
                 "noise_multiplier (a finite number >= 0)"
             )
-        _check_number("l2_norm_clip", l2_norm_clip, positive=True)
-        _check_number("noise_multiplier", noise_multiplier, positive=False)
+        check_number("l2_norm_clip", l2_norm_clip, positive=True)
+        check_number("noise_multiplier", noise_multiplier, positive=False)
         if gradient_mode == "jl":
             raise ValueError(
                 "gradient_mode='jl' cannot be used with DPKerasFTRLOptimizer: no accountant "
@@ -243,11 +247,19 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         )
         # DP-FTRL has its own configuration (not an arbitrary dp_sum_query): serialisable.
         self._custom_query = False
-        self._l2_norm_clip = float(l2_norm_clip)
-        self._noise_multiplier = float(noise_multiplier)
+        self._ftrl_clip = float(l2_norm_clip)
+        self._ftrl_noise_multiplier = float(noise_multiplier)
         self._restart_every = restart_every
         self._max_epoch_steps = max_epoch_steps
         self._epoch_steps: Optional[int] = None
+
+    @property
+    def l2_norm_clip(self) -> float:
+        return self._ftrl_clip
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self._ftrl_noise_multiplier
 
     # -- tree structure ----------------------------------------------------------------------------
 
@@ -276,7 +288,10 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         self._tree_query.restart()
 
     def set_sampling(
-        self, population_size: int, selection_probability: float, sampling_policy: str = "shuffle"
+        self,
+        population_size: Union[int, Sampling],
+        selection_probability: Optional[float] = None,
+        sampling_policy: str = "shuffle",
     ) -> None:
         """Declares the batches: fixed-size (``shuffle`` policy, shuffled or in a fixed order).
 
@@ -284,6 +299,11 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         sampling, so ``sampling_policy='poisson'`` (e.g. ``tf_dp.data.poisson_batches``) is
         refused. With ``restart_every='epoch'`` the tree restarts every ``ceil(n / b)`` steps.
         """
+        if isinstance(population_size, Sampling):
+            sampling = population_size
+            population_size, selection_probability, sampling_policy = (
+                sampling.population_size, sampling.selection_probability, sampling.policy
+            )
         if sampling_policy != "shuffle":
             raise ValueError(
                 "DPKerasFTRLOptimizer (tree aggregation) needs sampling_policy='shuffle' "
@@ -327,6 +347,12 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         super().build(variables)
         self._tree_query.build(list(variables))
 
+    def private_gradients(self, loss_fn, data, variables, model=None, check=None):
+        # the first (traced) step, before Keras builds the optimizer: size the tree state from
+        # the variables (variables created on the first trace are allowed by tf.function)
+        self._tree_query.build([_spec_of(v) for v in variables])
+        return super().private_gradients(loss_fn, data, variables, model, check)
+
     def dp_aggregate(self, clipped):
         if not self._tree_query.built:
             # The first (traced) step, before Keras builds the optimizer: size the tree state
@@ -340,13 +366,13 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         config.pop("nesterov", None)
         config.update(
             {
-                "l2_norm_clip": self._l2_norm_clip,
-                "noise_multiplier": self._noise_multiplier,
+                "l2_norm_clip": self._ftrl_clip,
+                "noise_multiplier": self._ftrl_noise_multiplier,
                 "restart_every": self._restart_every,
                 "max_epoch_steps": self._max_epoch_steps,
-                "num_microbatches": self._num_microbatches,
-                "gradient_mode": self._gradient_mode,
-                "max_physical_batch_size": self._max_physical_batch_size,
+                "num_microbatches": self.num_microbatches,
+                "gradient_mode": self.gradient_mode,
+                "max_physical_batch_size": self.max_physical_batch_size,
             }
         )
         return config

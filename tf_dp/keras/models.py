@@ -41,7 +41,9 @@ import tensorflow as tf
 from tf_dp.data.poisson import pad_to_multiple
 from tf_dp.gradients.base import as_tf_variables
 from tf_dp.keras import batch_mixing, ledger_store, multi_worker
+from tf_dp.engine import Sampling
 from tf_dp.keras.losses import PerExampleLoss
+from tf_dp.keras.optimizers import DPOptimizerMixin
 
 _logger = logging.getLogger("tf_dp")
 
@@ -155,24 +157,29 @@ def dp_train_step(model: keras.Model, data: Any) -> dict[str, Any]:
     """The DP ``train_step`` used by every private model (see the module docstring)."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     optimizer = model.optimizer
-    if not getattr(optimizer, "_tf_dp_optimizer", False):
+    if not isinstance(optimizer, DPOptimizerMixin):
         raise TypeError(
             "a private model needs a tf_dp DP optimizer (e.g. tf_dp.keras.DPKerasSGDOptimizer), "
             f"got {type(optimizer).__name__}"
         )
+    return private_step(model, optimizer, PerExampleLoss(model), x, y, sample_weight)
+
+
+def private_step(
+    model: keras.Model, optimizer: Any, loss_fn: Any, x: Any, y: Any, sample_weight: Any
+) -> dict[str, Any]:
+    """One DP step of ``model`` through ``optimizer``'s engine (the body of ``train_step`` and of
+    :class:`tf_dp.keras.DPTrainStep`): the engine's noised mean gradient plus the gradients of
+    weight regularisers, applied by the DP optimizer; the loss tracker and metrics updated."""
     if not model.built or not model.trainable_variables:
         # A subclassed model builds its variables on its first call: create them here, outside
-        # the per-example computation, so that the strategy sees them.
+        # the per-example computation, so that the clipper sees them.
         model(x, training=False)
-    strategy = optimizer.strategy_for(model)
     variables = list(model.trainable_variables)
-    query = optimizer.dp_query
-    optimizer.update_dp_schedules()  # this step's clip and noise, before clipping and recording
-    params = query.derive_sample_params(optimizer._dp_global_state)
-    loss_fn = PerExampleLoss(model)
-    clipped = strategy.clipped_sum(loss_fn, (x, y, sample_weight), variables, query, params)
-    _refuse_add_loss_terms(model)
-    grads = optimizer.dp_aggregate(clipped)
+    clipped, grads = optimizer.private_gradients(
+        loss_fn, (x, y, sample_weight), variables, model,
+        check=lambda _: _refuse_add_loss_terms(model),
+    )
     reg = _regularization_gradients(model, variables)
     losses = tf.cast(clipped.losses, tf.float32)
     if sample_weight is None:
@@ -240,7 +247,7 @@ def _num_examples(x: Any) -> int | None:
 
 def _dp_optimizer_of(model: keras.Model):
     optimizer = getattr(model, "optimizer", None)
-    if not getattr(optimizer, "_tf_dp_optimizer", False):
+    if not isinstance(optimizer, DPOptimizerMixin):
         raise TypeError(
             "a private model needs a tf_dp DP optimizer (e.g. tf_dp.keras.DPKerasSGDOptimizer); "
             f"compile it with one (got {type(optimizer).__name__})"
@@ -308,7 +315,7 @@ def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, d
         else:  # equal pieces for the local replicas, whatever the batch's size
             replicas = model.distribute_strategy.num_replicas_in_sync
             dataset = pad_to_multiple(dataset, replicas)
-        optimizer._declare_fit_sampling(n, q, "poisson")
+        optimizer.declare_fit_sampling(Sampling(int(n), float(q), "poisson", origin="sampled"))
         kwargs.setdefault("shuffle", False)  # the Poisson sampler draws its own batches
         if args:
             args[0] = dataset
@@ -330,7 +337,7 @@ def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, d
         batch_size = min(int(batch_size), n_train)
         # Fixed-size batches, shuffled or not: the bound used for them assumes no amplification
         # (each example is in one batch per epoch), so it does not depend on the order.
-        optimizer._declare_fit_sampling(n_train, batch_size / n_train, "shuffle")
+        optimizer.declare_fit_sampling(Sampling(n_train, batch_size / n_train, "shuffle"))
         return tuple(args), kwargs
     if not optimizer.sampling_configured:
         raise ValueError(
@@ -425,7 +432,7 @@ def private_fit(model: keras.Model, fit: Any, args: tuple, kwargs: dict) -> Any:
         with fixes:
             return fit(*args, **kwargs)
     finally:
-        optimizer._end_fit()
+        optimizer.end_fit()
 
 
 def private_train_on_batch(model: keras.Model, train_on_batch: Any, args: tuple, kwargs: dict):
@@ -468,9 +475,7 @@ def private_compile(model: keras.Model, compile_fn: Any, args: tuple, kwargs: di
     previous = getattr(model, "optimizer", None)
     args = list(args)
     optimizer = args[0] if args else kwargs.get("optimizer")
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and getattr(
-        optimizer.inner_optimizer, "_tf_dp_optimizer", False
-    ):
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and isinstance(optimizer.inner_optimizer, DPOptimizerMixin):
         _logger.warning(
             "tf_dp: LossScaleOptimizer removed: DP steps do not use dynamic loss scaling "
             "(per-example losses and the clipped, noised sum are computed in float32)"
@@ -480,17 +485,17 @@ def private_compile(model: keras.Model, compile_fn: Any, args: tuple, kwargs: di
             args[0] = optimizer
         else:
             kwargs["optimizer"] = optimizer
-    if getattr(optimizer, "_tf_dp_optimizer", False):
+    if isinstance(optimizer, DPOptimizerMixin):
         kwargs["auto_scale_loss"] = False
     compile_fn(*args, **kwargs)
     current = getattr(model, "optimizer", None)
     if (
         current is not previous
-        and getattr(previous, "_tf_dp_optimizer", False)
-        and getattr(current, "_tf_dp_optimizer", False)
+        and isinstance(previous, DPOptimizerMixin)
+        and isinstance(current, DPOptimizerMixin)
     ):
         current.inherit_ledger(previous)
-    if getattr(current, "_tf_dp_optimizer", False):
+    if isinstance(current, DPOptimizerMixin):
         weights = _weights_ledger(model)
         if weights is not None and weights.steps > current.ledger.num_samples:
             current.restore_ledger_tables(weights.samples, weights.queries)
@@ -518,7 +523,7 @@ def _take_weights_ledger(model: keras.Model, samples: np.ndarray, queries: np.nd
     if current is None or samples.shape[0] >= current.steps:
         object.__setattr__(model, "_tf_dp_weights_ledger", _WeightsLedger(samples, queries))
     optimizer = getattr(model, "optimizer", None)
-    if getattr(optimizer, "_tf_dp_optimizer", False):
+    if isinstance(optimizer, DPOptimizerMixin):
         optimizer.restore_ledger_tables(samples, queries)
 
 
@@ -526,7 +531,7 @@ def _ledger_tables_to_save(model: keras.Model) -> tuple[np.ndarray, np.ndarray] 
     """The longest of the DP optimizer's ledger and the ledger the weights came with."""
     candidates = []
     optimizer = getattr(model, "optimizer", None)
-    if getattr(optimizer, "_tf_dp_optimizer", False):
+    if isinstance(optimizer, DPOptimizerMixin):
         candidates.append(optimizer.ledger.tables())
     weights = _weights_ledger(model)
     if weights is not None:
@@ -553,7 +558,7 @@ def _state_snapshot(model: keras.Model) -> tuple:
     optimizer = getattr(model, "optimizer", None)
     variables = list(model.variables) + list(getattr(optimizer, "variables", None) or [])
     values = [(v, np.array(v.numpy())) for v in variables]
-    tables = optimizer.ledger.tables() if getattr(optimizer, "_tf_dp_optimizer", False) else None
+    tables = optimizer.ledger.tables() if isinstance(optimizer, DPOptimizerMixin) else None
     return values, optimizer, tables, _weights_ledger(model)
 
 
@@ -576,11 +581,10 @@ def private_train_function(model: keras.Model) -> None:
     if fn is None or getattr(fn, "_tf_dp_flushing", False):
         return
     optimizer = getattr(model, "optimizer", None)
-    if not getattr(optimizer, "_tf_dp_optimizer", False):
+    if not isinstance(optimizer, DPOptimizerMixin):
         return
-    specs = optimizer.dp_query.sum_query_specs(optimizer._dp_global_state)
     steps = int(getattr(model, "steps_per_execution", 1) or 1)
-    optimizer.ledger.reserve(steps, len(specs))
+    optimizer.engine.reserve(steps)
 
     def train_function(*a, **k):
         optimizer.check_dp_schedules(steps)  # bad schedule values fail before the call runs
