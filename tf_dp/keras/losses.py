@@ -54,6 +54,10 @@ def _weights_like(sample_weight: Any, values: tf.Tensor) -> tf.Tensor:
 class PerExampleLoss:
     """``loss_fn(x, y, sample_weight) -> (per_example_losses [B], y_pred)`` for a compiled model.
 
+    ``loss`` (optional): a loss to use instead of the compiled one (a name, a
+    ``keras.losses.Loss`` or a function ``(y_true, y_pred) -> per-example values``), structured
+    like ``compile``'s ``loss``, without ``loss_weights``.
+
     The compiled ``loss`` and ``loss_weights`` are matched to the model's outputs as Keras does:
 
     - one loss for a single output (a float ``loss_weights`` scales it);
@@ -74,12 +78,16 @@ class PerExampleLoss:
         # regularisation terms
     """
 
-    def __init__(self, model: keras.Model):
-        if getattr(model, "loss", None) is None:
-            raise ValueError("the model must be compiled with a loss before DP training")
+    def __init__(self, model: keras.Model, loss: Any = None):
+        if loss is None and getattr(model, "loss", None) is None:
+            raise ValueError(
+                "the model must be compiled with a loss before DP training (or pass loss=...)"
+            )
         self.model = model
-        loss = model.loss
-        weights = getattr(getattr(model, "_compile_loss", None), "_user_loss_weights", None)
+        weights = None
+        if loss is None:
+            loss = model.loss
+            weights = getattr(getattr(model, "_compile_loss", None), "_user_loss_weights", None)
         if isinstance(loss, dict):
             self._losses = {k: None if v is None else _unreduced(v) for k, v in loss.items()}
         elif isinstance(loss, (list, tuple)):

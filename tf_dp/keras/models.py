@@ -162,15 +162,23 @@ def dp_train_step(model: keras.Model, data: Any) -> dict[str, Any]:
             "a private model needs a tf_dp DP optimizer (e.g. tf_dp.keras.DPKerasSGDOptimizer), "
             f"got {type(optimizer).__name__}"
         )
-    return private_step(model, optimizer, PerExampleLoss(model), x, y, sample_weight)
+    mean_loss, rows, y_pred = private_step(
+        model, optimizer, PerExampleLoss(model), x, y, sample_weight
+    )
+    tracker = getattr(model, "_loss_tracker", None)
+    if tracker is not None:
+        real = tf.cast(rows, tf.int32) if sample_weight is None else rows
+        tracker.update_state(mean_loss, sample_weight=real)
+    return _compute_metrics(model, x, y, y_pred, sample_weight)
 
 
 def private_step(
     model: keras.Model, optimizer: Any, loss_fn: Any, x: Any, y: Any, sample_weight: Any
-) -> dict[str, Any]:
+) -> tuple[tf.Tensor, tf.Tensor, Any]:
     """One DP step of ``model`` through ``optimizer``'s engine (the body of ``train_step`` and of
     :class:`tf_dp.keras.DPTrainStep`): the engine's noised mean gradient plus the gradients of
-    weight regularisers, applied by the DP optimizer; the loss tracker and metrics updated."""
+    weight regularisers, applied by the DP optimizer. Returns ``(mean loss over the real
+    records, number of real records, predictions)``."""
     if not model.built or not model.trainable_variables:
         # A subclassed model builds its variables on its first call: create them here, outside
         # the per-example computation, so that the clipper sees them.
@@ -183,6 +191,7 @@ def private_step(
     reg = _regularization_gradients(model, variables)
     losses = tf.cast(clipped.losses, tf.float32)
     if sample_weight is None:
+        rows = tf.cast(tf.shape(clipped.losses)[0], tf.float32)
         mean_loss = tf.reduce_mean(losses)
     else:  # zero-weight rows (e.g. Poisson padding) are not examples: leave them out of the mean
         rows = tf.reduce_sum(tf.cast(tf.not_equal(tf.reshape(sample_weight, [-1]), 0), tf.float32))
@@ -192,11 +201,7 @@ def private_step(
         grads = [g + tf.cast(r, g.dtype) for g, r in zip(grads, reg_grads)]
         mean_loss += penalty
     optimizer.apply_dp_gradients(grads, variables)
-    tracker = getattr(model, "_loss_tracker", None)
-    if tracker is not None:
-        real = tf.shape(clipped.losses)[0] if sample_weight is None else rows
-        tracker.update_state(mean_loss, sample_weight=real)
-    return _compute_metrics(model, x, y, clipped.y_pred, sample_weight)
+    return mean_loss, rows, clipped.y_pred
 
 
 def _compute_metrics(model: keras.Model, x: Any, y: Any, y_pred: Any, sample_weight: Any):
@@ -793,6 +798,20 @@ def _private_class(cls: type) -> type:
     return _PRIVATE_CLASSES[cls]
 
 
+def _refuse_own_train_step(model: keras.Model) -> None:
+    """A model class that defines its own ``train_step`` would lose it: refused, with the way to
+    get DP inside a custom step."""
+    owner = next(c for c in type(model).__mro__ if "train_step" in c.__dict__)
+    if not owner.__module__.startswith("keras."):
+        raise TypeError(
+            f"{type(model).__name__} defines its own train_step ({owner.__module__}."
+            f"{owner.__name__}); make_private would replace it with the DP step. To train it "
+            "privately, call a tf_dp.keras.DPTrainStep(model, optimizer, loss) from your "
+            "train_step or custom loop (it clips, noises, records and applies the update), or "
+            "remove the override to use make_private's DP train_step"
+        )
+
+
 def make_private(model: keras.Model) -> keras.Model:
     """Makes ``model`` (Sequential, functional or subclassed) private, in place, and returns it.
 
@@ -816,6 +835,7 @@ def make_private(model: keras.Model) -> keras.Model:
         raise TypeError(f"model must be a keras.Model, got {type(model).__name__}")
     if isinstance(model, _PrivateTrainingMixin):
         return model
+    _refuse_own_train_step(model)
     check_model_is_dp_compatible(model)
     private = _private_class(type(model))
     try:
