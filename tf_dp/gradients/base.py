@@ -37,6 +37,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
 
+from tf_dp import _compat
+
 
 @dataclasses.dataclass
 class ClippedGradients:
@@ -263,8 +265,7 @@ def vectorized_map_blocker(model: Optional[Any]) -> Optional[str]:
         return None
     import keras  # local: the gradients layer does not otherwise need Keras
 
-    flatten = getattr(model, "_flatten_layers", None)
-    layers = list(flatten(include_self=False)) if flatten is not None else []
+    layers = _compat.flatten_layers(model, include_self=False) or []
     for layer in layers:
         kernel = getattr(layer, "kernel", None)
         if isinstance(layer, keras.layers.EinsumDense) and kernel is not None and len(

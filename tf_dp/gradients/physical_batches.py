@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
+from tf_dp import _compat
 from tf_dp.gradients import base
 
 
@@ -129,7 +130,7 @@ class PhysicalBatches(base.GradientStrategy):
         out0, mask0 = piece(0, first)
         acc0 = [_dense(c) for c in out0.clipped_sum]
         # Keras's output masks (``_keras_mask``, read by compiled metrics) travel with y_pred
-        masked = [getattr(t, "_keras_mask", None) is not None for t in tf.nest.flatten(out0.y_pred)]
+        masked = [_compat.keras_mask(t) is not None for t in tf.nest.flatten(out0.y_pred)]
 
         def outputs(out, mask):
             """A piece's per-record outputs, gathered for the whole batch."""

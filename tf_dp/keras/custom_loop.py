@@ -42,7 +42,8 @@ import tensorflow as tf
 
 from tf_dp.engine import Sampling
 from tf_dp.keras.losses import PerExampleLoss
-from tf_dp.keras.models import check_model_is_dp_compatible, private_step
+from tf_dp.keras.compatibility import check_model_is_dp_compatible
+from tf_dp.keras.models import private_step
 from tf_dp.keras.optimizers import DPOptimizerMixin
 
 __all__ = ["DPTrainStep"]

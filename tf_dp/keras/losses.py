@@ -14,6 +14,8 @@ from typing import Any, Callable
 import keras
 import tensorflow as tf
 
+from tf_dp import _compat
+
 
 def _unreduced(loss: Any) -> Callable:
     fn = keras.losses.get(loss) if isinstance(loss, str) else loss
@@ -87,7 +89,7 @@ class PerExampleLoss:
         weights = None
         if loss is None:
             loss = model.loss
-            weights = getattr(getattr(model, "_compile_loss", None), "_user_loss_weights", None)
+            weights = _compat.user_loss_weights(model)
         if isinstance(loss, dict):
             self._losses = {k: None if v is None else _unreduced(v) for k, v in loss.items()}
         elif isinstance(loss, (list, tuple)):
@@ -97,7 +99,7 @@ class PerExampleLoss:
         self._loss_weights = weights
         names = getattr(model, "output_names", None)
         self._output_names = list(names) if isinstance(names, (list, tuple)) else None
-        self._call_has_training = getattr(model, "_call_has_training_arg", True)
+        self._call_has_training = _compat.call_has_training_arg(model)
 
     def __call__(self, x: Any, y: Any, sample_weight: Any = None):
         model = self.model

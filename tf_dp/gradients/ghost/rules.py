@@ -48,6 +48,7 @@ from typing import Any, Callable, Optional, Sequence
 import keras
 import tensorflow as tf
 
+from tf_dp import _compat
 from tf_dp.gradients.ghost.factors import Outer, PerExample, Rows
 
 NormRule = Callable[[Any, Any, tf.Tensor], Sequence[tuple[Any, Any]]]
@@ -177,7 +178,7 @@ def _trainable(v) -> bool:
 
 def kernel_variable(layer):
     """The kernel *variable* of a Dense/EinsumDense (``layer.kernel`` is a tensor under LoRA)."""
-    return getattr(layer, "_kernel", None) if hasattr(layer, "_kernel") else layer.kernel
+    return _compat.kernel_variable(layer)
 
 
 def _bias_per_example(g, bias):

@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
+from tf_dp import _compat
 from tf_dp.gradients import base
 from tf_dp.gradients.ghost import factors as F
 from tf_dp.gradients.ghost.rules import RuleEntry, find_rule
@@ -45,7 +46,7 @@ def _key(v: Any) -> int:
 
 
 def _own_trainable(layer) -> list:
-    own = getattr(layer, "_trainable_variables", None)
+    own = _compat.own_trainable_variables(layer)
     if own is None:
         return []
     return list(own)
@@ -59,8 +60,7 @@ def _rule_variables(layer, entry) -> list:
 
 
 def _all_layers(model) -> list:
-    flatten = getattr(model, "_flatten_layers", None)
-    layers = list(flatten(include_self=True, recursive=True)) if flatten else [model]
+    layers = _compat.flatten_layers(model) or [model]
     seen, out = set(), []
     for layer in layers:
         if id(layer) not in seen:
@@ -101,8 +101,7 @@ def _parents(model) -> tuple[dict, dict]:
     stack, seen = [model], {id(model)}
     while stack:
         layer = stack.pop()
-        flatten = getattr(layer, "_flatten_layers", None)
-        children = list(flatten(include_self=False, recursive=False)) if flatten else []
+        children = _compat.flatten_layers(layer, include_self=False, recursive=False) or []
         for child in children:
             every.setdefault(id(child), [])
             if all(p is not layer for p in every[id(child)]):
