@@ -200,3 +200,41 @@ def test_keras_files_saved_by_earlier_versions_still_load_and_train(name, cls, s
     model.fit(x, y % 2, batch_size=B, epochs=1, verbose=0)
     assert opt.ledger.num_samples == steps + N // B
     assert any(np.any(a != b) for a, b in zip(before, model.get_weights()))
+
+
+def test_engine_hands_the_model_to_the_ghost_clipper_explicitly():
+    """A per-example loss function without a ``.model`` attribute: the engine passes the model
+    to the ghost clipper itself. Noise 0, one step, against the slow reference."""
+    from tf_dp.engine import DPEngine, PrivacyConfig, SpeedConfig
+
+    x, y = _data()
+    model = _model()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+    def loss_fn(xb, yb, sample_weight):  # a plain function: no .model
+        pred = model(xb, training=True)
+        return loss(yb, pred), pred
+
+    engine = DPEngine(PrivacyConfig(l2_norm_clip=CLIP, noise_multiplier=0.0),
+                      SpeedConfig(gradient_mode="ghost"))
+    engine.set_sampling(Sampling(N, B / N, policy="shuffle"))
+    variables = list(model.trainable_variables)
+    engine.update_schedules(0)
+    _, grads = engine.private_gradients(loss_fn, (x[:B], y[:B], None), variables, 0, model)
+    assert engine.strategy.name == "ghost"
+    engine.apply(grads, variables,
+                 lambda g, v: [vi.assign_sub(LR * gi) for gi, vi in zip(g, v)])
+    engine.flush()
+    assert engine.ledger.num_samples == 1
+    # the slow reference's first step on the first batch
+    ref_model = _model()
+    total = [np.zeros(v.shape) for v in ref_model.trainable_variables]
+    for i in range(B):
+        with tf.GradientTape() as tape:
+            value = _loss()(y[i:i + 1], ref_model(x[i:i + 1]))
+        g = [t.numpy() for t in tape.gradient(value, ref_model.trainable_variables)]
+        scale = min(1.0, CLIP / np.sqrt(sum(np.sum(t * t) for t in g)))
+        total = [a + scale * t for a, t in zip(total, g)]
+    want = [v.numpy() - LR * t / B for v, t in zip(ref_model.trainable_variables, total)]
+    for got, ref in zip(model.get_weights(), want):
+        np.testing.assert_allclose(got, ref, atol=1e-6)

@@ -99,6 +99,7 @@ class DPEngine:
             # DP steps whose update was withheld because it was not finite (still recorded)
             self._skipped = ledger_variable(tf.constant(0, tf.int64), name="dp_skipped_steps")
         self._skipped_reported = 0
+        self.unrecorded_steps = 0  # steps a previous optimizer applied but did not record
 
     # -- configuration -----------------------------------------------------------------------
 
@@ -246,7 +247,8 @@ class DPEngine:
         self.update_schedules(step)                                          # 1. schedules
         clipper = self.strategy_for(model)
         params = self.recorder.derive_sample_params(self._global_state)
-        clipped = clipper.clipped_sum(loss_fn, data, variables, self.recorder, params)  # 2.
+        extra = {"model": model} if getattr(clipper, "needs_model", False) else {}
+        clipped = clipper.clipped_sum(loss_fn, data, variables, self.recorder, params, **extra)
         if check is not None:
             check(clipped)
         return clipped, self.noised_mean(clipped)                            # 3.-5.
@@ -345,6 +347,49 @@ class DPEngine:
     def skipped_steps(self) -> int:
         """DP steps whose noised update was not finite: withheld, but recorded in the ledger."""
         return int(self._skipped.numpy())
+
+    # -- the ledger across optimizers and files (eager) -----------------------------------------
+
+    def restore_ledger_tables(self, samples: np.ndarray, queries: np.ndarray) -> None:
+        """Restores a saved ledger (tables from ``ledger.tables()``), never losing steps: the
+        current ledger is kept if it already records more steps (e.g. older weights loaded into
+        a model that trained on), so the ledger can over-count but never under-count."""
+        if samples.shape[0] >= self.ledger.num_samples:
+            self.ledger.load_tables(samples, queries)
+        else:
+            _logger.warning(
+                "tf_dp: kept the optimizer's ledger (%d steps) rather than the saved one (%d "
+                "steps): a ledger never forgets recorded steps on load",
+                self.ledger.num_samples, samples.shape[0],
+            )
+
+    def continue_ledger(self, previous: "DPEngine", previous_applied: int) -> None:
+        """Continues ``previous``'s ledger; ``previous_applied`` steps ran under it (those it
+        does not record stay counted as unrecorded)."""
+        previous.ledger.flush()
+        self.unrecorded_steps = max(
+            0, previous_applied + previous.unrecorded_steps - previous.ledger.num_samples
+        )
+        if previous.ledger.num_samples:
+            self.ledger.restore_entries(previous.ledger.samples())
+            _logger.info(
+                "tf_dp: the new optimizer continues the model's ledger (%d recorded steps)",
+                self.ledger.num_samples,
+            )
+
+    def check_ledger_covers(self, applied: int) -> None:
+        """Raises if ``applied`` steps (plus unrecorded ones inherited) exceed the ledger's."""
+        applied = int(applied) + self.unrecorded_steps
+        recorded = self.ledger.num_samples
+        if applied > recorded:
+            raise ValueError(
+                f"this DP optimizer has applied {applied} steps but its ledger records only "
+                f"{recorded}: the privacy already spent is unknown, so training cannot continue "
+                "with a budget that ignores it. Restore the run's ledger "
+                "(model.optimizer.ledger.restore_entries(tf_dp.ledger.read_ledger_file(path))), "
+                "or, if those steps did not touch private data, compile the model with a new DP "
+                "optimizer (a fresh optimizer starts at step 0)"
+            )
 
     def next_sample_entry(self, step: int, steps_ahead: int = 0):
         """The :class:`~tf_dp.ledger.events.SampleEntry` the step numbered ``step +

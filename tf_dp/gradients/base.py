@@ -233,6 +233,8 @@ class GradientStrategy(abc.ABC):
     name: str = ""
     #: exact strategies give the same clipped sum as per-example clipping
     exact: bool = True
+    #: strategies that read the model's layers (ghost) take it as ``clipped_sum(..., model=)``
+    needs_model: bool = False
 
     @abc.abstractmethod
     def clipped_sum(

@@ -91,11 +91,18 @@ class PhysicalBatches(base.GradientStrategy):
     def __repr__(self) -> str:
         return f"PhysicalBatches({self.inner!r}, max_physical_batch_size={self.max_physical_batch_size})"
 
-    def clipped_sum(self, loss_fn, data, variables, query, params) -> base.ClippedGradients:
+    @property
+    def needs_model(self) -> bool:
+        return bool(getattr(self.inner, "needs_model", False))
+
+    def clipped_sum(
+        self, loss_fn, data, variables, query, params, model=None
+    ) -> base.ClippedGradients:
         size = self.max_physical_batch_size
         static_b = tf.nest.flatten(data[0])[0].shape[0]
+        extra = {"model": model} if model is not None and self.needs_model else {}
         if static_b is not None and static_b <= size:
-            return self.inner.clipped_sum(loss_fn, data, variables, query, params)
+            return self.inner.clipped_sum(loss_fn, data, variables, query, params, **extra)
         # zero-weight rows (Poisson padding) become copies of a real row of the whole batch, so
         # that a piece made only of padding is still valid input (e.g. not all padding tokens)
         data = base.fill_padding_rows(data)
@@ -117,7 +124,7 @@ class PhysicalBatches(base.GradientStrategy):
                 None if part is None else tf.nest.map_structure(lambda t: rows(t, start, n), part)
                 for part in (x, y, sw)
             )
-            out = self.inner.clipped_sum(loss_fn, sub, variables, query, params)
+            out = self.inner.clipped_sum(loss_fn, sub, variables, query, params, **extra)
             if not isinstance(out.sensitivity_multiplier, (int, float)) or (
                 float(out.sensitivity_multiplier) != 1.0
             ) or out.jl_projections:

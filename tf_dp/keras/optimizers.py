@@ -67,7 +67,6 @@ class DPOptimizerMixin:
         self._custom_query = dp_sum_query is not None
         self._sampling_from_fit = False
         self._dp_applying = False
-        self._inherited_unrecorded = 0  # steps a previous optimizer applied but did not record
 
     # -- configuration (read from the engine) ---------------------------------------------------
 
@@ -286,55 +285,17 @@ class DPOptimizerMixin:
         super().load_own_variables(ledger_store.without_ledger(store))  # type: ignore[misc]
 
     def restore_ledger_tables(self, samples: np.ndarray, queries: np.ndarray) -> None:
-        """Restores a saved ledger (tables from ``ledger.tables()``), never losing steps.
-
-        The restored ledger replaces the current one unless the current one already records more
-        steps (e.g. older weights loaded into a model that trained on): the ledger never loses
-        recorded steps on load, so it can over-count but never under-count.
-        """
-        if samples.shape[0] >= self.ledger.num_samples:
-            self.ledger.load_tables(samples, queries)
-        else:
-            _logger.warning(
-                "tf_dp: kept the optimizer's ledger (%d steps) rather than the saved one (%d "
-                "steps): a ledger never forgets recorded steps on load",
-                self.ledger.num_samples, samples.shape[0],
-            )
+        """Restores a saved ledger (tables from ``ledger.tables()``), never losing steps."""
+        self._engine.restore_ledger_tables(samples, queries)
 
     def inherit_ledger(self, previous: "DPOptimizerMixin") -> None:
         """Continues ``previous``'s ledger (a private model recompiled with a new DP optimizer)."""
-        previous.ledger.flush()
-        self._inherited_unrecorded = max(
-            0,
-            int(previous.iterations.numpy())  # type: ignore[attr-defined]
-            + previous._inherited_unrecorded
-            - previous.ledger.num_samples,
-        )
-        if previous.ledger.num_samples:
-            self.ledger.restore_entries(previous.ledger.samples())
-            _logger.info(
-                "tf_dp: the new optimizer continues the model's ledger (%d recorded steps)",
-                self.ledger.num_samples,
-            )
+        self._engine.continue_ledger(previous.engine, int(previous.iterations.numpy()))
 
     def check_ledger_covers_steps(self) -> None:
-        """Raises if the optimizer applied more steps than its ledger records.
-
-        That happens when a model was trained privately and then reloaded from a file that has
-        no ledger, or its ledger was reset: continuing would print a budget that ignores the
-        steps already taken.
-        """
-        applied = int(self.iterations.numpy()) + self._inherited_unrecorded  # type: ignore
-        recorded = self.ledger.num_samples
-        if applied > recorded:
-            raise ValueError(
-                f"this DP optimizer has applied {applied} steps but its ledger records only "
-                f"{recorded}: the privacy already spent is unknown, so training cannot continue "
-                "with a budget that ignores it. Restore the run's ledger "
-                "(model.optimizer.ledger.restore_entries(tf_dp.ledger.read_ledger_file(path))), "
-                "or, if those steps did not touch private data, compile the model with a new DP "
-                "optimizer (a fresh optimizer starts at step 0)"
-            )
+        """Raises if the optimizer applied more steps than its ledger records (e.g. a model
+        reloaded from a file without its ledger): the budget would ignore steps taken."""
+        self._engine.check_ledger_covers(int(self.iterations.numpy()))  # type: ignore
 
     # -- serialisation -------------------------------------------------------------------------
 

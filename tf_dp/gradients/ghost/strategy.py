@@ -404,10 +404,19 @@ class GhostStrategy(base.GradientStrategy):
     def __repr__(self) -> str:
         return f"GhostStrategy(mode={self.mode!r}, description={self.description!r})"
 
-    def clipped_sum(self, loss_fn, data, variables, query, params) -> base.ClippedGradients:
+    needs_model = True
+
+    def clipped_sum(
+        self, loss_fn, data, variables, query, params, model=None
+    ) -> base.ClippedGradients:
+        """The clipped sum; ``model`` is the model whose layers the rules read (without it:
+        ``loss_fn.model``, which :class:`tf_dp.keras.PerExampleLoss` has)."""
         base.check_weights_structure(query, variables)
         variables = list(variables)
-        model = loss_fn.model
+        if model is None:
+            model = getattr(loss_fn, "model", None)
+        if model is None:
+            raise ValueError("the ghost strategy needs the model: pass clipped_sum(..., model=)")
         plan = self._plan_for(model, variables)
         data = base.fill_padding_rows(data)
         x, y, sw = data
