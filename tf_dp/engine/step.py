@@ -65,6 +65,9 @@ class DPEngine:
       speed: how the clipped sum is computed (:class:`~tf_dp.engine.SpeedConfig`).
       name: prefix of the ledger's name.
       owner: the name of the class that uses the engine, for error messages.
+      placeholder_state: for a query whose global state needs the records' structure (tree
+        aggregation): the state to report before :meth:`build_state` (no state variables until
+        then). The query may then be a tree-aggregation query: the engine carries its tree.
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class DPEngine:
         speed: Optional[SpeedConfig] = None,
         name: str = "dp",
         owner: str = "the DP optimizer",
+        placeholder_state: Any = None,
     ) -> None:
         speed = SpeedConfig() if speed is None else speed
         check_combination(privacy, speed)
@@ -82,13 +86,16 @@ class DPEngine:
         if query is None:
             query = self._build_query(privacy)
         else:
-            _refuse_query(query, owner)
+            _refuse_query(query, owner, allow_tree=placeholder_state is not None)
         self.ledger = PrivacyLedger(name=f"{name}_ledger")
         self.recorder = QueryWithLedger(query, self.ledger)
         self.query = query
         self._normalized = isinstance(query, NormalizedQuery)
         self._grid_noise = _snaps_to_grid(query)
-        self._global_state = _in_variables(query.initial_global_state())
+        self._placeholder = placeholder_state
+        self._global_state = None
+        if placeholder_state is None:
+            self.build_state()
         self.strategy: Optional[GradientStrategy] = None
         self.sampling: Optional[Sampling] = None
         with tf.init_scope():
@@ -122,7 +129,22 @@ class DPEngine:
     @property
     def global_state(self) -> Any:
         """The query's global state as the engine carries it (variables read at each step)."""
-        return self._global_state
+        return self._placeholder if self._global_state is None else self._global_state
+
+    @property
+    def state_built(self) -> bool:
+        return self._global_state is not None
+
+    def build_state(self) -> None:
+        """Creates the variables that carry the query's global state (once)."""
+        if self._global_state is None:
+            with tf.init_scope():  # also when first called while a step is traced
+                self._global_state = _in_variables(self.query.initial_global_state())
+
+    def set_global_state(self, state: Any) -> None:
+        """Assigns ``state`` (e.g. a restarted tree) to the engine's state variables (eager)."""
+        self.build_state()
+        _keep_state(self._global_state, state)
 
     @property
     def has_schedules(self) -> bool:
@@ -246,7 +268,7 @@ class DPEngine:
         """
         self.update_schedules(step)                                          # 1. schedules
         clipper = self.strategy_for(model)
-        params = self.recorder.derive_sample_params(self._global_state)
+        params = self.recorder.derive_sample_params(self.global_state)
         extra = {"model": model} if getattr(clipper, "needs_model", False) else {}
         clipped = clipper.clipped_sum(loss_fn, data, variables, self.recorder, params, **extra)
         if check is not None:
@@ -263,7 +285,7 @@ class DPEngine:
         # a query whose sample state holds more than the clipped sum (adaptive clipping's count
         # of unclipped records) completes it from the per-record norms; others return it as is
         state = q.accumulate_norms(
-            q.derive_sample_params(self._global_state), clipped.clipped_sum, clipped.norms,
+            q.derive_sample_params(self.global_state), clipped.clipped_sum, clipped.norms,
             getattr(clipped, "record_mask", None),
         )
         replicas = _replicas_in_sync()
@@ -272,8 +294,8 @@ class DPEngine:
             state = _all_reduce_sum(state)
         deps = tf.nest.flatten(clipped.clipped_sum, expand_composites=True) if after else []
         with tf.control_dependencies(deps):
-            noised, new_state = q.get_noised_result(state, self._global_state)
-        keep = _keep_state(self._global_state, new_state)
+            noised, new_state = q.get_noised_result(state, self.global_state)
+        keep = _keep_state(self.global_state, new_state)
         records = tf.cast(clipped.num_records, tf.float32)
         if replicas > 1:
             others = tf.nest.map_structure(
@@ -296,7 +318,7 @@ class DPEngine:
         """Applies ``grads`` with ``apply_fn`` unless they are not finite (the step stays in
         the ledger: a conservative record; counted in :attr:`skipped_steps`) or the ledger had
         no room to record the step inside a compiled call (nothing released or recorded)."""
-        room = self.recorder.has_room(self._global_state)
+        room = self.recorder.has_room(self.global_state)
         finite = tf.reduce_all(tf.stack([
             tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
             for g in grads if g is not None
@@ -327,7 +349,7 @@ class DPEngine:
 
     def reserve(self, steps: int) -> None:
         """Room in the ledger's staging table for ``steps`` steps of one compiled call."""
-        self.ledger.reserve(int(steps), len(self.recorder.sum_query_specs(self._global_state)))
+        self.ledger.reserve(int(steps), len(self.recorder.sum_query_specs(self.global_state)))
 
     def flush(self) -> None:
         """After a compiled call: flushes the ledger's staging table, raises if a compiled step
@@ -403,13 +425,13 @@ class DPEngine:
             jl = int(getattr(self.strategy, "jl_projections", None) or 0)
         elif self.speed.gradient_mode == "jl":
             jl = int(self.speed.jl_projections)
-        state = self._global_state
+        state = self.global_state
         if self._schedules is not None:
             state = GaussianGlobalState(*self.values_at(step + int(steps_ahead)))
         return self.recorder.next_sample_entry(state, multiplier, jl)
 
 
-def _refuse_query(query: DPQuery, owner: str) -> None:
+def _refuse_query(query: DPQuery, owner: str, allow_tree: bool = False) -> None:
     from tf_dp.dp_query.tree_aggregation import TreeCumulativeSumQuery
 
     if isinstance(query, QueryWithLedger):
@@ -417,7 +439,7 @@ def _refuse_query(query: DPQuery, owner: str) -> None:
             "pass the bare query as dp_sum_query; the optimizer wraps it with its own "
             "ledger (available as optimizer.ledger)"
         )
-    if isinstance(query, TreeCumulativeSumQuery):
+    if isinstance(query, TreeCumulativeSumQuery) and not allow_tree:
         raise TypeError(
             "a tree-aggregation query must carry its tree from step to step, which "
             f"{owner} does not do: use tf_dp.keras.DPKerasFTRLOptimizer "

@@ -57,13 +57,17 @@ class DPOptimizerMixin:
         noise_stddev: Any = None,
         max_physical_batch_size: Optional[int] = None,
         noise_mode: Optional[str] = None,
+        placeholder_state: Any = None,
     ) -> None:
         privacy = PrivacyConfig(
             l2_norm_clip, noise_multiplier, noise_stddev, dp_sum_query, noise_mode,
             num_microbatches, noise_seed,
         )
         speed = SpeedConfig(gradient_mode, max_physical_batch_size, jl_projections, jl_method)
-        self._engine = DPEngine(privacy, speed, name=self.name, owner=type(self).__name__)
+        self._engine = DPEngine(
+            privacy, speed, name=self.name, owner=type(self).__name__,
+            placeholder_state=placeholder_state,
+        )
         self._custom_query = dp_sum_query is not None
         self._sampling_from_fit = False
         self._dp_applying = False
