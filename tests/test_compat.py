@@ -30,15 +30,21 @@ def _modules():
 
 
 def _defined_names():
-    """Every name a tf_dp package defines: functions, classes, assigned names and attributes,
-    arguments, keys of dict literals and setattr targets -> the packages that define it."""
+    """Every name a tf_dp package defines -> the packages that define it: functions, classes,
+    assigned names, ``self.x`` / ``cls.x`` attributes, arguments, keys of dict literals and
+    setattr targets. An attribute stored on another object (``obj._x = ...``) defines ``_x`` only
+    if no package defines it otherwise (an attribute tf_dp attaches to a Keras object)."""
     defs = collections.defaultdict(set)
+    foreign_stores = collections.defaultdict(set)
     for _, package, tree in _modules():
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 defs[node.name].add(package)
             elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-                defs[node.attr].add(package)
+                if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    defs[node.attr].add(package)
+                else:
+                    foreign_stores[node.attr].add(package)
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 defs[node.id].add(package)
             elif isinstance(node, ast.arg):
@@ -52,14 +58,18 @@ def _defined_names():
             ) and (getattr(node.func, "id", None) == "setattr"
                    or getattr(node.func, "attr", None) == "__setattr__"):
                 defs[str(node.args[1].value)].add(package)
+    for name, packages in foreign_stores.items():
+        if name not in defs:
+            defs[name] |= packages
     return defs
 
 
 def _private_reads(tree):
-    """``(line, name)`` of every read ``x._name`` (x not self/cls) and ``getattr(x, "_name")``."""
+    """``(line, name)`` of every access ``x._name`` (read or write; x not self/cls) and
+    ``getattr(x, "_name")``."""
     for node in ast.walk(tree):
         name = None
-        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+        if isinstance(node, ast.Attribute):
             if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
                 name = node.attr
         elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in (

@@ -7,7 +7,8 @@ gradients, released by the binary tree mechanism (:class:`tf_dp.TreeCumulativeSu
 SGD on the differences ``S_m - S_{m-1}`` (:class:`tf_dp.TreeResidualSumQuery`) reaches exactly the
 same parameters, and SGD with momentum on them is the paper's momentum variant (DP-FTRLM), so
 :class:`DPKerasFTRLOptimizer` is a DP SGD optimizer whose sum query is the residual tree query,
-with the tree's state (a fixed-depth stack of node noises) in the optimizer's variables.
+with the tree's state (a fixed-depth stack of node noises) carried by the optimizer's engine as the
+query's global state (``tf_dp.engine.DPEngine`` keeps the state ``get_noised_result`` returns).
 
 Privacy does not come from sampling: batches are fixed-size, each example used once per epoch,
 shuffled or in a fixed order, and the ledger records them as such (policy ``shuffle``, no
@@ -79,8 +80,8 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         accountant analyses tree aggregation with JL clipping).
       noise_seed: tests and debugging only (a known seed voids the guarantee).
 
-    The tree's state (``depth`` copies of the model's trainable variables) lives in the
-    optimizer but is not saved with it: a resumed run starts a new tree, which the ledger records
+    The tree's state (``depth`` copies of the model's trainable variables) is carried by the
+    optimizer's engine but is not saved with it: a resumed run starts a new tree, which the ledger records
     (``tree_step`` 0).
     """
 
@@ -187,6 +188,13 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         super().start_pass()
         if self._restart_every == "epoch":
             self.restart_tree()
+
+    @property
+    def tree_step(self) -> int:
+        """Leaves of the current tree so far (0 before its first step)."""
+        if not self._engine.state_built:
+            return 0
+        return int(self._engine.global_state.step.numpy())
 
     def restart_tree(self) -> None:
         """Starts a new tree at the next step (eager; recorded as ``tree_step`` 0)."""
