@@ -81,8 +81,8 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
       noise_seed: tests and debugging only (a known seed voids the guarantee).
 
     The tree's state (``depth`` copies of the model's trainable variables) is carried by the
-    optimizer's engine but is not saved with it: a resumed run starts a new tree, which the ledger records
-    (``tree_step`` 0).
+    optimizer's engine but is not saved with it: a resumed run starts a new tree, which the
+    ledger records (``tree_step`` 0).
     """
 
     def __init__(
