@@ -181,7 +181,7 @@ def test_sequential_fixed_trains_privately_in_auto():
     before = gn.gamma.numpy().copy()
     x = r.normal(size=(8, 8, 8, 3)).astype("float32")
     private.fit(x, r.integers(0, 4, 8), batch_size=4, epochs=1, verbose=0)
-    assert private.optimizer.gradient_strategy.description == "ghost"
+    assert private.optimizer.gradient_clipper.description == "ghost"
     assert private.optimizer.ledger.num_samples == 2
     assert not np.allclose(gn.gamma.numpy(), before)
 

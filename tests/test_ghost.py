@@ -588,8 +588,8 @@ def test_fit_in_ghost_mode_records_the_ledger_and_exposes_the_strategy():
     y = r.integers(0, 3, 40)
     before = [v.numpy().copy() for v in model.trainable_variables]
     model.fit(x, y, batch_size=10, epochs=2, verbose=0)
-    assert isinstance(opt.gradient_strategy, GhostClipper)
-    assert opt.gradient_strategy.mode == "ghost"
+    assert isinstance(opt.gradient_clipper, GhostClipper)
+    assert opt.gradient_clipper.mode == "ghost"
     samples = opt.ledger.samples()
     assert len(samples) == 8
     for s in samples:

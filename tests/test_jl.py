@@ -386,8 +386,8 @@ def test_lstm_trains_with_fit_in_jl_mode_and_ledger_gives_epsilon():
     history = model.fit(x.numpy(), y.numpy(), batch_size=batch, epochs=2, verbose=0)
     assert np.all(np.isfinite(history.history["loss"]))
     assert any(not np.allclose(b, v.numpy()) for b, v in zip(before, model.trainable_variables))
-    assert optimizer.gradient_strategy.name == "jl"
-    assert optimizer.gradient_strategy.resolved_method == "double_vjp"
+    assert optimizer.gradient_clipper.name == "jl"
+    assert optimizer.gradient_clipper.resolved_method == "double_vjp"
     samples = optimizer.ledger.samples()
     assert len(samples) == 2 * n // batch
     for s in samples:
@@ -411,7 +411,7 @@ def test_cnn_fit_in_jl_mode_uses_forward_mode():
     )
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(x.numpy(), y.numpy(), batch_size=16, epochs=1, verbose=0)
-    assert optimizer.gradient_strategy.resolved_method == "forward"
+    assert optimizer.gradient_clipper.resolved_method == "forward"
     assert [q.jl_projections for s in optimizer.ledger.samples() for q in s.queries] == [1, 1]
 
 
@@ -476,7 +476,7 @@ def test_optimizer_passes_jl_method_and_round_trips_config():
         keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     )
     model.compile(optimizer=opt, loss="mse")
-    strategy = opt.strategy_for(model)
+    strategy = opt.clipper_for(model)
     assert strategy.method == "double_vjp"
     again = dpk.DPKerasSGDOptimizer.from_config(opt.get_config())
     assert again.get_config()["jl_method"] == "double_vjp"

@@ -117,7 +117,7 @@ def test_ftrl_tree_restarts_with_each_pass():
             self.before = model._tf_dp_counts.numpy().copy()
 
         def on_train_batch_end(self, batch, logs=None):
-            if int(optimizer._tree_query._step.numpy()) == 1:  # this step was a new tree's first
+            if optimizer.tree_step == 1:  # this step was a new tree's first
                 Spy.tree += 1
             for r in np.flatnonzero(model._tf_dp_counts.numpy() - self.before):
                 leaves[(Spy.tree, r)] = leaves.get((Spy.tree, r), 0) + 1

@@ -132,7 +132,7 @@ def test_fit_with_pieces_equals_fit_without(jit):
             np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(h_split.history["loss"], h_whole.history["loss"], rtol=1e-4)
         assert opt_split.ledger.samples() == opt_whole.ledger.samples()
-        assert "physical batches of at most 5" in opt_split.gradient_strategy.description
+        assert "physical batches of at most 5" in opt_split.gradient_clipper.description
 
 
 def test_arguments_and_config():
@@ -337,4 +337,4 @@ def test_ftrl_with_pieces_equals_ftrl_without():
     for a, b in zip(whole.get_weights(), split.get_weights()):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
     assert opt_split.ledger.samples() == opt_whole.ledger.samples()
-    assert opt_split.gradient_strategy.description.endswith("physical batches of at most 5")
+    assert opt_split.gradient_clipper.description.endswith("physical batches of at most 5")

@@ -235,8 +235,8 @@ def test_fit_with_auto_on_a_bilstm():
     )
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(x, y, batch_size=4, epochs=1, verbose=0)
-    assert opt.gradient_strategy.mode == "ghost"
-    assert "recurrent rule" in opt.gradient_strategy.description
+    assert opt.gradient_clipper.mode == "ghost"
+    assert "recurrent rule" in opt.gradient_clipper.description
 
 
 # -- Transformer ------------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ def test_keras_hub_task_reloads_private_with_its_ledger(tmp_path):
     # load_model: the task's own compile (a plain Adam) does not replace the DP optimizer
     loaded = keras.saving.load_model(str(tmp_path / "task.keras"))
     assert is_private(loaded) and type(loaded).__name__ == "BertTextClassifier"
-    assert getattr(loaded.optimizer, "_tf_dp_optimizer", False)
+    assert isinstance(loaded.optimizer, tf_dp.keras.DPOptimizerMixin)
     assert loaded.optimizer.ledger.samples() == first
     for a, b in zip(_weights(model), _weights(loaded)):
         np.testing.assert_array_equal(a, b)

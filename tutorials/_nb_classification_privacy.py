@@ -218,7 +218,7 @@ history = model.fit(
     verbose=2,
 )
 train_seconds = time.time() - start
-print(f"gradient mode chosen by 'auto': {model.optimizer.gradient_strategy.description}")
+print(f"gradient mode chosen by 'auto': {model.optimizer.gradient_clipper.description}")
 print(f"{model.optimizer.ledger.num_samples} DP steps in {train_seconds:.0f} s")
 
 # %%

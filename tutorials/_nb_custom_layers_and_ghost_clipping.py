@@ -296,9 +296,9 @@ custom_model.fit(tf_dp.data.poisson_batches(x_train, y_train, sampling_probabili
                  epochs=EPOCHS, verbose=2)
 custom_seconds = time.time() - start
 _, custom_accuracy = custom_model.evaluate(x_test, y_test, batch_size=1000, verbose=0)
-custom_strategy = custom_model.optimizer.gradient_strategy
+custom_clipper = custom_model.optimizer.gradient_clipper
 print(f"{data_name}, LowRankDense model: test accuracy {custom_accuracy:.4f} "
-      f"({custom_seconds:.0f} s, strategy {custom_strategy.name})")
+      f"({custom_seconds:.0f} s, clipper {custom_clipper.name})")
 
 # %% [markdown]
 # ## 3. Per-layer clipping with `NestedQuery`
@@ -389,7 +389,7 @@ print(f"per-layer clipping: epsilon = {per_layer_epsilon:.4f}; flat clipping wit
 # ## Summary
 #
 # - `gradient_mode="auto"` uses ghost clipping when a layer has a norm rule and tells you what it
-#   chose (`make_clipper`, the `tf_dp` log line, `optimizer.gradient_strategy`).
+#   chose (`make_clipper`, the `tf_dp` log line, `optimizer.gradient_clipper`).
 # - A custom layer gets ghost clipping from a few lines: a rule returning `Outer`, `Rows` or
 #   `PerExample` factors for each of its variables. Test it against a per-example gradient loop
 #   before using it: a wrong rule trains happily with the wrong clipping.

@@ -238,14 +238,14 @@ def train(setup, private=True):
 
 
 lora_model, lora_accuracy = train(lora)
-print("strategy:", lora_model.optimizer.gradient_strategy.description)
+print("strategy:", lora_model.optimizer.gradient_clipper.description)
 
 # %% [markdown]
 # The same privacy, only the head trained:
 
 # %%
 head_model, head_accuracy = train(head_only)
-print("strategy:", head_model.optimizer.gradient_strategy.description)
+print("strategy:", head_model.optimizer.gradient_clipper.description)
 
 # %% [markdown]
 # And LoRA without privacy (plain Keras, shuffled batches), the reference:

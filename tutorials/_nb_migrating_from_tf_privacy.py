@@ -255,10 +255,55 @@ cli_microbatch = json.loads(run(*hyper, "--accountant=rdp", f"--microbatch_size=
                                 "--format=json"))
 
 # %% [markdown]
+# ### 6. Custom training loops
+#
+# TF Privacy users who wrote their own `GradientTape` loop called the optimizer's gradient
+# method with a vector of per-example losses (shown, not run):
+#
+# ```python
+# with tf.GradientTape() as tape:
+#     loss = loss_fn(y, model(x))                   # reduction=NONE: one loss per example
+# grads_and_vars = optimizer._compute_gradients(loss, model.trainable_variables, tape=tape)
+# optimizer.apply_gradients(grads_and_vars)
+# ```
+#
+# In tf_dp the same loop calls `tf_dp.keras.DPTrainStep`: the DP step that `fit` runs (clip per
+# example, noise, record in the optimizer's ledger, divide, apply). Declare how your loop draws its
+# batches (`sampling=`), mark each new pass over the data, and flush the ledger after every call
+# of a compiled function. XLA (`jit_compile=True`), mixed precision and `MirroredStrategy` work
+# as in `fit`.
+
+# %%
+import tensorflow as tf
+
+loop_model = build_cnn()
+loop_optimizer = tf_dp.keras.DPKerasSGDOptimizer(
+    l2_norm_clip=L2_NORM_CLIP, noise_multiplier=NOISE_MULTIPLIER, learning_rate=LEARNING_RATE)
+dp_step = tf_dp.keras.DPTrainStep(
+    loop_model, loop_optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    sampling=tf_dp.engine.Sampling(n, BATCH_SIZE / n, policy="shuffle"))
+
+
+@tf.function
+def train_step(x, y):
+    return dp_step(x, y)  # the batch's mean loss; the update is applied
+
+
+batches = tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(n, seed=0)
+dp_step.start_pass()  # one pass over the data (one epoch)
+for x_batch, y_batch in batches.batch(BATCH_SIZE, drop_remainder=True):
+    loss = train_step(x_batch, y_batch)
+    dp_step.flush()
+print(f"custom loop: {loop_optimizer.ledger.num_samples} steps recorded, last loss "
+      f"{float(loss):.3f}")
+print(tf_dp.accounting.compute_epsilon(loop_optimizer.ledger, delta=DELTA))
+
+# %% [markdown]
 # ## Summary
 #
 # - Code: `tf_dp.keras.make_private(model)`, `tf_dp.keras.DPKerasSGDOptimizer(...)`, any Keras 3
-#   loss; `num_microbatches` only if you want microbatches.
+#   loss; `num_microbatches` only if you want microbatches; `tf_dp.keras.DPTrainStep` in a
+#   custom loop.
 # - Numbers: compute them from `optimizer.ledger` (`compute_epsilon`, or `compute_dp_sgd_privacy
 #   --ledger`). Shuffled batches get the unamplified bound; use `poisson_batches` for the
 #   amplified one. `gdp` is labelled an approximation; report `pld` or `rdp`.

@@ -227,7 +227,7 @@ def train(**gradient_options):
 
 # %%
 exact_model, exact_history, exact_seconds = train(gradient_mode="auto")
-print(f"strategy: {exact_model.optimizer.gradient_strategy.description}")
+print(f"strategy: {exact_model.optimizer.gradient_clipper.description}")
 _, exact_accuracy = exact_model.evaluate(x_test, y_test, batch_size=500, verbose=0)
 exact_ledger = exact_model.optimizer.ledger
 print(f"exact clipping: test accuracy {exact_accuracy:.4f}, {exact_ledger.num_samples} steps "
@@ -242,7 +242,7 @@ print(f"exact clipping: test accuracy {exact_accuracy:.4f}, {exact_ledger.num_sa
 
 # %%
 jl_model, jl_history, jl_seconds = train(gradient_mode="jl", jl_projections=JL_PROJECTIONS)
-print(f"JL route: {jl_model.optimizer.gradient_strategy.resolved_method}")
+print(f"JL route: {jl_model.optimizer.gradient_clipper.resolved_method}")
 _, jl_accuracy = jl_model.evaluate(x_test, y_test, batch_size=500, verbose=0)
 jl_ledger = jl_model.optimizer.ledger
 print(f"JL (r = {JL_PROJECTIONS}): test accuracy {jl_accuracy:.4f}, {jl_ledger.num_samples} steps "

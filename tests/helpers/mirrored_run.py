@@ -94,7 +94,7 @@ def main(mode):
     report["poisson_ledger"] = sorted({(e.sampling.population_size, e.sampling.selection_probability,
                                         e.sampling.policy) for e in model.optimizer.ledger.samples()})
     report["poisson_recorded"] = model.optimizer.ledger.num_samples
-    report["description"] = getattr(model.optimizer.gradient_strategy, "description", None)
+    report["description"] = getattr(model.optimizer.gradient_clipper, "description", None)
     print("REPORT " + json.dumps(report))
 
 

@@ -345,7 +345,9 @@ def audit_dp_sgd(
     for _ in range(trainings):
         inc = draw_inclusion(m, rng)
         optimizer = optimizer_fn()
-        if not getattr(optimizer, "_tf_dp_optimizer", False):
+        from tf_dp.keras.optimizers import DPOptimizerMixin
+
+        if not isinstance(optimizer, DPOptimizerMixin):
             raise TypeError(
                 "optimizer_fn must return a tf_dp DP optimizer (e.g. "
                 f"tf_dp.keras.DPKerasSGDOptimizer), got {type(optimizer).__name__}")

@@ -103,6 +103,8 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
+from tf_dp import _compat
+
 
 def make_generator(seed: Optional[int] = None) -> tf.random.Generator:
     """Returns a Philox generator keyed from OS entropy, or from ``seed`` (tests only)."""
@@ -230,11 +232,7 @@ def _first(z: tf.Tensor, n: Any) -> tf.Tensor:
 
 def _in_xla_context() -> bool:
     """True while tracing a ``jit_compile=True`` function (XLA needs static shapes)."""
-    try:
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # pragma: no cover - private module moved: take the static-shape path
-        return True
-    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+    return _compat.graph_in_xla_context()
 
 
 _TWO32 = 2.0**-32

@@ -221,6 +221,18 @@ class TreeCumulativeSumQuery(dp_query.SumAggregationDPQuery):
     def record_specs(self) -> Any:
         return self._specs
 
+    def resize(self, restart_every: int, max_restart_every: Optional[int] = None) -> None:
+        """Sets the steps per tree, with a node stack of ``depth`` levels for trees of up to
+        ``max_restart_every`` steps (default ``restart_every``). Call it before the global state
+        exists, or keep the depth of the state built (``max_restart_every = 2**depth - 1``)."""
+        longest = int(max_restart_every or restart_every)
+        if not 1 <= int(restart_every) <= longest <= 2**MAX_DEPTH - 1:
+            raise ValueError(
+                f"restart_every must be an integer in [1, {2**MAX_DEPTH - 1}], got {restart_every!r}"
+            )
+        self._restart_every = int(restart_every)
+        self._depth = tree_depth(longest)
+
     @property
     def l2_norm_clip(self) -> Any:
         return self._l2_norm_clip

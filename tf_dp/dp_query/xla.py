@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tf_dp import _compat
+
 
 def in_xla_context() -> bool:
     """True while tracing a function that XLA compiles (``tf.function(jit_compile=True)``, or a
@@ -15,9 +17,4 @@ def in_xla_context() -> bool:
     """
     if tf.executing_eagerly():
         return False
-    try:
-        from tensorflow.python.ops import control_flow_util  # noqa: PLC0415
-
-        return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
-    except Exception:  # pragma: no cover - depends on TensorFlow internals
-        return True
+    return _compat.graph_in_xla_context()

@@ -5,5 +5,7 @@ through it.
 """
 
 from tf_dp.data.sampling import ORIGINS, POLICIES, UNITS, Sampling
+from tf_dp.engine.config import PrivacyConfig, SpeedConfig
+from tf_dp.engine.step import DPEngine
 
-__all__ = ["ORIGINS", "POLICIES", "UNITS", "Sampling"]
+__all__ = ["DPEngine", "ORIGINS", "POLICIES", "PrivacyConfig", "SpeedConfig", "UNITS", "Sampling"]

@@ -37,6 +37,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
 
+from tf_dp import _compat
+
 
 @dataclasses.dataclass
 class ClippedGradients:
@@ -231,6 +233,8 @@ class GradientClipper(abc.ABC):
     name: str = ""
     #: exact clippers give the same clipped sum as per-example clipping
     exact: bool = True
+    #: strategies that read the model's layers (ghost) take it as ``clipped_sum(..., model=)``
+    needs_model: bool = False
 
     @abc.abstractmethod
     def clipped_sum(
@@ -263,8 +267,7 @@ def vectorized_map_blocker(model: Optional[Any]) -> Optional[str]:
         return None
     import keras  # local: the gradients layer does not otherwise need Keras
 
-    flatten = getattr(model, "_flatten_layers", None)
-    layers = list(flatten(include_self=False)) if flatten is not None else []
+    layers = _compat.flatten_layers(model, include_self=False) or []
     for layer in layers:
         kernel = getattr(layer, "kernel", None)
         if isinstance(layer, keras.layers.EinsumDense) and kernel is not None and len(

@@ -75,6 +75,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_dp import _compat
 from tf_dp.dp_query.dp_query import DPQuery
 from tf_dp.dp_query.gaussian_query import GaussianSumQuery
 from tf_dp.dp_query.nested_query import NestedQuery
@@ -242,7 +243,7 @@ def _max_pool_jvp(attr_tuple, inputs, outputs, tangents):
     the projections are those of the gradient the backward pass computes (checked against the
     double-vjp route, ties included, in the tests). Other layouts use ``MaxPoolGradGrad``.
     """
-    from tensorflow.python.ops import gen_nn_ops
+    gen_nn_ops = _compat.gen_nn_ops()
 
     x, y, t = inputs[0], outputs[0], tangents[0]
     ksize, strides = list(_attr(attr_tuple, "ksize")), list(_attr(attr_tuple, "strides"))
@@ -286,13 +287,12 @@ def _register_forward_rules() -> None:
     # ``tf.autodiff.ForwardAccumulator`` looks up per-op forward rules in this (TF-private) table
     # before falling back to transposing the backward function. Guarded: without it, forward
     # mode is only slower.
-    try:
-        from tensorflow.python.eager import forwardprop
-
-        forwardprop._SPECIAL_CASES.setdefault("MaxPool", _max_pool_jvp)
-        forwardprop._SPECIAL_CASES.setdefault("BiasAdd", _bias_add_jvp)
-    except (ImportError, AttributeError):  # pragma: no cover
+    rules = _compat.forward_rules()
+    if rules is None:  # pragma: no cover
         _logger.info("tf_dp: no forward-mode rule table; MaxPool jvp uses TF's default")
+        return
+    rules.setdefault("MaxPool", _max_pool_jvp)
+    rules.setdefault("BiasAdd", _bias_add_jvp)
 
 
 _register_forward_rules()

@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
+from tf_dp import _compat
 from tf_dp.gradients import base
 
 
@@ -90,11 +91,18 @@ class PhysicalBatches(base.GradientClipper):
     def __repr__(self) -> str:
         return f"PhysicalBatches({self.inner!r}, max_physical_batch_size={self.max_physical_batch_size})"
 
-    def clipped_sum(self, loss_fn, data, variables, query, params) -> base.ClippedGradients:
+    @property
+    def needs_model(self) -> bool:
+        return bool(getattr(self.inner, "needs_model", False))
+
+    def clipped_sum(
+        self, loss_fn, data, variables, query, params, model=None
+    ) -> base.ClippedGradients:
         size = self.max_physical_batch_size
         static_b = tf.nest.flatten(data[0])[0].shape[0]
+        extra = {"model": model} if model is not None and self.needs_model else {}
         if static_b is not None and static_b <= size:
-            return self.inner.clipped_sum(loss_fn, data, variables, query, params)
+            return self.inner.clipped_sum(loss_fn, data, variables, query, params, **extra)
         # zero-weight rows (Poisson padding) become copies of a real row of the whole batch, so
         # that a piece made only of padding is still valid input (e.g. not all padding tokens)
         data = base.fill_padding_rows(data)
@@ -116,7 +124,7 @@ class PhysicalBatches(base.GradientClipper):
                 None if part is None else tf.nest.map_structure(lambda t: rows(t, start, n), part)
                 for part in (x, y, sw)
             )
-            out = self.inner.clipped_sum(loss_fn, sub, variables, query, params)
+            out = self.inner.clipped_sum(loss_fn, sub, variables, query, params, **extra)
             if not isinstance(out.sensitivity_multiplier, (int, float)) or (
                 float(out.sensitivity_multiplier) != 1.0
             ) or out.jl_projections:
@@ -129,7 +137,7 @@ class PhysicalBatches(base.GradientClipper):
         out0, mask0 = piece(0, first)
         acc0 = [_dense(c) for c in out0.clipped_sum]
         # Keras's output masks (``_keras_mask``, read by compiled metrics) travel with y_pred
-        masked = [getattr(t, "_keras_mask", None) is not None for t in tf.nest.flatten(out0.y_pred)]
+        masked = [_compat.keras_mask(t) is not None for t in tf.nest.flatten(out0.y_pred)]
 
         def outputs(out, mask):
             """A piece's per-record outputs, gathered for the whole batch."""

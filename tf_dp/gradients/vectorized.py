@@ -46,6 +46,7 @@ from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 
+from tf_dp import _compat
 from tf_dp.gradients import base
 
 _logger = logging.getLogger("tf_dp")
@@ -63,7 +64,7 @@ _PATCH_LOCK = threading.RLock()
 
 
 def _fast_conv2d_backprop_filter(original):
-    from tensorflow.python.ops.parallel_for import pfor as pfor_lib
+    pfor_lib = _compat.pfor_module()
 
     def converter(pfor_input):
         inputs, inputs_stacked, _ = pfor_input.input(0)
@@ -115,12 +116,9 @@ def _fast_conv2d_backprop_filter(original):
 def fast_pfor_converters():
     """While active, ``tf.vectorized_map`` vectorizes per-example conv filter gradients as patches
     times output gradients instead of a while loop. A no-op if TensorFlow's internals differ."""
-    try:
-        from tensorflow.python.ops.parallel_for import pfor as pfor_lib
-
-        registry = pfor_lib._pfor_converter_registry
-        original = registry["Conv2DBackpropFilter"]
-    except (ImportError, AttributeError, KeyError):  # pragma: no cover - TF internals changed
+    registry = _compat.pfor_converters()
+    original = None if registry is None else registry.get("Conv2DBackpropFilter")
+    if original is None:  # pragma: no cover - TF internals changed
         yield
         return
     with _PATCH_LOCK:
@@ -135,10 +133,7 @@ def fast_pfor_converters():
 
 
 def _walk_layers(model: Any) -> list:
-    flatten = getattr(model, "_flatten_layers", None)
-    if flatten is None:
-        return []
-    return list(flatten(include_self=True, recursive=True))
+    return _compat.flatten_layers(model) or []
 
 
 def looping_rnns(model: Any) -> list:

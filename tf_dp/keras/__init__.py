@@ -12,6 +12,7 @@ from tf_dp.keras.callbacks import (
     PrivacyBudget,
     PrivacyReport,
 )
+from tf_dp.keras.custom_loop import DPTrainStep
 from tf_dp.keras.fixing import DPCompatibilityReport, fix_for_dp, validate_for_dp
 from tf_dp.keras.ftrl import DPKerasFTRLOptimizer
 from tf_dp.keras.losses import PerExampleLoss
@@ -42,6 +43,7 @@ __all__ = [
     "DPModel",
     "DPOptimizerMixin",
     "DPSequential",
+    "DPTrainStep",
     "PerExampleLoss",
     "fix_for_dp",
     "is_private",

@@ -45,6 +45,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_dp import _compat
+
 _logger = logging.getLogger("tf_dp")
 
 #: Records taken from the input for the probe.
@@ -126,7 +128,7 @@ def _layer_outputs(model: keras.Model) -> Optional[tuple[keras.Model, list]]:
         return None
     # The structure (tensor, list or dict) the model is called with: a functional model keeps
     # it; a Sequential model has one input.
-    inputs = getattr(model, "_inputs_struct", None)
+    inputs = _compat.inputs_struct(model)
     if inputs is None:
         inputs = model.inputs[0] if len(model.inputs) == 1 else model.inputs
     probed, tensors = [], []

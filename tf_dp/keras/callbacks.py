@@ -38,6 +38,7 @@ from typing import Any, Optional, Sequence
 
 import keras
 
+from tf_dp.keras.optimizers import DPOptimizerMixin
 from tf_dp.ledger.events import SampleEntry, runs_are_prefix
 from tf_dp.ledger.ledger_file import read_ledger_runs
 
@@ -51,7 +52,7 @@ JOURNAL_NAME = "privacy_journal.jsonl"
 
 def _dp_optimizer(model: keras.Model, who: str):
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is None or not getattr(optimizer, "_tf_dp_optimizer", False):
+    if optimizer is None or not isinstance(optimizer, DPOptimizerMixin):
         raise TypeError(
             f"{who} needs a model compiled with a tf_dp DP optimizer (e.g. "
             f"tf_dp.keras.DPKerasSGDOptimizer), got {type(optimizer).__name__}"

@@ -38,11 +38,13 @@ import math
 from collections.abc import Callable
 
 import keras
-from keras.src.models.functional import Functional
 
-from tf_dp.keras.models import incompatible_layers
+from tf_dp import _compat
+from tf_dp.keras.compatibility import incompatible_layers
 
 #: What each kind of offence is, for the report.
+Functional = _compat.functional_class()
+
 _PROBLEMS = {
     "mixes_examples": "mixes the examples of a batch (per-example gradients undefined)",
     "activity_regularizer": "has an activity_regularizer (a batch-dependent loss term)",

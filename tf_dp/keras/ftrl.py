@@ -7,7 +7,8 @@ gradients, released by the binary tree mechanism (:class:`tf_dp.TreeCumulativeSu
 SGD on the differences ``S_m - S_{m-1}`` (:class:`tf_dp.TreeResidualSumQuery`) reaches exactly the
 same parameters, and SGD with momentum on them is the paper's momentum variant (DP-FTRLM), so
 :class:`DPKerasFTRLOptimizer` is a DP SGD optimizer whose sum query is the residual tree query,
-with the tree's state (a fixed-depth stack of node noises) in the optimizer's variables.
+with the tree's state (a fixed-depth stack of node noises) carried by the optimizer's engine as the
+query's global state (``tf_dp.engine.DPEngine`` keeps the state ``get_noised_result`` returns).
 
 Privacy does not come from sampling: batches are fixed-size, each example used once per epoch,
 shuffled or in a fixed order, and the ledger records them as such (policy ``shuffle``, no
@@ -34,111 +35,19 @@ from typing import Any, Optional, Union
 import keras
 import tensorflow as tf
 
-from tf_dp.dp_query.dp_query import DPQuery
 from tf_dp.dp_query.tree_aggregation import MAX_DEPTH, TreeResidualSumQuery, TreeState, tree_depth
-from tf_dp.keras.optimizers import DPOptimizerMixin, _check_number, _python_number
-from tf_dp.ledger.privacy_ledger import ledger_variable
+from tf_dp.engine import Sampling
+from tf_dp.engine.validation import check_number, python_number
+from tf_dp.keras.optimizers import DPOptimizerMixin
 
 _logger = logging.getLogger("tf_dp")
 
 __all__ = ["DPKerasFTRLOptimizer"]
 
 
-class _TreeStateInVariables(DPQuery):
-    """Runs a tree query with its global state held in variables (created by :meth:`build`).
-
-    The DP optimizers treat the query's global state as fixed (they do not carry the returned
-    state from step to step), so this adapter reads the tree state from its variables on every
-    :meth:`get_noised_result` and assigns the new state back. Its own global state is ``()``.
-    """
-
-    def __init__(self, tree: TreeResidualSumQuery):
-        self._tree = tree
-        self._step: Optional[tf.Variable] = None
-        self._nodes: Optional[list] = None
-
-    @property
-    def tree(self) -> TreeResidualSumQuery:
-        return self._tree
-
-    @property
-    def built(self) -> bool:
-        return self._step is not None
-
-    def build(self, variables: list) -> None:
-        """Creates the state variables for records shaped like ``variables`` (eager)."""
-        if self.built:
-            return
-        self._tree.set_record_specs(
-            [v if isinstance(v, tf.TensorSpec)
-             else tf.TensorSpec(tf.TensorShape(v.shape), tf.as_dtype(v.dtype)) for v in variables]
-        )
-        with tf.init_scope():
-            init = self._tree.initial_global_state()
-            self._step = ledger_variable(init.step, name="tree_step")
-            self._nodes = [ledger_variable(n, name="tree_nodes") for n in init.nodes]
-
-    def restart(self) -> None:
-        """The next step starts a new tree."""
-        if self.built:
-            self._step.assign(0)
-
-    def _state(self) -> TreeState:
-        if not self.built:
-            return TreeState(tf.constant(0, tf.int64), [], (), self._tree.l2_norm_clip,
-                             self._tree.stddev)
-        return TreeState(self._step.read_value(), [n.read_value() for n in self._nodes], (),
-                         self._tree.l2_norm_clip, self._tree.stddev)
-
-    # -- DPQuery protocol ------------------------------------------------------------------------
-
-    def initial_global_state(self) -> Any:
-        return ()
-
-    def derive_sample_params(self, global_state: Any) -> Any:
-        return self._tree.derive_sample_params(self._state())
-
-    def initial_sample_state(self, template: Any) -> Any:
-        return self._tree.initial_sample_state(template)
-
-    def preprocess_record(self, params: Any, record: Any) -> Any:
-        return self._tree.preprocess_record(params, record)
-
-    def accumulate_preprocessed_record(self, sample_state: Any, preprocessed_record: Any) -> Any:
-        return self._tree.accumulate_preprocessed_record(sample_state, preprocessed_record)
-
-    def merge_sample_states(self, sample_state_1: Any, sample_state_2: Any) -> Any:
-        return self._tree.merge_sample_states(sample_state_1, sample_state_2)
-
-    @property
-    def supports_norm_clipping(self) -> bool:
-        return True
-
-    def clip_weights(self, params: Any, squared_norms: Any) -> Any:
-        return self._tree.clip_weights(params, squared_norms)
-
-    def get_noised_result(self, sample_state: Any, global_state: Any):
-        if not self.built:
-            raise RuntimeError(
-                "DPKerasFTRLOptimizer: the tree state does not exist yet; the optimizer builds it "
-                "from the model's variables (optimizer.build(model.trainable_variables))"
-            )
-        flat = list(tf.nest.flatten(sample_state))
-        result, new = self._tree.get_noised_result(flat, self._state())
-        assigns = [self._step.assign(new.step)]
-        assigns += [v.assign(n) for v, n in zip(self._nodes, new.nodes)]
-        with tf.control_dependencies(assigns):
-            result = [tf.identity(r) for r in result]
-        return tf.nest.pack_sequence_as(sample_state, result), global_state
-
-    def sum_query_specs(self, global_state: Any):
-        return self._tree.sum_query_specs(self._state())
-
-    def derive_metrics(self, global_state: Any) -> dict[str, Any]:
-        return self._tree.derive_metrics(self._state())
-
-
 def _spec_of(g: Any) -> tf.TensorSpec:
+    if not isinstance(g, (tf.Tensor, tf.IndexedSlices, tf.TensorSpec)):  # a variable
+        return tf.TensorSpec(tf.TensorShape(g.shape), tf.as_dtype(g.dtype))
     if isinstance(g, tf.IndexedSlices):
         shape = tf.get_static_value(g.dense_shape)
         if shape is None:
@@ -171,9 +80,9 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         accountant analyses tree aggregation with JL clipping).
       noise_seed: tests and debugging only (a known seed voids the guarantee).
 
-    The tree's state (``depth`` copies of the model's trainable variables) lives in the
-    optimizer but is not saved with it: a resumed run starts a new tree, which the ledger records
-    (``tree_step`` 0).
+    The tree's state (``depth`` copies of the model's trainable variables) is carried by the
+    optimizer's engine but is not saved with it: a resumed run starts a new tree, which the
+    ledger records (``tree_step`` 0).
     """
 
     def __init__(
@@ -197,14 +106,14 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         for name in ("dp_sum_query", "jl_projections"):
             if name in kwargs:
                 raise TypeError(f"DPKerasFTRLOptimizer does not take {name}")
-        l2_norm_clip, noise_multiplier = _python_number(l2_norm_clip), _python_number(noise_multiplier)
+        l2_norm_clip, noise_multiplier = python_number(l2_norm_clip), python_number(noise_multiplier)
         if l2_norm_clip is None or noise_multiplier is None:
             raise ValueError(
                 "DPKerasFTRLOptimizer needs l2_norm_clip (a finite number > 0) and "
                 "noise_multiplier (a finite number >= 0)"
             )
-        _check_number("l2_norm_clip", l2_norm_clip, positive=True)
-        _check_number("noise_multiplier", noise_multiplier, positive=False)
+        check_number("l2_norm_clip", l2_norm_clip, positive=True)
+        check_number("noise_multiplier", noise_multiplier, positive=False)
         if gradient_mode == "jl":
             raise ValueError(
                 "gradient_mode='jl' cannot be used with DPKerasFTRLOptimizer: no accountant "
@@ -236,18 +145,27 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
             float(l2_norm_clip), float(noise_multiplier) * float(l2_norm_clip),
             restart_every=period, seed=noise_seed,
         )
-        self._tree_query = _TreeStateInVariables(tree)
+        self._tree = tree
         self._init_dp(
-            None, None, num_microbatches, gradient_mode, None, self._tree_query, noise_seed,
+            None, None, num_microbatches, gradient_mode, None, tree, noise_seed,
             max_physical_batch_size=max_physical_batch_size,
+            placeholder_state=TreeState(0, [], (), tree.l2_norm_clip, tree.stddev),
         )
         # DP-FTRL has its own configuration (not an arbitrary dp_sum_query): serialisable.
         self._custom_query = False
-        self._l2_norm_clip = float(l2_norm_clip)
-        self._noise_multiplier = float(noise_multiplier)
+        self._ftrl_clip = float(l2_norm_clip)
+        self._ftrl_noise_multiplier = float(noise_multiplier)
         self._restart_every = restart_every
         self._max_epoch_steps = max_epoch_steps
         self._epoch_steps: Optional[int] = None
+
+    @property
+    def l2_norm_clip(self) -> float:
+        return self._ftrl_clip
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self._ftrl_noise_multiplier
 
     # -- tree structure ----------------------------------------------------------------------------
 
@@ -258,11 +176,11 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
     @property
     def tree_restart_period(self) -> int:
         """Steps per tree in use (the epoch length for ``restart_every='epoch'``, once known)."""
-        return self._tree_query.tree.restart_every
+        return self._tree.restart_every
 
     @property
     def tree_depth(self) -> int:
-        return self._tree_query.tree.depth
+        return self._tree.depth
 
     def start_pass(self) -> None:
         """Marks a new pass over the data; with ``restart_every='epoch'`` the tree restarts too,
@@ -271,12 +189,23 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         if self._restart_every == "epoch":
             self.restart_tree()
 
+    @property
+    def tree_step(self) -> int:
+        """Leaves of the current tree so far (0 before its first step)."""
+        if not self._engine.state_built:
+            return 0
+        return int(self._engine.global_state.step.numpy())
+
     def restart_tree(self) -> None:
         """Starts a new tree at the next step (eager; recorded as ``tree_step`` 0)."""
-        self._tree_query.restart()
+        if self._engine.state_built:
+            self._engine.set_global_state(self._tree.restart(self._engine.global_state))
 
     def set_sampling(
-        self, population_size: int, selection_probability: float, sampling_policy: str = "shuffle"
+        self,
+        population_size: Union[int, Sampling],
+        selection_probability: Optional[float] = None,
+        sampling_policy: str = "shuffle",
     ) -> None:
         """Declares the batches: fixed-size (``shuffle`` policy, shuffled or in a fixed order).
 
@@ -284,6 +213,11 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         sampling, so ``sampling_policy='poisson'`` (e.g. ``tf_dp.data.poisson_batches``) is
         refused. With ``restart_every='epoch'`` the tree restarts every ``ceil(n / b)`` steps.
         """
+        if isinstance(population_size, Sampling):
+            sampling = population_size
+            population_size, selection_probability, sampling_policy = (
+                sampling.population_size, sampling.selection_probability, sampling.policy
+            )
         if sampling_policy != "shuffle":
             raise ValueError(
                 "DPKerasFTRLOptimizer (tree aggregation) needs sampling_policy='shuffle' "
@@ -297,12 +231,10 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
 
         steps = shuffle_steps_per_epoch(population_size, float(selection_probability))
         self._epoch_steps = steps
-        tree = self._tree_query.tree
+        tree = self._tree
         if self._restart_every == "epoch":
-            if not self._tree_query.built:
-                period = max(steps, self._max_epoch_steps or 0)
-                self._resize_tree(period)
-                tree._restart_every = steps
+            if not self._engine.state_built:
+                tree.resize(steps, max(steps, self._max_epoch_steps or 0))
             elif tree_depth(steps) > tree.depth:
                 raise ValueError(
                     f"an epoch now has {steps} steps but the tree state was built for epochs of "
@@ -310,7 +242,7 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
                     f"max_epoch_steps >= {steps}"
                 )
             else:
-                tree._restart_every = steps
+                tree.resize(steps, 2**tree.depth - 1)
         elif self._restart_every > steps:
             _logger.warning(
                 "tf_dp: DPKerasFTRLOptimizer restarts its tree every %d steps but an epoch has %d: "
@@ -318,21 +250,26 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
                 "(restart_every='epoch' gives the paper's bound)", self._restart_every, steps,
             )
 
-    def _resize_tree(self, period: int) -> None:
-        tree = self._tree_query.tree
-        tree._restart_every = int(period)
-        tree._depth = tree_depth(int(period))
-
     def build(self, variables) -> None:
         super().build(variables)
-        self._tree_query.build(list(variables))
+        self._build_tree(list(variables))
+
+    def _build_tree(self, records: list) -> None:
+        """The tree's state (one node stack per variable), carried by the engine (once)."""
+        if not self._engine.state_built:
+            self._tree.set_record_specs([_spec_of(r) for r in records])
+            self._engine.build_state()
+
+    def private_gradients(self, loss_fn, data, variables, model=None, check=None):
+        # the first (traced) step, before Keras builds the optimizer: size the tree state from
+        # the variables (variables created on the first trace are allowed by tf.function)
+        self._build_tree(list(variables))
+        return super().private_gradients(loss_fn, data, variables, model, check)
 
     def dp_aggregate(self, clipped):
-        if not self._tree_query.built:
-            # The first (traced) step, before Keras builds the optimizer: size the tree state
-            # from the clipped sum (one tensor per trainable variable). Variables created on the
-            # first trace are allowed by tf.function.
-            self._tree_query.build([_spec_of(g) for g in tf.nest.flatten(clipped.clipped_sum)])
+        # the first (traced) step, before Keras builds the optimizer: size the tree state from
+        # the clipped sum (one tensor per trainable variable)
+        self._build_tree(tf.nest.flatten(clipped.clipped_sum))
         return super().dp_aggregate(clipped)
 
     def get_config(self) -> dict[str, Any]:
@@ -340,13 +277,13 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         config.pop("nesterov", None)
         config.update(
             {
-                "l2_norm_clip": self._l2_norm_clip,
-                "noise_multiplier": self._noise_multiplier,
+                "l2_norm_clip": self._ftrl_clip,
+                "noise_multiplier": self._ftrl_noise_multiplier,
                 "restart_every": self._restart_every,
                 "max_epoch_steps": self._max_epoch_steps,
-                "num_microbatches": self._num_microbatches,
-                "gradient_mode": self._gradient_mode,
-                "max_physical_batch_size": self._max_physical_batch_size,
+                "num_microbatches": self.num_microbatches,
+                "gradient_mode": self.gradient_mode,
+                "max_physical_batch_size": self.max_physical_batch_size,
             }
         )
         return config

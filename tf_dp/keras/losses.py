@@ -14,6 +14,8 @@ from typing import Any, Callable
 import keras
 import tensorflow as tf
 
+from tf_dp import _compat
+
 
 def _unreduced(loss: Any) -> Callable:
     fn = keras.losses.get(loss) if isinstance(loss, str) else loss
@@ -54,6 +56,10 @@ def _weights_like(sample_weight: Any, values: tf.Tensor) -> tf.Tensor:
 class PerExampleLoss:
     """``loss_fn(x, y, sample_weight) -> (per_example_losses [B], y_pred)`` for a compiled model.
 
+    ``loss`` (optional): a loss to use instead of the compiled one (a name, a
+    ``keras.losses.Loss`` or a function ``(y_true, y_pred) -> per-example values``), structured
+    like ``compile``'s ``loss``, without ``loss_weights``.
+
     The compiled ``loss`` and ``loss_weights`` are matched to the model's outputs as Keras does:
 
     - one loss for a single output (a float ``loss_weights`` scales it);
@@ -74,12 +80,16 @@ class PerExampleLoss:
         # regularisation terms
     """
 
-    def __init__(self, model: keras.Model):
-        if getattr(model, "loss", None) is None:
-            raise ValueError("the model must be compiled with a loss before DP training")
+    def __init__(self, model: keras.Model, loss: Any = None):
+        if loss is None and getattr(model, "loss", None) is None:
+            raise ValueError(
+                "the model must be compiled with a loss before DP training (or pass loss=...)"
+            )
         self.model = model
-        loss = model.loss
-        weights = getattr(getattr(model, "_compile_loss", None), "_user_loss_weights", None)
+        weights = None
+        if loss is None:
+            loss = model.loss
+            weights = _compat.user_loss_weights(model)
         if isinstance(loss, dict):
             self._losses = {k: None if v is None else _unreduced(v) for k, v in loss.items()}
         elif isinstance(loss, (list, tuple)):
@@ -89,7 +99,7 @@ class PerExampleLoss:
         self._loss_weights = weights
         names = getattr(model, "output_names", None)
         self._output_names = list(names) if isinstance(names, (list, tuple)) else None
-        self._call_has_training = getattr(model, "_call_has_training_arg", True)
+        self._call_has_training = _compat.call_has_training_arg(model)
 
     def __call__(self, x: Any, y: Any, sample_weight: Any = None):
         model = self.model

@@ -28,6 +28,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from tf_dp import _compat
+
 
 def num_workers(strategy: Any) -> int:
     """Worker processes of a (multi-worker) ``tf.distribute`` strategy; 1 for all others."""
@@ -77,16 +79,15 @@ def _first_local_batch(model: Any, iterator: Any = None, data_batch: Any = None)
             )
             break
     with strategy.scope():
-        model._symbolic_build(data_batch=data_batch)
+        _compat.symbolic_build(model, data_batch)
 
 
 @contextlib.contextmanager
 def keras_multi_worker_fixes(model: Any):
     """While active (one ``fit``), the two Keras multi-worker failures above are avoided."""
-    from keras.src.backend.tensorflow import trainer as keras_trainer
-
+    keras_trainer = _compat.keras_tf_trainer()
     original_reduce = keras_trainer.reduce_per_replica
-    multi_worker = keras_trainer._collective_all_reduce_multi_worker
+    multi_worker = _compat.is_multi_worker
 
     def reduce_per_replica(values, strategy, reduction):
         if multi_worker(strategy) and reduction in ("auto", "mean"):
@@ -99,15 +100,16 @@ def keras_multi_worker_fixes(model: Any):
             return tf.nest.map_structure(mean, values)
         return original_reduce(values, strategy, reduction)
 
-    had_own = "_maybe_symbolic_build" in vars(model)
-    own = vars(model).get("_maybe_symbolic_build")
+    name = _compat.MAYBE_SYMBOLIC_BUILD
+    had_own = name in vars(model)
+    own = vars(model).get(name)
     keras_trainer.reduce_per_replica = reduce_per_replica
-    model._maybe_symbolic_build = types.MethodType(_first_local_batch, model)
+    setattr(model, name, types.MethodType(_first_local_batch, model))
     try:
         yield
     finally:
         keras_trainer.reduce_per_replica = original_reduce
         if had_own:
-            model._maybe_symbolic_build = own
+            setattr(model, name, own)
         else:
-            del model._maybe_symbolic_build
+            delattr(model, name)

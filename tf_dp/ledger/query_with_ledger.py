@@ -140,6 +140,11 @@ class QueryWithLedger(DPQuery):
         self._sensitivity_multiplier.assign(m)
         self._jl_projections.assign(jl_projections)
 
+    def set_jl_projections(self, jl_projections: Any) -> None:
+        """Sets the JL dimension recorded by the next step (0: exact clipping); graph-safe, for
+        the step that knows it from its gradient clipper."""
+        self._jl_projections.assign(tf.cast(jl_projections, tf.int32))
+
     @property
     def sensitivity_multiplier(self) -> tf.Variable:
         return self._sensitivity_multiplier

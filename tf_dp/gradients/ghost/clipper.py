@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
+from tf_dp import _compat
 from tf_dp.gradients import base
 from tf_dp.gradients.ghost import factors as F
 from tf_dp.gradients.ghost.registry import RuleEntry
@@ -46,7 +47,7 @@ def _key(v: Any) -> int:
 
 
 def _own_trainable(layer) -> list:
-    own = getattr(layer, "_trainable_variables", None)
+    own = _compat.own_trainable_variables(layer)
     if own is None:
         return []
     return list(own)
@@ -60,8 +61,7 @@ def _rule_variables(layer, entry) -> list:
 
 
 def _all_layers(model) -> list:
-    flatten = getattr(model, "_flatten_layers", None)
-    layers = list(flatten(include_self=True, recursive=True)) if flatten else [model]
+    layers = _compat.flatten_layers(model) or [model]
     seen, out = set(), []
     for layer in layers:
         if id(layer) not in seen:
@@ -102,8 +102,7 @@ def _parents(model) -> tuple[dict, dict]:
     stack, seen = [model], {id(model)}
     while stack:
         layer = stack.pop()
-        flatten = getattr(layer, "_flatten_layers", None)
-        children = list(flatten(include_self=False, recursive=False)) if flatten else []
+        children = _compat.flatten_layers(layer, include_self=False, recursive=False) or []
         for child in children:
             every.setdefault(id(child), [])
             if all(p is not layer for p in every[id(child)]):
@@ -366,7 +365,7 @@ class GhostClipper(base.GradientClipper):
         opt = tf_dp.keras.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1,
                                               learning_rate=0.1, gradient_mode="ghost")
         model.fit(...)
-        opt.gradient_strategy.description   # "ghost" or "ghost+vectorized (layers: lstm)"
+        opt.gradient_clipper.description   # "ghost" or "ghost+vectorized (layers: lstm)"
     """
 
     name = "ghost"
@@ -406,10 +405,19 @@ class GhostClipper(base.GradientClipper):
     def __repr__(self) -> str:
         return f"GhostClipper(mode={self.mode!r}, description={self.description!r})"
 
-    def clipped_sum(self, loss_fn, data, variables, query, params) -> base.ClippedGradients:
+    needs_model = True
+
+    def clipped_sum(
+        self, loss_fn, data, variables, query, params, model=None
+    ) -> base.ClippedGradients:
+        """The clipped sum; ``model`` is the model whose layers the rules read (without it:
+        ``loss_fn.model``, which :class:`tf_dp.keras.PerExampleLoss` has)."""
         base.check_weights_structure(query, variables)
         variables = list(variables)
-        model = loss_fn.model
+        if model is None:
+            model = getattr(loss_fn, "model", None)
+        if model is None:
+            raise ValueError("the ghost strategy needs the model: pass clipped_sum(..., model=)")
         plan = self._plan_for(model, variables)
         data = base.fill_padding_rows(data)
         x, y, sw = data

@@ -6,6 +6,7 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tf_dp import _compat
 from tf_dp.gradients.ghost.factors import Outer, PerExample
 
 
@@ -36,7 +37,7 @@ def trainable(v) -> bool:
 
 def kernel_variable(layer):
     """The kernel *variable* of a Dense/EinsumDense (``layer.kernel`` is a tensor under LoRA)."""
-    return getattr(layer, "_kernel", None) if hasattr(layer, "_kernel") else layer.kernel
+    return _compat.kernel_variable(layer)
 
 
 def bias_per_example(g, bias):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tf_dp import _compat
 from tf_dp.gradients.ghost.common import batch_size, f32, plain
 from tf_dp.gradients.ghost.factors import Outer, Rows
 from tf_dp.gradients.ghost.registry import norm_rule
@@ -49,8 +50,7 @@ def _arg(args, kwargs, name, index, default):
 
 
 def _table(layer):
-    table = getattr(layer, "_embeddings", None)
-    return layer.embeddings if table is None else table
+    return _compat.embeddings_variable(layer)
 
 
 def _reversible_supports(layer):

@@ -44,6 +44,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from tf_dp import _compat
 from tf_dp.gradients.ghost.factors import Outer, PerExample
 from tf_dp.gradients.ghost.registry import norm_rule
 
@@ -106,7 +107,7 @@ def forward(layer, call, args, kwargs, watch):
 
 
 def _inner_loop(layer, sequences, initial_state, mask, training, watch, ctx):
-    from keras.src import backend as kbackend  # Keras's loop, for identical semantics
+    kbackend = _compat.keras_backend()  # Keras's loop, for identical semantics
 
     kind = _kind(layer)
     cell = layer.cell

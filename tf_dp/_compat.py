@@ -1,0 +1,191 @@
+"""Every private Keras and TensorFlow name tf_dp uses, in one place.
+
+tf_dp reads a few Keras and TensorFlow internals that have no public equivalent (the layers of a
+model in order, the compiled metrics, the loss tracker, per-op tables of TensorFlow's
+vectorizer and forward-mode autodiff ...). They all go through this module, so that a Keras or
+TensorFlow upgrade that renames one breaks here, in one place: ``tests/test_compat.py`` checks
+that each name in :data:`PRIVATE_NAMES` still exists in the installed versions and that no other
+module of tf_dp uses a private Keras or TensorFlow name.
+
+Example::
+
+    from tf_dp import _compat
+    layers = _compat.flatten_layers(model, include_self=False)   # every nested layer, in order
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+#: ``(owner, name)`` of every private Keras / TensorFlow attribute or module used by tf_dp.
+PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
+    ("keras.Layer", "_flatten_layers"),
+    ("keras.Layer", "_trainable_variables"),
+    ("keras.layers.Dense", "_kernel"),
+    ("keras.layers.Embedding", "_embeddings"),
+    ("keras.Model", "_loss_tracker"),
+    ("keras.Model", "_compile_metrics"),
+    ("keras.Model", "_compile_loss"),
+    ("keras.Model", "_call_has_training_arg"),
+    ("keras.Model", "_symbolic_build"),
+    ("keras.Model", "_maybe_symbolic_build"),
+    ("keras functional model", "_inputs_struct"),
+    ("keras CompileMetrics", "_flatten_y"),
+    ("keras CompileMetrics", "_flat_metrics"),
+    ("keras CompileMetrics", "_flat_weighted_metrics"),
+    ("keras CompileLoss", "_user_loss_weights"),
+    ("keras tensor", "_keras_mask"),
+    ("keras.src.models.functional", "Functional"),
+    ("keras.src.backend", "rnn"),
+    ("keras.src.backend.tensorflow.trainer", "reduce_per_replica"),
+    ("keras.src.backend.tensorflow.trainer", "_collective_all_reduce_multi_worker"),
+    ("tensorflow.python.eager.forwardprop", "_SPECIAL_CASES"),
+    ("tensorflow.python.ops.parallel_for.pfor", "_pfor_converter_registry"),
+    ("tensorflow.python.ops.control_flow_util", "GraphOrParentsInXlaContext"),
+    ("tensorflow.python.ops", "gen_nn_ops"),
+    ("tensorflow.python.ops.parallel_for", "pfor"),
+)
+
+
+def functional_class() -> type:
+    """Keras's ``Functional`` model class (what ``keras.Model(inputs, outputs)`` builds)."""
+    from keras.src.models.functional import Functional
+
+    return Functional
+
+
+def keras_backend() -> Any:
+    """Keras's backend module (``keras.src.backend``: its ``rnn`` loop, for identical semantics)."""
+    from keras.src import backend
+
+    return backend
+
+
+def keras_tf_trainer() -> Any:
+    """Keras's TensorFlow trainer module (``reduce_per_replica``, multi-worker detection)."""
+    from keras.src.backend.tensorflow import trainer
+
+    return trainer
+
+
+def is_multi_worker(strategy: Any) -> bool:
+    """Keras's own test for a multi-worker ``tf.distribute`` strategy."""
+    return bool(keras_tf_trainer()._collective_all_reduce_multi_worker(strategy))
+
+
+def flatten_layers(obj: Any, include_self: bool = True, recursive: bool = True) -> Optional[list]:
+    """Every layer under ``obj`` in Keras's order, or None if ``obj`` is not a Keras layer."""
+    flatten = getattr(obj, "_flatten_layers", None)
+    if flatten is None:
+        return None
+    return list(flatten(include_self=include_self, recursive=recursive))
+
+
+def own_trainable_variables(layer: Any) -> Optional[list]:
+    """The trainable variables a layer owns itself (not its sublayers'), or None."""
+    return getattr(layer, "_trainable_variables", None)
+
+
+def kernel_variable(layer: Any) -> Any:
+    """The kernel *variable* of a Dense/EinsumDense (``layer.kernel`` is a tensor under LoRA)."""
+    return getattr(layer, "_kernel", None) if hasattr(layer, "_kernel") else layer.kernel
+
+
+def embeddings_variable(layer: Any) -> Any:
+    """The embedding table *variable* of an Embedding layer."""
+    table = getattr(layer, "_embeddings", None)
+    return layer.embeddings if table is None else table
+
+
+def keras_mask(t: Any) -> Any:
+    """The Keras output mask carried by a tensor, or None."""
+    return getattr(t, "_keras_mask", None)
+
+
+def inputs_struct(model: Any) -> Any:
+    """The structure (tensor, list or dict) a functional model is called with, or None."""
+    return getattr(model, "_inputs_struct", None)
+
+
+def loss_tracker(model: Any) -> Any:
+    """The compiled model's loss ``Mean`` metric (what ``fit`` logs as ``loss``), or None."""
+    return getattr(model, "_loss_tracker", None)
+
+
+def call_has_training_arg(model: Any) -> bool:
+    """Whether ``model.call`` takes a ``training`` argument."""
+    return bool(getattr(model, "_call_has_training_arg", True))
+
+
+def user_loss_weights(model: Any) -> Any:
+    """The ``loss_weights`` given to ``compile``, or None."""
+    return getattr(getattr(model, "_compile_loss", None), "_user_loss_weights", None)
+
+
+def compiled_metrics(model: Any) -> Any:
+    """The model's compiled-metrics container, if it has the parts tf_dp reads, else None."""
+    compiled = getattr(model, "_compile_metrics", None)
+    if compiled is None or not hasattr(compiled, "_flat_metrics"):
+        return None
+    return compiled
+
+
+def metrics_parts(compiled: Any) -> tuple[Any, list, list]:
+    """``(flatten_y, metrics, weighted_metrics)`` of a compiled-metrics container: the function
+    that arranges targets like the outputs, and the metrics of each output (None where none)."""
+    return compiled._flatten_y, compiled._flat_metrics, compiled._flat_weighted_metrics
+
+
+def symbolic_build(model: Any, data_batch: Any) -> None:
+    """Builds a model's metrics and optimizer from one batch, as Keras's ``fit`` does."""
+    model._symbolic_build(data_batch=data_batch)
+
+
+#: The name of the model method Keras's ``fit`` calls to build from the first batch.
+MAYBE_SYMBOLIC_BUILD = "_maybe_symbolic_build"
+
+
+def forward_rules() -> Optional[dict]:
+    """TensorFlow's table of per-op forward-mode rules, or None if it is not there."""
+    try:
+        from tensorflow.python.eager import forwardprop
+
+        return forwardprop._SPECIAL_CASES
+    except (ImportError, AttributeError):  # pragma: no cover - TF internals changed
+        return None
+
+
+def pfor_converters() -> Optional[dict]:
+    """TensorFlow's table of ``vectorized_map`` op converters, or None if it is not there."""
+    try:
+        from tensorflow.python.ops.parallel_for import pfor
+
+        return pfor._pfor_converter_registry
+    except (ImportError, AttributeError):  # pragma: no cover - TF internals changed
+        return None
+
+
+def graph_in_xla_context() -> bool:
+    """Whether the graph being traced is compiled by XLA (``jit_compile=True``); True if
+    TensorFlow's check is unavailable (the fixed-shape routes are correct everywhere)."""
+    try:
+        import tensorflow as tf
+        from tensorflow.python.ops import control_flow_util
+
+        return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+    except Exception:  # pragma: no cover - depends on TensorFlow internals
+        return True
+
+
+def gen_nn_ops() -> Any:
+    """TensorFlow's generated nn ops (``MaxPoolGradGrad`` ... without public wrappers)."""
+    from tensorflow.python.ops import gen_nn_ops as ops
+
+    return ops
+
+
+def pfor_module() -> Any:
+    """TensorFlow's ``vectorized_map`` implementation module (converter inputs, ``wrap``)."""
+    from tensorflow.python.ops.parallel_for import pfor
+
+    return pfor

@@ -1,0 +1,538 @@
+"""One DP step, from a batch to the noised mean gradient: :class:`DPEngine`.
+
+The step, in order (:meth:`DPEngine.private_gradients`):
+
+1. schedules: the clip and noise of this step (a clip or noise schedule's value at ``step``);
+2. clipped sum: the gradient clipper computes the sum of per-record clipped gradients, with the
+   clipping rule of the query (``tf_dp.gradients``);
+3. noise and record: the query adds noise (``get_noised_result``) and the ledger records the
+   step's sampling and every sum query; the query's new global state is kept by the engine;
+4. all-reduce: under ``tf.distribute``, the replicas' clipped sums are summed with one draw of
+   noise (replica 0's);
+5. divide by the public denominator: the expected batch size ``q * n`` of the declared
+   :class:`~tf_dp.engine.Sampling` (Poisson), the number of records of the batch (shuffled
+   batches) or of microbatches, 1 for a ``NormalizedQuery``.
+
+:meth:`DPEngine.apply` then applies the result with the caller's update function, only when it is
+finite and was recorded. TensorFlow only: the Keras optimizers (``tf_dp.keras``) and custom
+training loops (``tf_dp.keras.DPTrainStep``) both run this step.
+
+Example (a custom per-example loss and a plain ``tf.Variable``)::
+
+    engine = DPEngine(PrivacyConfig(l2_norm_clip=1.0, noise_multiplier=1.1))
+    engine.set_sampling(Sampling(60_000, 256 / 60_000))
+    w = tf.Variable(tf.zeros([3]))
+    def loss_fn(x, y, sample_weight):            # per-example losses [B] and predictions
+        pred = tf.linalg.matvec(x, w)
+        return tf.square(pred - y), pred
+    _, grads = engine.private_gradients(loss_fn, (x, y, None), [w], step=0)
+    engine.apply(grads, [w], lambda g, v: [vi.assign_sub(0.1 * gi) for gi, vi in zip(g, v)])
+    engine.flush()                               # between compiled calls
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from tf_dp.dp_query.dp_query import DPQuery
+from tf_dp.dp_query.gaussian_query import GaussianGlobalState, GaussianSumQuery
+from tf_dp.dp_query.noise import DEFAULT_NOISE_MODE
+from tf_dp.dp_query.normalized_query import NormalizedQuery
+from tf_dp.dp_query.xla import in_xla_context
+from tf_dp.engine import validation
+from tf_dp.engine.config import PrivacyConfig, SpeedConfig, check_combination
+from tf_dp.data.sampling import Sampling
+from tf_dp.gradients import ClippedGradients, GradientClipper, make_clipper
+from tf_dp.gradients.physical_batches import PhysicalBatches
+from tf_dp.ledger.privacy_ledger import PrivacyLedger, ledger_variable
+from tf_dp.ledger.query_with_ledger import QueryWithLedger
+
+_logger = logging.getLogger("tf_dp")
+
+#: A caller's update: ``apply_fn(gradients, variables)`` (e.g. a base optimizer's ``apply``).
+ApplyFn = Callable[[list, list], Any]
+
+
+class DPEngine:
+    """The owner of one DP step: query, ledger, global state, schedules, clipper, denominator.
+
+    Args:
+      privacy: the privacy parameters (:class:`~tf_dp.engine.PrivacyConfig`).
+      speed: how the clipped sum is computed (:class:`~tf_dp.engine.SpeedConfig`).
+      name: prefix of the ledger's name.
+      owner: the name of the class that uses the engine, for error messages.
+      placeholder_state: for a query whose global state needs the records' structure (tree
+        aggregation): the state to report before :meth:`build_state` (no state variables until
+        then). The query may then be a tree-aggregation query: the engine carries its tree.
+    """
+
+    def __init__(
+        self,
+        privacy: PrivacyConfig,
+        speed: Optional[SpeedConfig] = None,
+        name: str = "dp",
+        owner: str = "the DP optimizer",
+        placeholder_state: Any = None,
+    ) -> None:
+        speed = SpeedConfig() if speed is None else speed
+        check_combination(privacy, speed)
+        self.privacy, self.speed = privacy, speed
+        self._schedules: Optional[tuple[tf.Variable, tf.Variable]] = None
+        query = privacy.query
+        if query is None:
+            query = self._build_query(privacy)
+        else:
+            _refuse_query(query, owner, allow_tree=placeholder_state is not None)
+        self.ledger = PrivacyLedger(name=f"{name}_ledger")
+        self.recorder = QueryWithLedger(query, self.ledger)
+        self.query = query
+        self._normalized = isinstance(query, NormalizedQuery)
+        self._grid_noise = _snaps_to_grid(query)
+        self._placeholder = placeholder_state
+        self._global_state = None
+        if placeholder_state is None:
+            self.build_state()
+        self.clipper: Optional[GradientClipper] = None
+        self.sampling: Optional[Sampling] = None
+        with tf.init_scope():
+            # the public denominator of the declared sampling: q * n (Poisson) or the batch's
+            # records (shuffle); before any declaration n = 1, q = 1 (as the ledger records)
+            self._expected_batch = ledger_variable(tf.constant(1.0, tf.float32))
+            self._poisson = ledger_variable(tf.constant(True))
+            # DP steps whose update was withheld because it was not finite (still recorded)
+            self._skipped = ledger_variable(tf.constant(0, tf.int64), name="dp_skipped_steps")
+        self._skipped_reported = 0
+        self.unrecorded_steps = 0  # steps a previous optimizer applied but did not record
+
+    # -- configuration -----------------------------------------------------------------------
+
+    def _build_query(self, privacy: PrivacyConfig) -> DPQuery:
+        mode = DEFAULT_NOISE_MODE if privacy.noise_mode is None else privacy.noise_mode
+        if not privacy.has_schedules:
+            return GaussianSumQuery(
+                privacy.l2_norm_clip, privacy.noise_stddev_value, seed=privacy.noise_seed,
+                noise_mode=mode,
+            )
+        clip0, _, std0 = self.values_at_tensors(0)
+        with tf.init_scope():
+            clip_var, std_var = (
+                ledger_variable(tf.constant(v, tf.float32), name=n)
+                for v, n in ((clip0, "dp_l2_norm_clip"), (std0, "dp_noise_stddev"))
+            )
+        self._schedules = (clip_var, std_var)
+        return GaussianSumQuery(clip_var, std_var, seed=privacy.noise_seed, noise_mode=mode)
+
+    @property
+    def global_state(self) -> Any:
+        """The query's global state as the engine carries it (variables read at each step)."""
+        return self._placeholder if self._global_state is None else self._global_state
+
+    @property
+    def state_built(self) -> bool:
+        return self._global_state is not None
+
+    def build_state(self) -> None:
+        """Creates the variables that carry the query's global state (once)."""
+        if self._global_state is None:
+            with tf.init_scope():  # also when first called while a step is traced
+                self._global_state = _in_variables(self.query.initial_global_state())
+
+    def set_global_state(self, state: Any) -> None:
+        """Assigns ``state`` (e.g. a restarted tree) to the engine's state variables (eager)."""
+        self.build_state()
+        _keep_state(self._global_state, state)
+
+    @property
+    def has_schedules(self) -> bool:
+        return self._schedules is not None
+
+    def set_sampling(self, sampling: Sampling) -> None:
+        """Declares how batches are drawn: recorded, and the public denominator, from the next
+        step on."""
+        if not isinstance(sampling, Sampling):
+            raise TypeError(f"sampling must be a tf_dp.engine.Sampling, got {sampling!r}")
+        self.recorder.set_sampling(
+            sampling.population_size, sampling.selection_probability, sampling.policy
+        )
+        expected = np.float32(sampling.population_size) * np.float32(
+            sampling.selection_probability
+        )
+        self._expected_batch.assign(expected)
+        self._poisson.assign(sampling.policy == "poisson")
+        self.sampling = sampling
+
+    def start_pass(self) -> None:
+        """Marks the next step as the first of a new pass over the data (eager)."""
+        self.recorder.start_pass()
+
+    def clipper_for(self, model: Any) -> GradientClipper:
+        """Resolves (once) the gradient clipper for ``model``; logs the choice."""
+        if self.clipper is not None:
+            return self.clipper
+        speed = self.speed
+        options = {}
+        if speed.jl_projections is not None:
+            options = {"jl_projections": speed.jl_projections, "jl_method": speed.jl_method}
+        strategy = make_clipper(
+            speed.gradient_mode, model=model, num_microbatches=self.privacy.num_microbatches,
+            **options,
+        )
+        if speed.max_physical_batch_size is not None:
+            strategy = PhysicalBatches(strategy, speed.max_physical_batch_size)
+        reason = strategy.supports(model)
+        if reason is not None:
+            raise ValueError(
+                f"gradient_mode={speed.gradient_mode!r} cannot train this model: {reason}"
+            )
+        if (not strategy.exact or strategy.name in ("ghost", "jl")) and (
+            not self.recorder.supports_norm_clipping
+        ):
+            raise TypeError(
+                f"gradient strategy {strategy.name!r} needs a query with a norm-based "
+                f"clipping rule; {type(self.query).__name__} has none"
+            )
+        self.clipper = strategy
+        _logger.info(
+            "tf_dp: gradient_mode=%r uses the %r strategy", speed.gradient_mode, strategy.name
+        )
+        return strategy
+
+    # -- schedules -----------------------------------------------------------------------------
+
+    def values_at_tensors(self, step: Any):
+        """``(clip, noise argument, noise stddev)`` of the step numbered ``step`` (tensors)."""
+        p = self.privacy
+        return validation.schedule_values(
+            p.l2_norm_clip, p.noise_multiplier, p.noise_stddev, tf.cast(step, tf.int64)
+        )
+
+    def values_at(self, step: int) -> tuple[float, float]:
+        """``(clip, noise stddev)`` of the step numbered ``step``, eagerly; ValueError naming the
+        argument when a schedule gives a value out of range."""
+        if self.privacy.query is not None:
+            raise ValueError("the optimizer was built from an explicit dp_sum_query")
+        clip, noise, std = self.values_at_tensors(tf.constant(int(step), tf.int64))
+        validation.raise_if_out_of_range(self.privacy.noise_name, int(step), clip, noise, std)
+        return float(clip.numpy()), float(std.numpy())
+
+    def update_schedules(self, step: Any) -> None:
+        """Sets the query's clip and noise stddev to the schedules' values at ``step`` (before
+        clipping, so clipping, noise and the ledger all use them). Eagerly a bad value raises; in
+        a graph it fails the step before anything is recorded; under XLA (no assertions) the
+        values become NaN, the update is withheld and the ledger cannot be analysed."""
+        if self._schedules is None:
+            return
+        clip_var, std_var = self._schedules
+        step = tf.cast(tf.convert_to_tensor(step), tf.int64)
+        clip, noise, std = self.values_at_tensors(step)
+        name = self.privacy.noise_name
+        if tf.executing_eagerly():
+            validation.raise_if_out_of_range(name, int(step.numpy()), clip, noise, std)
+            clip_var.assign(clip)
+            std_var.assign(std)
+            return
+        ok = validation.values_in_range(clip, noise, std)
+        checks = []
+        if not in_xla_context():
+            checks.append(tf.debugging.Assert(ok, [
+                f"tf_dp: a clip or noise schedule gave a value out of range (l2_norm_clip must be "
+                f"a finite number > 0, {name} a finite number >= 0) at step", step,
+                "l2_norm_clip:", clip, f"{name}:", noise,
+            ]))
+        with tf.control_dependencies(checks):
+            nan = tf.constant(float("nan"), tf.float32)
+            clip_var.assign(tf.where(ok, clip, nan))
+            std_var.assign(tf.where(ok, std, nan))
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def private_gradients(
+        self,
+        loss_fn: Any,
+        data: Any,
+        variables: list,
+        step: Any,
+        model: Any = None,
+        check: Optional[Callable[[ClippedGradients], None]] = None,
+    ) -> tuple[ClippedGradients, list]:
+        """One DP step up to the update: ``(clipped, noised mean gradients)``.
+
+        ``loss_fn(x, y, sample_weight) -> (per-example losses [B], predictions)``; ``data`` is
+        ``(x, y, sample_weight)``; ``step`` numbers the step for schedules; ``model`` is what
+        the clipper is chosen for (``gradient_mode='auto'``); ``check(clipped)``, if given,
+        runs before anything is noised or recorded (it may raise).
+        """
+        self.update_schedules(step)                                          # 1. schedules
+        clipper = self.clipper_for(model)
+        params = self.recorder.derive_sample_params(self.global_state)
+        extra = {"model": model} if getattr(clipper, "needs_model", False) else {}
+        clipped = clipper.clipped_sum(loss_fn, data, variables, self.recorder, params, **extra)
+        if check is not None:
+            check(clipped)
+        return clipped, self.noised_mean(clipped)                            # 3.-5.
+
+    def noised_mean(self, clipped: ClippedGradients) -> list:
+        """Noise and record (query + ledger), all-reduce with one noise draw, divide by the
+        public denominator (see the module docstring)."""
+        q = self.recorder
+        q.sensitivity_multiplier.assign(tf.cast(clipped.sensitivity_multiplier, tf.float32))
+        q.set_jl_projections(clipped.jl_projections)
+        after = clipped.noise_after_sum and not tf.executing_eagerly()
+        # a query whose sample state holds more than the clipped sum (adaptive clipping's count
+        # of unclipped records) completes it from the per-record norms; others return it as is
+        state = q.accumulate_norms(
+            q.derive_sample_params(self.global_state), clipped.clipped_sum, clipped.norms,
+            getattr(clipped, "record_mask", None),
+        )
+        replicas = _replicas_in_sync()
+        grid_replicas = replicas > 1 and self._grid_noise
+        if grid_replicas:  # grid noise is snapped with the global sum it is added to
+            state = _all_reduce_sum(state)
+        deps = tf.nest.flatten(clipped.clipped_sum, expand_composites=True) if after else []
+        with tf.control_dependencies(deps):
+            noised, new_state = q.get_noised_result(state, self.global_state)
+        keep = _keep_state(self.global_state, new_state)
+        records = tf.cast(clipped.num_records, tf.float32)
+        if replicas > 1:
+            others = tf.nest.map_structure(
+                lambda t: tf.zeros_like(tf.convert_to_tensor(t)), noised
+            ) if grid_replicas else clipped.clipped_sum
+            noised, records = _all_reduce_with_one_noise(others, noised, records)
+        with tf.control_dependencies(keep):
+            if self._normalized:
+                return _share([tf.identity(g) for g in noised], replicas)
+            if self.privacy.num_microbatches is not None and (
+                self.clipper is not None and self.clipper.name == "microbatch"
+            ):
+                denominator = records
+            else:
+                denominator = tf.where(self._poisson, self._expected_batch, records)
+            denominator = tf.maximum(denominator, 1e-12)
+            return _share([_divide(g, denominator) for g in noised], replicas)
+
+    def apply(self, grads: list, variables: list, apply_fn: ApplyFn) -> None:
+        """Applies ``grads`` with ``apply_fn`` unless they are not finite (the step stays in
+        the ledger: a conservative record; counted in :attr:`skipped_steps`) or the ledger had
+        no room to record the step inside a compiled call (nothing released or recorded)."""
+        room = self.recorder.has_room(self.global_state)
+        finite = tf.reduce_all(tf.stack([
+            tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
+            for g in grads if g is not None
+        ]))
+
+        def update():
+            apply_fn(grads, variables)
+            return tf.constant(True)
+
+        def withhold():
+            self._skipped.assign_add(tf.where(room, tf.constant(1, tf.int64),
+                                              tf.constant(0, tf.int64)))
+            return tf.constant(False)
+
+        ok = tf.logical_and(room, finite)
+        if tf.executing_eagerly():
+            update() if bool(ok) else withhold()
+        elif _replicas_in_sync() > 1:
+            # the update all-reduces across replicas, which cannot sit inside a conditional: a
+            # withheld step applies zeros instead (nothing about the data)
+            self._skipped.assign_add(tf.cast(tf.logical_and(room, tf.logical_not(finite)),
+                                             tf.int64))
+            apply_fn([_zero_unless(ok, g) for g in grads], variables)
+        else:
+            tf.cond(ok, update, withhold)
+
+    # -- between steps (eager) -----------------------------------------------------------------
+
+    def reserve(self, steps: int) -> None:
+        """Room in the ledger's staging table for ``steps`` steps of one compiled call."""
+        self.ledger.reserve(int(steps), len(self.recorder.sum_query_specs(self.global_state)))
+
+    def flush(self) -> None:
+        """After a compiled call: flushes the ledger's staging table, raises if a compiled step
+        met a non-finite clip or noise (it recorded nothing), logs withheld steps."""
+        self.ledger.flush()
+        self.recorder.check_values()
+        skipped = int(self._skipped.numpy())
+        if skipped > self._skipped_reported:
+            _logger.warning(
+                "tf_dp: %d DP step(s) so far produced a non-finite update; their updates were "
+                "withheld (nothing applied) and the steps were still recorded in the ledger",
+                skipped,
+            )
+            self._skipped_reported = skipped
+
+    @property
+    def skipped_steps(self) -> int:
+        """DP steps whose noised update was not finite: withheld, but recorded in the ledger."""
+        return int(self._skipped.numpy())
+
+    # -- the ledger across optimizers and files (eager) -----------------------------------------
+
+    def restore_ledger_tables(self, samples: np.ndarray, queries: np.ndarray) -> None:
+        """Restores a saved ledger (tables from ``ledger.tables()``), never losing steps: the
+        current ledger is kept if it already records more steps (e.g. older weights loaded into
+        a model that trained on), so the ledger can over-count but never under-count."""
+        if samples.shape[0] >= self.ledger.num_samples:
+            self.ledger.load_tables(samples, queries)
+        else:
+            _logger.warning(
+                "tf_dp: kept the optimizer's ledger (%d steps) rather than the saved one (%d "
+                "steps): a ledger never forgets recorded steps on load",
+                self.ledger.num_samples, samples.shape[0],
+            )
+
+    def continue_ledger(self, previous: "DPEngine", previous_applied: int) -> None:
+        """Continues ``previous``'s ledger; ``previous_applied`` steps ran under it (those it
+        does not record stay counted as unrecorded)."""
+        previous.ledger.flush()
+        self.unrecorded_steps = max(
+            0, previous_applied + previous.unrecorded_steps - previous.ledger.num_samples
+        )
+        if previous.ledger.num_samples:
+            self.ledger.restore_entries(previous.ledger.samples())
+            _logger.info(
+                "tf_dp: the new optimizer continues the model's ledger (%d recorded steps)",
+                self.ledger.num_samples,
+            )
+
+    def check_ledger_covers(self, applied: int) -> None:
+        """Raises if ``applied`` steps (plus unrecorded ones inherited) exceed the ledger's."""
+        applied = int(applied) + self.unrecorded_steps
+        recorded = self.ledger.num_samples
+        if applied > recorded:
+            raise ValueError(
+                f"this DP optimizer has applied {applied} steps but its ledger records only "
+                f"{recorded}: the privacy already spent is unknown, so training cannot continue "
+                "with a budget that ignores it. Restore the run's ledger "
+                "(model.optimizer.ledger.restore_entries(tf_dp.ledger.read_ledger_file(path))), "
+                "or, if those steps did not touch private data, compile the model with a new DP "
+                "optimizer (a fresh optimizer starts at step 0)"
+            )
+
+    def next_sample_entry(self, step: int, steps_ahead: int = 0):
+        """The :class:`~tf_dp.ledger.events.SampleEntry` the step numbered ``step +
+        steps_ahead`` will record (eager; a microbatched run before its first step is taken at
+        the worst-case sensitivity 2)."""
+        multiplier = None
+        if self.privacy.num_microbatches is not None and self.ledger.num_samples == 0:
+            multiplier = 2.0
+        jl = None  # JL steps are a different mechanism: known from the mode before the first step
+        if self.clipper is not None:
+            jl = int(getattr(self.clipper, "jl_projections", None) or 0)
+        elif self.speed.gradient_mode == "jl":
+            jl = int(self.speed.jl_projections)
+        state = self.global_state
+        if self._schedules is not None:
+            state = GaussianGlobalState(*self.values_at(step + int(steps_ahead)))
+        return self.recorder.next_sample_entry(state, multiplier, jl)
+
+
+def _refuse_query(query: DPQuery, owner: str, allow_tree: bool = False) -> None:
+    from tf_dp.dp_query.tree_aggregation import TreeCumulativeSumQuery
+
+    if isinstance(query, QueryWithLedger):
+        raise TypeError(
+            "pass the bare query as dp_sum_query; the optimizer wraps it with its own "
+            "ledger (available as optimizer.ledger)"
+        )
+    if isinstance(query, TreeCumulativeSumQuery) and not allow_tree:
+        raise TypeError(
+            "a tree-aggregation query must carry its tree from step to step, which "
+            f"{owner} does not do: use tf_dp.keras.DPKerasFTRLOptimizer "
+            "(DP-FTRL: SGD or momentum on a TreeResidualSumQuery)"
+        )
+
+
+def _in_variables(state: Any) -> Any:
+    """The global state with every tensor leaf in an engine-owned variable (numbers and
+    variables kept as they are), so that the state a step returns can be kept."""
+    def hold(leaf):
+        if isinstance(leaf, tf.Tensor) and not isinstance(leaf, tf.Variable):
+            with tf.init_scope():
+                return ledger_variable(leaf, name="dp_global_state")
+        return leaf
+    return tf.nest.map_structure(hold, state)
+
+
+def _keep_state(held: Any, new: Any) -> list:
+    """Assigns the new global state returned by ``get_noised_result`` to the engine's variables
+    (leaves that are variables and were given a new value); returns the assignments."""
+    ops = []
+    for old, value in zip(tf.nest.flatten(held), tf.nest.flatten(new)):
+        if isinstance(old, tf.Variable) and value is not old:
+            ops.append(old.assign(tf.cast(value, old.dtype)))
+    return ops
+
+
+def _divide(g: Any, denominator: tf.Tensor) -> Any:
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values / tf.cast(denominator, g.values.dtype), g.indices,
+                                g.dense_shape)
+    return g / tf.cast(denominator, g.dtype)
+
+
+def _zero_unless(ok: tf.Tensor, g: Any) -> Any:
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.where(ok, g.values, tf.zeros_like(g.values)), g.indices,
+                                g.dense_shape)
+    return tf.where(ok, g, tf.zeros_like(g))
+
+
+def _replicas_in_sync() -> int:
+    """Replicas of the current ``tf.distribute`` step (1 outside one)."""
+    if not tf.distribute.has_strategy():
+        return 1
+    ctx = tf.distribute.get_replica_context()
+    return 1 if ctx is None else int(ctx.num_replicas_in_sync)
+
+
+def _snaps_to_grid(query: Any) -> bool:
+    """Whether any Gaussian sum query inside ``query`` uses grid-mode noise."""
+    if getattr(query, "noise_mode", None) == "grid":
+        return True
+    inner = [getattr(query, "numerator_query", None)]
+    if hasattr(query, "queries"):
+        inner += tf.nest.flatten(query.queries)
+    return any(q is not None and _snaps_to_grid(q) for q in inner)
+
+
+def _all_reduce_sum(state: Any) -> Any:
+    """The SUM over replicas of every leaf of ``state`` (dense)."""
+    ctx = tf.distribute.get_replica_context()
+    leaves = [tf.convert_to_tensor(t) for t in tf.nest.flatten(state)]
+    return tf.nest.pack_sequence_as(state, ctx.all_reduce(tf.distribute.ReduceOp.SUM, leaves))
+
+
+def _all_reduce_with_one_noise(clipped_sum, noised, records):
+    """Across replicas: the sum of every replica's clipped sum plus replica 0's noise only.
+
+    Replica 0 contributes its noised sum and the others their clipped sums, so one SUM
+    all-reduce gives every replica the same global clipped sum with exactly one draw of noise.
+    In grid mode the others pass zeros (replica 0 noised the global sum already). The record
+    counts are summed too (the global batch).
+    """
+    ctx = tf.distribute.get_replica_context()
+    first = tf.equal(ctx.replica_id_in_sync_group, 0)
+
+    def pick(n, c):
+        if isinstance(n, tf.IndexedSlices):
+            n, c = tf.convert_to_tensor(n), tf.convert_to_tensor(c)
+        return tf.where(first, n, tf.cast(c, n.dtype))
+
+    local = [pick(n, c) for n, c in zip(tf.nest.flatten(noised), tf.nest.flatten(clipped_sum))]
+    total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, local)
+    return tf.nest.pack_sequence_as(noised, total), ctx.all_reduce(
+        tf.distribute.ReduceOp.SUM, records
+    )
+
+
+def _share(grads: list, replicas: int) -> list:
+    """Every replica holds the same global update; a Keras apply sums the replicas' gradients,
+    so each passes ``1/replicas`` of it."""
+    if replicas == 1:
+        return grads
+    return [g / tf.cast(replicas, g.dtype) for g in grads]
