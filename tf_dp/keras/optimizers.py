@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Any, Optional
@@ -35,6 +36,7 @@ from tf_dp.dp_query.noise import DEFAULT_NOISE_MODE, check_noise_mode
 from tf_dp.dp_query.normalized_query import NormalizedQuery
 from tf_dp.dp_query.serialization import deserialize_query, serialize_query
 from tf_dp.dp_query.xla import in_xla_context
+from tf_dp.engine.sampling import Sampling
 from tf_dp.gradients import ClippedGradients, GradientStrategy, gradient_modes, make_strategy
 from tf_dp.gradients.physical_batches import PhysicalBatches, check_max_physical_batch_size
 from tf_dp.gradients.jl import METHODS as JL_METHODS
@@ -341,16 +343,40 @@ class DPOptimizerMixin:
         return self._strategy
 
     def set_sampling(
-        self, population_size: int, selection_probability: float, sampling_policy: str = "poisson"
+        self,
+        population_size: Any,
+        selection_probability: Optional[float] = None,
+        sampling_policy: str = "poisson",
     ) -> None:
         """Declares how batches are drawn (recorded in the ledger from the next step on).
 
         ``model.fit`` of a private model sets this itself for in-memory arrays (``shuffle``) and
-        for :func:`tf_dp.data.poisson_batches` (``poisson``); call it yourself for other inputs.
+        for :func:`tf_dp.data.poisson_batches` (``poisson``, example- or user-level); call it
+        yourself for other inputs. ``population_size`` may be a :class:`tf_dp.engine.Sampling`
+        (e.g. ``Sampling(n_users, q, unit="user", records_per_unit=k)``). A sampling declared
+        here is recorded as ``declared`` (tf_dp cannot check it), whatever its ``origin`` says.
+
+        Example::
+
+            opt.set_sampling(60000, 256 / 60000, "poisson")
         """
-        self._dp_query.set_sampling(population_size, selection_probability, sampling_policy)
+        self._set_sampling(population_size, selection_probability, sampling_policy, "declared")
         self._sampling_configured = True
         self._sampling_from_fit = False
+
+    def _set_sampling(self, population_size, selection_probability, sampling_policy, origin):
+        if isinstance(population_size, Sampling):
+            self._dp_query.set_sampling(dataclasses.replace(population_size, origin=origin))
+        else:  # the query validates and names a bad argument
+            self._dp_query.set_sampling(
+                population_size, selection_probability, sampling_policy, origin=origin
+            )
+
+    @property
+    def records_per_user(self) -> Optional[int]:
+        """``k`` when the sampling in force is user-level (each user's records clipped
+        together), else None."""
+        return self._dp_query.records_per_user
 
     def start_pass(self) -> None:
         """Marks the next DP step as the first of a new pass over the data (eager).
@@ -363,10 +389,13 @@ class DPOptimizerMixin:
         self._dp_query.start_pass()
 
     def _declare_fit_sampling(
-        self, population_size: int, selection_probability: float, sampling_policy: str
+        self, population_size: Any, selection_probability: Optional[float] = None,
+        sampling_policy: str = "poisson",
     ) -> None:
-        """A declaration ``fit`` derived from its own input: valid for that ``fit`` only."""
-        self.set_sampling(population_size, selection_probability, sampling_policy)
+        """A sampling ``fit`` derived from its own input (tf_dp drew or batched the data itself,
+        so it is recorded as ``sampled``): valid for that ``fit`` only."""
+        self._set_sampling(population_size, selection_probability, sampling_policy, "sampled")
+        self._sampling_configured = True
         self._sampling_from_fit = True
 
     def _end_fit(self) -> None:
@@ -502,7 +531,7 @@ class DPOptimizerMixin:
             return _share(list(noised), replicas)
         if self._num_microbatches is not None and self._strategy is not None and (
             self._strategy.name == "microbatch"
-        ):
+        ) and self.records_per_user is None:
             denominator = records
         else:
             expected = tf.cast(q._population_size, tf.float32) * tf.cast(
