@@ -39,6 +39,8 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp.data.poisson import pad_to_multiple
+from tf_dp.engine.sampling import Sampling
+from tf_dp.gradients import per_user
 from tf_dp.gradients.base import as_tf_variables
 from tf_dp.keras import batch_mixing, ledger_store, multi_worker
 from tf_dp.keras.losses import PerExampleLoss
@@ -165,6 +167,9 @@ def dp_train_step(model: keras.Model, data: Any) -> dict[str, Any]:
         # the per-example computation, so that the strategy sees them.
         model(x, training=False)
     strategy = optimizer.strategy_for(model)
+    model._tf_dp_step_records_per_user = optimizer.records_per_user  # what this trace clips
+    if optimizer.records_per_user is not None:  # user-level: each user's summed gradient
+        strategy = per_user.for_users(strategy, optimizer.records_per_user)
     variables = list(model.trainable_variables)
     query = optimizer.dp_query
     optimizer.update_dp_schedules()  # this step's clip and noise, before clipping and recording
@@ -284,6 +289,9 @@ def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, d
     args = list(args)
     x = args[0] if args else kwargs.get("x")
     sampling = getattr(x, "tf_dp_sampling", None)
+    claim = getattr(x, "sampling", None)
+    if isinstance(claim, Sampling) and claim.origin == "sampled" and sampling is None:
+        sampling = (claim.population_size, claim.selection_probability)
     if sampling is not None:
         n, q = sampling
         if kwargs.get("batch_size") is not None:
@@ -305,10 +313,14 @@ def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, d
             dataset = multi_worker.distribute_poisson_batches(
                 model.distribute_strategy, dataset, x.max_batch_size
             )
-        else:  # equal pieces for the local replicas, whatever the batch's size
+        else:  # equal pieces for the local replicas (whole user slots), whatever the batch's size
             replicas = model.distribute_strategy.num_replicas_in_sync
-            dataset = pad_to_multiple(dataset, replicas)
-        optimizer._declare_fit_sampling(n, q, "poisson")
+            k = claim.records_per_unit if isinstance(claim, Sampling) else None
+            dataset = pad_to_multiple(dataset, replicas * (k or 1))
+        if isinstance(claim, Sampling) and claim.origin == "sampled":
+            optimizer._declare_fit_sampling(claim)  # tf_dp's sampler: example- or user-level
+        else:
+            optimizer._declare_fit_sampling(n, q, "poisson")
         kwargs.setdefault("shuffle", False)  # the Poisson sampler draws its own batches
         if args:
             args[0] = dataset
@@ -414,6 +426,7 @@ def private_fit(model: keras.Model, fit: Any, args: tuple, kwargs: dict) -> Any:
     _probe_batch_mixing(model, args[0] if args else kwargs.get("x"))
     _check_weights_ledger(model, optimizer)
     args, kwargs = prepare_fit(model, args, kwargs)
+    _retrace_for_unit(model, optimizer)
     args = list(args)
     _with_pass_starts(optimizer, args, kwargs)
     fixes = (
@@ -453,7 +466,16 @@ def private_train_on_batch(model: keras.Model, train_on_batch: Any, args: tuple,
             "input is not reused."
         )
     optimizer.start_pass()
+    _retrace_for_unit(model, optimizer)
     return train_on_batch(*args, **kwargs)
+
+
+def _retrace_for_unit(model: keras.Model, optimizer) -> None:
+    """Drops a traced train step that clips another unit (example vs user, or another ``k``)
+    than the sampling now in force, so the next call traces the right one."""
+    traced = getattr(model, "_tf_dp_step_records_per_user", "untraced")
+    if traced != "untraced" and traced != optimizer.records_per_user:
+        model.train_function = None
 
 
 def private_compile(model: keras.Model, compile_fn: Any, args: tuple, kwargs: dict) -> None:

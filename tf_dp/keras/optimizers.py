@@ -371,12 +371,13 @@ class DPOptimizerMixin:
             self._dp_query.set_sampling(
                 population_size, selection_probability, sampling_policy, origin=origin
             )
+        self._records_per_user = self._dp_query.records_per_user
 
     @property
     def records_per_user(self) -> Optional[int]:
         """``k`` when the sampling in force is user-level (each user's records clipped
         together), else None."""
-        return self._dp_query.records_per_user
+        return getattr(self, "_records_per_user", None)
 
     def start_pass(self) -> None:
         """Marks the next DP step as the first of a new pass over the data (eager).

@@ -406,6 +406,15 @@ class GhostStrategy(base.GradientStrategy):
         return f"GhostStrategy(mode={self.mode!r}, description={self.description!r})"
 
     def clipped_sum(self, loss_fn, data, variables, query, params) -> base.ClippedGradients:
+        return self.grouped_clipped_sum(loss_fn, data, variables, query, params, 1)
+
+    def grouped_clipped_sum(
+        self, loss_fn, data, variables, query, params, group_size: int
+    ) -> base.ClippedGradients:
+        """:meth:`clipped_sum` with records ``j k .. j k + k - 1`` (``k = group_size``) clipped
+        together: the sum of each group's gradients is one clipped record (user-level clipping,
+        :mod:`tf_dp.gradients.per_user`); ``norms`` and ``record_mask`` are then per group."""
+        k = int(group_size)
         base.check_weights_structure(query, variables)
         variables = list(variables)
         model = loss_fn.model
@@ -475,7 +484,7 @@ class GhostStrategy(base.GradientStrategy):
             for v, pe in zip(fallback_vars, per_ex):
                 parts.setdefault(_key(v), []).append(F.PerExample(pe))
 
-        batch = tf.shape(losses)[0]
+        batch = tf.shape(losses)[0] // k
         squared, summers = [], []
         for v in variables:
             shape = list(v.shape)
@@ -484,21 +493,25 @@ class GhostStrategy(base.GradientStrategy):
                 squared.append(tf.zeros([batch], tf.float32))
                 summers.append(lambda w, shape=shape: tf.zeros(shape, tf.float32))
                 continue
-            sq, summer = F.squared_norm_and_sum(F.combine(factors, shape), shape)
+            sq, summer = F.squared_norm_and_sum(F.group(F.combine(factors, shape), k), shape)
             squared.append(sq)
             summers.append(summer)
         # a record whose loss or norm is not finite gets weight 0 and is selected out of the sums
-        weights, _ = base.record_weights(query, params, squared, losses)
+        group_losses = losses if k == 1 else tf.reshape(losses, [-1, k])
+        weights, _ = base.record_weights(query, params, squared, group_losses)
         weights = tf.nest.flatten(weights)
         clipped = [
             tf.cast(summer(w), v.dtype) for summer, w, v in zip(summers, weights, variables)
         ]
+        real = base.real_records(sw, base.batch_size_of(x))
+        if k > 1:
+            real = tf.reduce_any(tf.reshape(real, [-1, k]), axis=1)
         return base.ClippedGradients(
             clipped_sum=clipped,
             norms=base.global_norms(squared),
-            num_records=base.batch_size_of(x),
+            num_records=base.batch_size_of(x) // k,
             sensitivity_multiplier=1.0,
-            record_mask=base.real_records(sw, base.batch_size_of(x)),
+            record_mask=real,
             y_pred=y_pred,
             losses=losses,
         )
