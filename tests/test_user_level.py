@@ -271,3 +271,47 @@ def test_bad_user_level_input_names_the_argument(kwargs, match):
         args.pop("max_records_per_user")
     with pytest.raises(ValueError, match=match):
         tf_dp.data.poisson_batches(np.zeros((6, 2), np.float32), np.zeros(6), **args)
+
+
+def test_cli_says_user_level_and_who_sampled(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
+    from tf_dp.ledger.ledger_file import write_ledger_runs
+
+    q = (SumQueryEvent(l2_sensitivity=1.0, noise_stddev=1.1),)
+    user = SampleEntry(SamplingEvent(500, 0.05, origin="sampled", unit="user",
+                                     records_per_unit=4), q)
+    declared = SampleEntry(SamplingEvent(500, 0.05), q)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    for entry, want in ((user, "user-level (add/remove one user, at most 4 records per user); "
+                                "sampling performed by tf_dp"),
+                        (declared, "example-level (add/remove one example); sampling declared "
+                                   "by the user, not checked by tf_dp")):
+        path = tmp_path / f"{entry.sampling.unit}.json"
+        write_ledger_runs(path, [(entry, 100)])
+        for fmt in ("text", "json"):
+            p = subprocess.run(
+                [sys.executable, "-m", "tf_dp.cli.compute_dp_sgd_privacy", f"--ledger={path}",
+                 "--delta=1e-5", f"--format={fmt}"],
+                capture_output=True, text=True, timeout=300, env=env)
+            assert p.returncode == 0, p.stderr
+            text = json.loads(p.stdout)["sampling"] if fmt == "json" else p.stdout
+            assert want in text
+
+
+@pytest.mark.parametrize("mode", ["ghost", "vectorized"])
+def test_mirrored_strategy_clips_whole_users_on_each_replica(mode):
+    """2 logical CPU devices vs one, noise 0, the same seeded user batches: the same weights
+    (each replica gets whole user slots); one user-level event per global step."""
+    from tests.test_distributed import _run
+
+    r = _run("mirrored_user_level.py", mode)
+    assert r["max_abs_update"] > 1e-3
+    assert r["max_abs_diff"] <= 1e-5
+    assert r["steps"] == [4, 4]
+    assert r["claims"] == r["claims_one"]
+    assert r["claims"] == [[25, 0.3, "sampled", "user", 3, pytest.approx(0.3, rel=1e-7)]]

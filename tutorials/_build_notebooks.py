@@ -42,6 +42,7 @@ NOTEBOOKS = (
     "text_classification",
     "privacy_auditing",
     "dp_finetuning",
+    "dp_user_level",
 )
 
 _MARKER = re.compile(r"^# %%(?P<kind> \[markdown\])?(?: tags=(?P<tags>\[.*\]))?\s*$")

@@ -276,14 +276,21 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         self._tree_query.restart()
 
     def set_sampling(
-        self, population_size: int, selection_probability: float, sampling_policy: str = "shuffle"
+        self, population_size: Any, selection_probability: Optional[float] = None,
+        sampling_policy: str = "shuffle",
     ) -> None:
         """Declares the batches: fixed-size (``shuffle`` policy, shuffled or in a fixed order).
 
         Tree aggregation gets no amplification, and no accountant analyses it under Poisson
         sampling, so ``sampling_policy='poisson'`` (e.g. ``tf_dp.data.poisson_batches``) is
         refused. With ``restart_every='epoch'`` the tree restarts every ``ceil(n / b)`` steps.
+        ``population_size`` may be a :class:`tf_dp.engine.Sampling` (its policy is checked).
         """
+        claim = population_size
+        if hasattr(claim, "selection_probability") and hasattr(claim, "policy"):
+            population_size, selection_probability = (
+                claim.population_size, claim.selection_probability)
+            sampling_policy = claim.policy
         if sampling_policy != "shuffle":
             raise ValueError(
                 "DPKerasFTRLOptimizer (tree aggregation) needs sampling_policy='shuffle' "
@@ -292,7 +299,7 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
                 "sampling. Feed in-memory arrays or a batched dataset and declare it with "
                 "set_sampling(n, batch_size / n, 'shuffle')"
             )
-        super().set_sampling(population_size, selection_probability, sampling_policy)
+        super().set_sampling(claim, selection_probability, sampling_policy)
         from tf_dp.accounting.ledger_analysis import shuffle_steps_per_epoch
 
         steps = shuffle_steps_per_epoch(population_size, float(selection_probability))

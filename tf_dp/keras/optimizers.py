@@ -360,9 +360,11 @@ class DPOptimizerMixin:
 
             opt.set_sampling(60000, 256 / 60000, "poisson")
         """
-        self._set_sampling(population_size, selection_probability, sampling_policy, "declared")
+        from_fit = getattr(self, "_declaring_from_fit", False)
+        origin = "sampled" if from_fit else "declared"
+        self._set_sampling(population_size, selection_probability, sampling_policy, origin)
         self._sampling_configured = True
-        self._sampling_from_fit = False
+        self._sampling_from_fit = from_fit
 
     def _set_sampling(self, population_size, selection_probability, sampling_policy, origin):
         if isinstance(population_size, Sampling):
@@ -395,9 +397,11 @@ class DPOptimizerMixin:
     ) -> None:
         """A sampling ``fit`` derived from its own input (tf_dp drew or batched the data itself,
         so it is recorded as ``sampled``): valid for that ``fit`` only."""
-        self._set_sampling(population_size, selection_probability, sampling_policy, "sampled")
-        self._sampling_configured = True
-        self._sampling_from_fit = True
+        self._declaring_from_fit = True
+        try:  # through set_sampling, so that subclasses' checks (DP-FTRL's policy) apply
+            self.set_sampling(population_size, selection_probability, sampling_policy)
+        finally:
+            self._declaring_from_fit = False
 
     def _end_fit(self) -> None:
         """Called when a ``fit`` returns: forgets the sampling that ``fit`` derived from its input
