@@ -322,7 +322,8 @@ def _check_dp_user_level(values):
 
     steps, sigma, delta = values["steps"], values["sigma"], values["delta"]
     assert values["ledger_steps"] == [steps, steps]
-    (n, q_ex), (n_users, q_user) = (values["n"], values["q"][0]), (values["n_users"], values["q"][1])
+    n, n_users = values["n"], values["n_users"]
+    q_ex, q_user = values["q"]
     assert values["user_sampling"] == [[n_users, q_user, "user", values["k"]]]
     # each run's ledger gives what the hyperparameters give, with the users as the population
     for (pop, q), eps in zip(((n, q_ex), (n_users, q_user)), values["epsilon"]):

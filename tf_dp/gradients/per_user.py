@@ -156,7 +156,9 @@ class _Slots(base.GradientStrategy):
         # per-row outputs: each row carries its user's norm; one row per non-empty slot is a record
         norms = tf.repeat(tf.cast(out.norms, tf.float32), k)
         first = tf.concat([[True], tf.zeros([k - 1], tf.bool)], 0)
-        mask = tf.logical_and(tf.repeat(out.record_mask, k), tf.tile(first, [tf.size(out.record_mask)]))
+        mask = tf.logical_and(
+            tf.repeat(out.record_mask, k), tf.tile(first, [tf.size(out.record_mask)])
+        )
         out.norms, out.record_mask = norms, mask
         out.num_records = tf.shape(mask)[0]  # rows, as PhysicalBatches counts them
         out.sensitivity_multiplier = 1.0
@@ -183,7 +185,9 @@ class _Slots(base.GradientStrategy):
         data = base.fill_padding_rows(data)
         x, y, sw = data
         b = base.batch_size_of(x)
-        weight = tf.ones([b], tf.float32) if sw is None else tf.cast(tf.reshape(sw, [b]), tf.float32)
+        weight = (
+            tf.ones([b], tf.float32) if sw is None else tf.cast(tf.reshape(sw, [b]), tf.float32)
+        )
         tf_vars = base.as_tf_variables(variables)
 
         def one(user):
