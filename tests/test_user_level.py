@@ -5,6 +5,8 @@ References are independent of the code under test: per-user clipped sums from a 
 participation counts against Binomial(steps, q); epsilon against ``dp_accounting``.
 """
 
+import dataclasses
+
 import keras
 import numpy as np
 import pytest
@@ -315,3 +317,44 @@ def test_mirrored_strategy_clips_whole_users_on_each_replica(mode):
     assert r["steps"] == [4, 4]
     assert r["claims"] == r["claims_one"]
     assert r["claims"] == [[25, 0.3, "sampled", "user", 3, pytest.approx(0.3, rel=1e-7)]]
+
+
+def test_a_user_level_fit_after_an_example_level_fit_clips_per_user():
+    """The train step traced for example-level clipping is not reused for user-level batches:
+    with noise 0, an example-level fit followed by a user-level fit ends where a model that
+    starts from the same weights and runs only the user-level fit ends."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(60, 6)).astype(np.float32) * 3.0
+    y = rng.integers(0, 3, 60).astype(np.int32)
+    user_ids = rng.integers(0, 10, 60)
+
+    def private():
+        keras.utils.set_random_seed(1)
+        model = dpk.make_private(sequential_model())
+        model.compile(
+            optimizer=dpk.DPKerasSGDOptimizer(l2_norm_clip=0.1, noise_multiplier=0.0,
+                                              learning_rate=1.0, gradient_mode="ghost"),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    drawn = tf_dp.data.poisson_batches(x, y, sampling_probability=0.5, user_ids=user_ids,
+                                       max_records_per_user=5, steps_per_epoch=2, seed=7)
+    fixed = list(drawn.dataset.as_numpy_iterator())  # the same two batches for both models
+    assert len({f[0].shape for f in fixed}) == 1
+
+    def user_batches():
+        ds = tf.data.Dataset.from_tensor_slices(
+            tuple(np.stack([f[i] for f in fixed]) for i in range(3)))
+        return dataclasses.replace(drawn, dataset=ds)
+
+    a = private()
+    a.fit(x, y, batch_size=20, epochs=1, steps_per_epoch=1, verbose=0)
+    start = [w.copy() for w in a.get_weights()]
+    a.fit(user_batches(), epochs=1, verbose=0)
+    b = private()
+    b.set_weights(start)
+    b.fit(user_batches(), epochs=1, verbose=0)
+    moved = max(float(np.max(np.abs(w - s))) for w, s in zip(b.get_weights(), start))
+    assert moved > 1e-3
+    for wa, wb in zip(a.get_weights(), b.get_weights()):
+        np.testing.assert_allclose(wa, wb, rtol=1e-5, atol=1e-6)
