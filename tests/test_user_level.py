@@ -289,9 +289,9 @@ def test_cli_says_user_level_and_who_sampled(tmp_path):
                                      records_per_unit=4), q)
     declared = SampleEntry(SamplingEvent(500, 0.05), q)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    for entry, want in ((user, "user-level (add/remove one user, at most 4 records per user); "
+    for entry, want in ((user, "user-level (one user's records, at most 4 per batch); "
                                 "sampling performed by tf_dp"),
-                        (declared, "example-level (add/remove one example); sampling declared "
+                        (declared, "example-level (one example); sampling declared "
                                    "by the user, not checked by tf_dp")):
         path = tmp_path / f"{entry.sampling.unit}.json"
         write_ledger_runs(path, [(entry, 100)])

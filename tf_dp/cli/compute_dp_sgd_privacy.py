@@ -94,7 +94,7 @@ def main(argv):
                      f"epochs of {per_epoch} steps)")
         source = (f"DP-SGD with N={FLAGS.N}, batch size {FLAGS.batch_size}, {size}, "
                   f"effective noise multiplier {z:g}")
-        claim = ("Unit and sampling: example-level (add/remove one example); the sampling is "
+        claim = ("Unit and sampling: example-level (one example); the sampling is "
                  "the one given on the command line, not a run tf_dp checked.")
 
         def analyse(name):

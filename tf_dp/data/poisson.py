@@ -10,6 +10,13 @@ in-memory arrays as a ``tf.data.Dataset`` and tells a private model's ``fit`` th
     batches = tf_dp.data.poisson_batches(x_train, y_train, sampling_probability=256 / len(x_train))
     model.fit(batches, epochs=3)          # the ledger records (n, q, "poisson") at every step
 
+With ``user_ids=...`` and ``max_records_per_user=k`` the sampled units are users (user-level DP:
+Poisson sampling of users, at most ``k`` records per sampled user, each user's summed gradient
+clipped; see :mod:`tf_dp.data.users`)::
+
+    batches = tf_dp.data.poisson_batches(x, y, sampling_probability=64 / n_users,
+                                         user_ids=user_of_record, max_records_per_user=4)
+
 How variable batch sizes are handled:
 
 - Every batch is padded to a fixed ``max_batch_size`` with rows of zeros whose sample weight is 0

@@ -158,7 +158,7 @@ def sample_user_rows(
     slot = positions.value_rowids()
     # ranks within each user by a fresh uniform key: slot + v sorts by user, then by v
     v = tf.random.stateless_uniform(
-        tf.shape(flat), seed=seed + tf.constant([0, 1], tf.int64), dtype=tf.float64
+        tf.shape(flat), seed=tf.random.experimental.stateless_fold_in(seed, 1), dtype=tf.float64
     )
     by = tf.argsort(tf.cast(slot, tf.float64) + v, stable=True)
     sorted_flat = tf.gather(flat, by)

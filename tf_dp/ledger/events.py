@@ -81,7 +81,8 @@ class SamplingEvent:
         ``declared`` when the user declared the sampling (not checked by tf_dp). Ledgers written
         before the origin was recorded read as ``declared``.
       unit: one of :data:`PRIVACY_UNITS`; under ``user``, ``population_size`` and
-        ``selection_probability`` count users and the adjacency is add/remove one user.
+        ``selection_probability`` count users and neighbouring data sets differ in all the
+        records of one user (added or removed under ``poisson``).
       records_per_unit: ``k``, the most records one sampled user contributes to a batch (an
         integer >= 1 with ``unit="user"``, None with ``unit="example"``).
     """
@@ -123,21 +124,19 @@ class SamplingEvent:
             raise ValueError(f"records_per_unit must be None with unit='example', got {k!r}")
 
     def describe(self) -> str:
-        """What a privacy statement says about this draw: the unit and who vouches for it.
+        """What a privacy statement says about this draw: the unit and who vouches for it (the
+        adjacency, add/remove or replace-one, follows from the policy and is stated with it).
 
         Example::
 
             SamplingEvent(1000, 0.01, origin="sampled", unit="user", records_per_unit=4).describe()
-            # 'user-level (add/remove one user, at most 4 records per user); sampling performed
+            # 'user-level (one user's records, at most 4 per batch); sampling performed
             #  by tf_dp'
         """
         if self.unit == "user":
-            unit = (
-                f"user-level (add/remove one user, at most {self.records_per_unit} records per "
-                "user)"
-            )
+            unit = f"user-level (one user's records, at most {self.records_per_unit} per batch)"
         else:
-            unit = "example-level (add/remove one example)"
+            unit = "example-level (one example)"
         if self.origin == "sampled":
             who = "sampling performed by tf_dp"
         else:
