@@ -21,7 +21,7 @@ random, so with ``M = batch_size`` some hold several examples and some are empty
 A DP mode followed by ``+usersK`` (e.g. ``ghost+users4``) clips at the user level: the same
 batch is read as ``batch_size / K`` user slots of ``K`` records (``K`` must divide the batch
 size), each slot's summed gradient clipped to ``C`` (``tf_dp.gradients.per_user``), with a
-user-level sampling declared (``tf_dp.engine.Sampling(unit="user", records_per_unit=K)``).
+user-level sampling declared (``tf_dp.data.Sampling(unit="user", records_per_unit=K)``).
 
 Timing (all modes in ONE process, see ``bench/README.md``): each mode gets its own fresh model
 (same weights), compiled and warmed up through ``model.fit`` (the real Keras 3 path, traced
@@ -177,7 +177,7 @@ def _build(model_name: str, mode: str, batch_size: int, seed: int) -> keras.Mode
     else:  # 60000 records of 60000 / K users; batch_size / K user slots of K rows
         if batch_size % users:
             raise SystemExit(f"+users{users}: {users} must divide the batch size {batch_size}")
-        from tf_dp.engine import Sampling
+        from tf_dp.data import Sampling
 
         n_users = 60000 // users
         optimizer.set_sampling(Sampling(n_users, batch_size / users / n_users, "poisson",

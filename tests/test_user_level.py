@@ -219,7 +219,7 @@ def test_declared_sampling_is_recorded_as_declared_and_stated_so():
     model.compile(optimizer=opt,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     # a Sampling that says "sampled" is still a declaration when the user makes it
-    opt.set_sampling(tf_dp.engine.Sampling(1000, 0.01, origin="sampled"))
+    opt.set_sampling(tf_dp.data.Sampling(1000, 0.01, origin="sampled"))
     x = np.zeros((4, 6), np.float32)
     y = np.zeros(4, np.int32)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)

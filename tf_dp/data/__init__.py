@@ -21,9 +21,14 @@ from tf_dp.data.datasets import (
     read_idx,
 )
 from tf_dp.data.poisson import PoissonBatches, default_max_batch_size, poisson_batches
+from tf_dp.data.sampling import ORIGINS, POLICIES, UNITS, Sampling
 from tf_dp.data.users import UserIndex, sample_user_rows
 
 __all__ = [
+    "ORIGINS",
+    "POLICIES",
+    "UNITS",
+    "Sampling",
     "DEBIAN_FASHION_MNIST_DIR",
     "DataNotFoundError",
     "PoissonBatches",

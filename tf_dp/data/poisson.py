@@ -50,7 +50,7 @@ from typing import Any, Optional
 import numpy as np
 import tensorflow as tf
 
-from tf_dp.engine.sampling import Sampling
+from tf_dp.data.sampling import Sampling
 
 #: Default per-step probability that a Poisson sample exceeds the padded ``max_batch_size``.
 DEFAULT_OVERFLOW_PROBABILITY = 1e-6

@@ -4,6 +4,6 @@ TensorFlow only (no Keras import): the Keras optimizers and custom training loop
 through it.
 """
 
-from tf_dp.engine.sampling import ORIGINS, POLICIES, UNITS, Sampling
+from tf_dp.data.sampling import ORIGINS, POLICIES, UNITS, Sampling
 
 __all__ = ["ORIGINS", "POLICIES", "UNITS", "Sampling"]

@@ -284,7 +284,7 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         Tree aggregation gets no amplification, and no accountant analyses it under Poisson
         sampling, so ``sampling_policy='poisson'`` (e.g. ``tf_dp.data.poisson_batches``) is
         refused. With ``restart_every='epoch'`` the tree restarts every ``ceil(n / b)`` steps.
-        ``population_size`` may be a :class:`tf_dp.engine.Sampling` (its policy is checked).
+        ``population_size`` may be a :class:`tf_dp.data.Sampling` (its policy is checked).
         """
         claim = population_size
         if hasattr(claim, "selection_probability") and hasattr(claim, "policy"):

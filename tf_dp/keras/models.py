@@ -39,7 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp.data.poisson import pad_to_multiple
-from tf_dp.engine.sampling import Sampling
+from tf_dp.data.sampling import Sampling
 from tf_dp.gradients import per_user
 from tf_dp.gradients.base import as_tf_variables
 from tf_dp.keras import batch_mixing, ledger_store, multi_worker

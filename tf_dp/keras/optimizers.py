@@ -36,7 +36,7 @@ from tf_dp.dp_query.noise import DEFAULT_NOISE_MODE, check_noise_mode
 from tf_dp.dp_query.normalized_query import NormalizedQuery
 from tf_dp.dp_query.serialization import deserialize_query, serialize_query
 from tf_dp.dp_query.xla import in_xla_context
-from tf_dp.engine.sampling import Sampling
+from tf_dp.data.sampling import Sampling
 from tf_dp.gradients import ClippedGradients, GradientStrategy, gradient_modes, make_strategy
 from tf_dp.gradients.physical_batches import PhysicalBatches, check_max_physical_batch_size
 from tf_dp.gradients.jl import METHODS as JL_METHODS
@@ -352,7 +352,7 @@ class DPOptimizerMixin:
 
         ``model.fit`` of a private model sets this itself for in-memory arrays (``shuffle``) and
         for :func:`tf_dp.data.poisson_batches` (``poisson``, example- or user-level); call it
-        yourself for other inputs. ``population_size`` may be a :class:`tf_dp.engine.Sampling`
+        yourself for other inputs. ``population_size`` may be a :class:`tf_dp.data.Sampling`
         (e.g. ``Sampling(n_users, q, unit="user", records_per_unit=k)``). A sampling declared
         here is recorded as ``declared`` (tf_dp cannot check it), whatever its ``origin`` says.
 

@@ -107,12 +107,12 @@ class QueryWithLedger(DPQuery):
     ) -> None:
         """Sets the sampling recorded from the next step on (validated first, all or nothing).
 
-        ``population_size`` may instead be a :class:`tf_dp.engine.Sampling` (any object with its
+        ``population_size`` may instead be a :class:`tf_dp.data.Sampling` (any object with its
         fields), whose population, rate, policy, origin, unit and ``records_per_unit`` are used.
 
         Example::
 
-            query.set_sampling(tf_dp.engine.Sampling(60000, 256 / 60000, origin="sampled"))
+            query.set_sampling(tf_dp.data.Sampling(60000, 256 / 60000, origin="sampled"))
         """
         if hasattr(population_size, "selection_probability") and hasattr(population_size, "origin"):
             s = population_size

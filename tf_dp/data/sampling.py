@@ -10,7 +10,7 @@ cannot check it, and every statement built from such a ledger says so.
 
 Example:
 
->>> from tf_dp.engine import Sampling
+>>> from tf_dp.data.sampling import Sampling
 >>> s = Sampling(population_size=60_000, selection_probability=256 / 60_000)
 >>> s.policy, s.origin, s.unit
 ('poisson', 'declared', 'example')

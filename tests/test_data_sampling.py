@@ -1,11 +1,11 @@
-"""tf_dp.engine.Sampling: the sampling claim's validation, denominator and description."""
+"""tf_dp.data.Sampling: the sampling claim's validation, denominator and description."""
 
 import doctest
 
 import pytest
 
-import tf_dp.engine.sampling as sampling_module
-from tf_dp.engine import Sampling
+import tf_dp.data.sampling as sampling_module
+from tf_dp.data import Sampling
 
 
 def test_docstring_examples_run():
