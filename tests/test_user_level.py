@@ -17,7 +17,10 @@ import tf_dp
 import tf_dp.keras as dpk
 from tf_dp.data.users import UserIndex, sample_user_rows
 from tf_dp.dp_query.gaussian_query import GaussianSumQuery
-from tf_dp.gradients import make_strategy
+try:  # the current name, else the name of older trees
+    from tf_dp.gradients import make_clipper as make_strategy
+except ImportError:
+    from tf_dp.gradients import make_strategy
 from tf_dp.gradients.per_user import for_users
 from tf_dp.gradients.physical_batches import PhysicalBatches
 from tf_dp.keras.losses import PerExampleLoss

@@ -43,6 +43,9 @@ from tf_dp.gradients import base
 from tf_dp.gradients.physical_batches import PhysicalBatches
 from tf_dp.gradients.vectorized import map_records
 
+#: The gradient-clipper base class (``GradientClipper``; ``GradientStrategy`` in older trees).
+_Clipper = getattr(base, "GradientClipper", None) or base.GradientStrategy
+
 
 def _group_sum(t: tf.Tensor, k: int) -> tf.Tensor:
     """``[U k, ...] -> [U, ...]``: the sum over each slot of ``k`` rows."""
@@ -72,7 +75,7 @@ def _unslot(t: Any) -> Any:
     return tf.nest.map_structure(join, t)
 
 
-class PerUserStrategy(base.GradientStrategy):
+class PerUserStrategy(_Clipper):
     """Clips the summed gradient of each user slot of ``records_per_user`` consecutive rows.
 
     Args:
@@ -88,12 +91,12 @@ class PerUserStrategy(base.GradientStrategy):
         strategy = PerUserStrategy(make_strategy("ghost", model=model), records_per_user=4)
     """
 
-    def __init__(self, inner: base.GradientStrategy, records_per_user: int):
+    def __init__(self, inner: _Clipper, records_per_user: int):
         slots = _Slots(getattr(inner, "inner", inner), records_per_user)
         if isinstance(inner, PhysicalBatches):
             k = records_per_user
             size = max(k, inner.max_physical_batch_size // k * k)
-            self._pieces: base.GradientStrategy = PhysicalBatches(slots, size)
+            self._pieces: _Clipper = PhysicalBatches(slots, size)
         else:
             self._pieces = slots
         self.inner = inner
@@ -118,10 +121,10 @@ class PerUserStrategy(base.GradientStrategy):
         return out
 
 
-class _Slots(base.GradientStrategy):
+class _Slots(_Clipper):
     """The per-user clipped sum of a whole batch (or of a piece of whole slots)."""
 
-    def __init__(self, inner: base.GradientStrategy, records_per_user: int):
+    def __init__(self, inner: _Clipper, records_per_user: int):
         if isinstance(records_per_user, bool) or not isinstance(records_per_user, int) or (
             records_per_user < 1
         ):
@@ -212,7 +215,7 @@ class _Slots(base.GradientStrategy):
         )
 
 
-def for_users(strategy: base.GradientStrategy, records_per_user: int) -> base.GradientStrategy:
+def for_users(strategy: _Clipper, records_per_user: int) -> _Clipper:
     """``strategy`` made user-level (:class:`PerUserStrategy`).
 
     Example::
