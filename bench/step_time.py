@@ -18,6 +18,10 @@ random, so with ``M = batch_size`` some hold several examples and some are empty
 ``2C``, not the clipped sum of ``vectorized``). A DP mode followed by ``+journal`` (or
 ``+journal_fsync``) also journals its ledger to a file in a temporary directory
 (``PrivacyLedger.attach_journal``, ``fsync=False``/``True``): one append per step, timed with it.
+A DP mode followed by ``+usersK`` (e.g. ``ghost+users4``) clips at the user level: the same
+batch is read as ``batch_size / K`` user slots of ``K`` records (``K`` must divide the batch
+size), each slot's summed gradient clipped to ``C`` (``tf_dp.gradients.per_user``), with a
+user-level sampling declared (``tf_dp.data.Sampling(unit="user", records_per_unit=K)``).
 
 Timing (all modes in ONE process, see ``bench/README.md``): each mode gets its own fresh model
 (same weights), compiled and warmed up through ``model.fit`` (the real Keras 3 path, traced
@@ -121,8 +125,21 @@ def split_suffixes(mode: str) -> tuple[str, Optional[str], Optional[str]]:
     return base, noise_mode, journal
 
 
+def user_suffix(mode: str) -> tuple[str, Optional[int]]:
+    """``"ghost+users4"`` -> ``("ghost", 4)``; a mode without ``+usersK`` -> ``(mode, None)``."""
+    parts = mode.split("+")
+    users = [p for p in parts if p.startswith("users")]
+    if not users:
+        return mode, None
+    k = users[0][len("users"):]
+    if len(users) > 1 or not k.isdigit() or int(k) < 1:
+        raise SystemExit(f"mode {mode!r}: '+usersK' takes K, an integer >= 1, once")
+    return "+".join(p for p in parts if not p.startswith("users")), int(k)
+
+
 def _build(model_name: str, mode: str, batch_size: int, seed: int) -> keras.Model:
     model = build_model(model_name, seed=seed)
+    mode, users = user_suffix(mode)
     mode, noise_mode, journal = split_suffixes(mode)
     name, option = parse_mode(mode)
     jit = SETTINGS["jit_compile"]
@@ -155,7 +172,16 @@ def _build(model_name: str, mode: str, batch_size: int, seed: int) -> keras.Mode
     model.compile(optimizer=optimizer, loss=_loss(), jit_compile=jit)
     # The dataset below repeats one batch: declare the sampling a 60000-example shuffled epoch
     # would have (it only affects the ledger, not the time).
-    optimizer.set_sampling(60000, batch_size / 60000, "shuffle")
+    if users is None:
+        optimizer.set_sampling(60000, batch_size / 60000, "shuffle")
+    else:  # 60000 records of 60000 / K users; batch_size / K user slots of K rows
+        if batch_size % users:
+            raise SystemExit(f"+users{users}: {users} must divide the batch size {batch_size}")
+        from tf_dp.data import Sampling
+
+        n_users = 60000 // users
+        optimizer.set_sampling(Sampling(n_users, batch_size / users / n_users, "poisson",
+                                        unit="user", records_per_unit=users))
     if journal is not None:  # the ledger journal, appended after every compiled call
         import tempfile
 

@@ -44,7 +44,7 @@ def _batches(digits, seed=0):
     return tf_dp.data.poisson_batches(x, y, sampling_probability=Q, seed=seed)
 
 
-ENTRY = SampleEntry(SamplingEvent(N, Q, "poisson"), (SumQueryEvent(CLIP, SIGMA * CLIP),))
+ENTRY = SampleEntry(SamplingEvent(N, Q, "poisson", origin="sampled"), (SumQueryEvent(CLIP, SIGMA * CLIP),))
 
 
 def _eps(k, delta=1e-5, accountant="rdp"):

@@ -23,7 +23,7 @@ def test_privacy_json_all_accountants():
     p = _run("compute_dp_sgd_privacy", *BASE, "--accountant=all", "--format=json")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
-    assert set(out) == {"rdp", "moments", "pld", "gdp", "delta", "assumptions"}
+    assert set(out) == {"rdp", "moments", "pld", "gdp", "delta", "assumptions", "sampling"}
     assert out["delta"] == 1e-5 and "Poisson" in out["assumptions"]
     for name in ("rdp", "moments", "pld", "gdp"):
         ref = acc.dp_sgd_epsilon(60000, 256, 1.1, 1e-5, epochs=3, accountant=name)

@@ -54,7 +54,7 @@ def test_300_poisson_steps_under_xla_record_exactly_what_ran(mode):
     multiplier = 2.0 if mode == "microbatch" else 1.0
     mech = ("jl", 2) if mode == "jl" else ("gaussian", None)
     expected = SampleEntry(
-        SamplingEvent(N, Q, "poisson"),
+        SamplingEvent(N, Q, "poisson", origin="sampled"),
         (SumQueryEvent(CLIP * multiplier, float(np.float32(SIGMA * CLIP)), *mech),))
     assert all(e == expected for e in entries)
     assert all(np.all(np.isfinite(w.numpy())) for w in model.weights)

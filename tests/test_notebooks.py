@@ -76,6 +76,18 @@ CHECKS = {
         " 'steps': [shuffled.optimizer.ledger.num_samples, poisson.optimizer.ledger.num_samples],"
         " 'accuracy': [float(shuffled_accuracy), float(poisson_accuracy)]}))"
     ),
+    "dp_user_level": (
+        "import json\n"
+        "print(json.dumps({'n': int(n), 'n_users': int(n_users), 'q': [q_ex, q_user],"
+        " 'steps': steps, 'sigma': NOISE_MULTIPLIER, 'delta': DELTA,"
+        " 'epsilon': [example_result.epsilon, user_result.epsilon],"
+        " 'ledger_steps': [example_model.optimizer.ledger.num_samples,"
+        " user_model.optimizer.ledger.num_samples], 'claims': claims,"
+        " 'user_sampling': [[e.sampling.population_size, e.sampling.selection_probability,"
+        " e.sampling.unit, e.sampling.records_per_unit] for e, _ in"
+        " user_model.optimizer.ledger.runs()], 'k': K,"
+        " 'accuracy': [float(example_accuracy), float(user_accuracy)]}))"
+    ),
     "text_classification": (
         "import json\n"
         "print(json.dumps({'data': data_name, 'n': int(n), 'batch': BATCH_SIZE,"
@@ -340,7 +352,26 @@ def _check_dp_finetuning(values):
     assert all(0.0 <= a <= 1.0 for a in values["accuracy"])
 
 
+def _check_dp_user_level(values):
+    from tf_dp.accounting import dp_sgd_epsilon
+
+    steps, sigma, delta = values["steps"], values["sigma"], values["delta"]
+    assert values["ledger_steps"] == [steps, steps]
+    n, n_users = values["n"], values["n_users"]
+    q_ex, q_user = values["q"]
+    assert values["user_sampling"] == [[n_users, q_user, "user", values["k"]]]
+    # each run's ledger gives what the hyperparameters give, with the users as the population
+    for (pop, q), eps in zip(((n, q_ex), (n_users, q_user)), values["epsilon"]):
+        independent = dp_sgd_epsilon(pop, q * pop, sigma, delta, steps=steps, accountant="pld")
+        assert math.isclose(eps, independent.epsilon, rel_tol=1e-3)
+    assert q_user > q_ex and values["epsilon"][1] > values["epsilon"][0]
+    assert "example-level" in values["claims"][0] and "user-level" in values["claims"][1]
+    assert all("sampling performed by tf_dp" in c for c in values["claims"])
+    assert all(0.2 < a <= 1.0 for a in values["accuracy"])  # 10 classes: chance is 0.1
+
+
 VALIDATORS = {
+    "dp_user_level": _check_dp_user_level,
     "privacy_auditing": _check_privacy_auditing,
     "dp_finetuning": _check_dp_finetuning,
     "dp_large_data": _check_dp_large_data,

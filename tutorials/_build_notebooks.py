@@ -43,6 +43,7 @@ NOTEBOOKS = (
     "privacy_auditing",
     "dp_finetuning",
     "dp_large_data",
+    "dp_user_level",
 )
 
 _MARKER = re.compile(r"^# %%(?P<kind> \[markdown\])?(?: tags=(?P<tags>\[.*\]))?\s*$")

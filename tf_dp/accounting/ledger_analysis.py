@@ -64,6 +64,7 @@ __all__ = [
     "compute_epsilon",
     "compute_delta",
     "effective_noise_multipliers",
+    "sampling_claims",
     "dp_sgd_entries",
     "dp_sgd_epsilon",
     "dp_sgd_run",
@@ -412,10 +413,31 @@ def compute_epsilon(
 
 def _epsilon_of_runs(runs, steps, delta, accountant, orders=None, discretization=None):
     result = _seeded(_epsilon(runs, steps, delta, accountant, orders, discretization), runs)
-    note = _noise_mode_note(runs)
+    note = " ".join(t for t in (_noise_mode_note(runs), sampling_claims(runs)) if t)
     if note:
         result = dataclasses.replace(result, assumptions=f"{result.assumptions} {note}")
     return result
+
+
+def sampling_claims(runs: Sequence[tuple[SampleEntry, int]]) -> str:
+    """The unit of privacy and who vouches for the sampling, in words, for every distinct claim
+    of the run (``SamplingEvent.describe``): e.g. "Unit and sampling: user-level (add/remove one
+    user, at most 4 records per user); sampling performed by tf_dp." Ledgers written before the
+    origin was recorded read as declared.
+
+    Example::
+
+        sampling_claims(tf_dp.ledger.read_ledger_runs("run.ledger.json"))
+    """
+    seen: list[str] = []
+    for entry, _ in runs:
+        text = entry.sampling.describe()
+        if text not in seen:
+            seen.append(text)
+    if not seen:
+        return ""
+    steps = "" if len(seen) == 1 else " (the run's steps differ: each claim below holds for some)"
+    return f"Unit and sampling{steps}: " + " | ".join(seen) + "."
 
 
 def _noise_mode_note(runs: Sequence[tuple[SampleEntry, int]]) -> str:
@@ -491,7 +513,13 @@ def compute_delta(
     if not (isinstance(epsilon, (int, float)) and epsilon >= 0 and not math.isnan(epsilon)):
         raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
     runs = as_runs(ledger)
-    return _seeded(_delta(runs, sum(c for _, c in runs), epsilon, accountant, orders, discretization), runs)
+    result = _seeded(
+        _delta(runs, sum(c for _, c in runs), epsilon, accountant, orders, discretization), runs
+    )
+    note = sampling_claims(runs)
+    if note:
+        result = dataclasses.replace(result, assumptions=f"{result.assumptions} {note}")
+    return result
 
 
 def _delta(runs, steps, epsilon, accountant, orders, discretization) -> PrivacyResult:

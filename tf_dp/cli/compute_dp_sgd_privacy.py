@@ -7,7 +7,9 @@ From hyperparameters::
         [--microbatch_size=M] [--jl_projections=R] [--format=text|json]
 
 or from a ledger file written during training (``--ledger=run.ledger.json``; then the ledger's
-recorded events are used and the hyperparameter flags are ignored).
+recorded events are used and the hyperparameter flags are ignored). The output names the unit of
+privacy (user-level or example-level) and whether tf_dp performed the sampling or the user
+declared it (not checked); JSON: under ``sampling``.
 
 ``--audit_report=audit.json`` (written by ``tf_dp.auditing.AuditReport.save``) prints the audit's
 measured lower bound beside the analysis (JSON: under ``audit``), and flags a lower bound above
@@ -61,6 +63,7 @@ def main(argv):
         # Runs, never one entry per step. LedgerFileError is a ValueError -> exit 2.
         runs = read_ledger_runs(FLAGS.ledger)
         source = f"ledger file {FLAGS.ledger} ({sum(c for _, c in runs)} steps)"
+        claim = acc.sampling_claims(runs)  # the unit (user/example) and who sampled
 
         def analyse(name):
             return acc.compute_epsilon(runs, delta, name)
@@ -91,6 +94,8 @@ def main(argv):
                      f"epochs of {per_epoch} steps)")
         source = (f"DP-SGD with N={FLAGS.N}, batch size {FLAGS.batch_size}, {size}, "
                   f"effective noise multiplier {z:g}")
+        claim = ("Unit and sampling: example-level (one example); the sampling is "
+                 "the one given on the command line, not a run tf_dp checked.")
 
         def analyse(name):
             return acc.dp_sgd_epsilon(FLAGS.N, FLAGS.batch_size, FLAGS.noise_multiplier, delta,
@@ -123,6 +128,7 @@ def main(argv):
         for name, why in skipped.items():
             out[name] = {"epsilon": None, "skipped": why}
         out["delta"] = delta
+        out["sampling"] = claim
         out["assumptions"] = "; ".join(
             [f"source: {source}"] + [f"{n}: {r.assumptions}" for n, r in results.items()])
         if audit_out is not None:
@@ -130,6 +136,7 @@ def main(argv):
         print(_common.to_json(out))
         return 0
     print(f"Privacy of {source}, at delta = {delta:g}:")
+    print(claim)
     for name, r in results.items():
         print()
         print(str(r))

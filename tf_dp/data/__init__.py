@@ -1,7 +1,8 @@
 """Input pipelines for DP training.
 
 - :func:`poisson_batches`: Poisson-sampled, padded batches of in-memory data for ``model.fit``
-  (the ledger records ``poisson`` sampling with the real ``n`` and ``q``).
+  (the ledger records ``poisson`` sampling with the real ``n`` and ``q``); with ``user_ids``,
+  Poisson sampling of users for user-level DP (:mod:`tf_dp.data.users`).
 - :func:`poisson_sample`: the same from a random-access source (:class:`ArraySource` over numpy
   arrays, memmaps and h5py datasets, :func:`hdf5_source`, :class:`TFRecordSource`,
   :class:`ArrayRecordSource`), reading only the sampled records.
@@ -33,6 +34,7 @@ from tf_dp.data.sampling import ORIGINS, POLICIES, UNITS, Sampling
 from tf_dp.data.shuffled import ShuffledPasses, shuffled_passes
 from tf_dp.data.source import ArraySource, RandomAccessSource, hdf5_source
 from tf_dp.data.tfrecord import TFRecordSource
+from tf_dp.data.users import UserIndex, sample_user_rows
 
 __all__ = [
     "ArrayRecordSource",
@@ -47,6 +49,7 @@ __all__ = [
     "RandomAccessSource",
     "ShuffledPasses",
     "TFRecordSource",
+    "UserIndex",
     "default_max_batch_size",
     "hdf5_source",
     "load_fashion_mnist_idx",
@@ -55,4 +58,5 @@ __all__ = [
     "poisson_sample",
     "read_idx",
     "shuffled_passes",
+    "sample_user_rows",
 ]

@@ -10,6 +10,13 @@ in-memory arrays as a ``tf.data.Dataset`` and tells a private model's ``fit`` th
     batches = tf_dp.data.poisson_batches(x_train, y_train, sampling_probability=256 / len(x_train))
     model.fit(batches, epochs=3)          # the ledger records (n, q, "poisson") at every step
 
+With ``user_ids=...`` and ``max_records_per_user=k`` the sampled units are users (user-level DP:
+Poisson sampling of users, at most ``k`` records per sampled user, each user's summed gradient
+clipped; see :mod:`tf_dp.data.users`)::
+
+    batches = tf_dp.data.poisson_batches(x, y, sampling_probability=64 / n_users,
+                                         user_ids=user_of_record, max_records_per_user=4)
+
 How variable batch sizes are handled:
 
 - Every batch is padded to a fixed ``max_batch_size`` with rows of zeros whose sample weight is 0
@@ -43,6 +50,7 @@ from typing import Any, Optional
 import numpy as np
 import tensorflow as tf
 
+from tf_dp.data.inclusion import included
 from tf_dp.data.sampling import Sampling
 
 #: Default per-step probability that a Poisson sample exceeds the padded ``max_batch_size``.
@@ -79,12 +87,14 @@ class PoissonBatches:
         them per pass (each pass draws fresh samples). Usable with ``fit`` directly (pass
         ``steps_per_epoch`` and call ``optimizer.set_sampling(n, q, "poisson")`` yourself), but
         passing this object to a private model's ``fit`` does both for you.
-      tf_dp_sampling: ``(n, q)``, the population size and the per-example inclusion probability.
+      tf_dp_sampling: ``(n, q)``, the population size and the per-unit inclusion probability
+        (users and their rate with ``user_ids``).
       steps_per_epoch: number of batches per epoch (default ``round(1 / q)``: one expected pass).
-      max_batch_size: the padded batch size.
+      max_batch_size: the padded batch size (user slots with ``user_ids``: rows are slots * k).
       expected_batch_size: ``q * n``.
       sampling: the :class:`tf_dp.data.Sampling` of these batches: ``poisson``, ``(n, q)``,
-        ``origin="sampled"`` (tf_dp drew them).
+        ``origin="sampled"`` (tf_dp drew them), user-level with ``user_ids``.
+      records_per_user: ``k`` with ``user_ids`` (user-level batches), else None.
     """
 
     dataset: tf.data.Dataset
@@ -92,6 +102,18 @@ class PoissonBatches:
     steps_per_epoch: int
     max_batch_size: int
     num_shards: int = 1
+    records_per_user: Optional[int] = None
+
+    @property
+    def sampling(self) -> Sampling:
+        """The sampling claim these batches carry: Poisson, performed by tf_dp (``sampled``),
+        over examples, or over users (``unit="user"``, ``records_per_unit=k``) when built with
+        ``user_ids``."""
+        n, q = int(self.tf_dp_sampling[0]), float(self.tf_dp_sampling[1])
+        if self.records_per_user is None:
+            return Sampling(n, q, "poisson", origin="sampled")
+        return Sampling(n, q, "poisson", origin="sampled", unit="user",
+                        records_per_unit=self.records_per_user)
 
     @property
     def population_size(self) -> int:
@@ -105,11 +127,6 @@ class PoissonBatches:
     def expected_batch_size(self) -> float:
         n, q = self.tf_dp_sampling
         return n * q
-
-    @property
-    def sampling(self) -> Sampling:
-        n, q = self.tf_dp_sampling
-        return Sampling(int(n), float(q), policy="poisson", origin="sampled")
 
     def __len__(self) -> int:
         return self.steps_per_epoch
@@ -169,18 +186,6 @@ def _check_positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
-def included(u: tf.Tensor, q: tf.Tensor) -> tf.Tensor:
-    """Whether an example with uniform ``u`` (float64, a multiple of ``2^-52`` in ``[0, 1)``, as
-    ``tf.random.stateless_uniform`` draws it) joins a sample of rate ``q``: ``u + 2^-52 <= q``, so
-    that the ``floor(q 2^52)`` lowest of the ``2^52`` values join (probability at most ``q``).
-
-    Example::
-
-        included(tf.constant([0.0, 0.5], tf.float64), tf.constant(0.5, tf.float64))  # [True, False]
-    """
-    return u + 2.0**-52 <= q
-
-
 def poisson_batches(
     x: Any,
     y: Any = None,
@@ -192,6 +197,8 @@ def poisson_batches(
     overflow_probability: float = DEFAULT_OVERFLOW_PROBABILITY,
     num_shards: int = 1,
     shard_index: int = 0,
+    user_ids: Any = None,
+    max_records_per_user: Optional[int] = None,
 ) -> PoissonBatches:
     """Poisson-sampled, padded batches of in-memory data for a private model's ``fit``.
 
@@ -213,6 +220,13 @@ def poisson_batches(
         is ``w`` modulo ``num_shards``. The shards partition the data, so the union of the
         workers' batches at a step is one Poisson sample of rate ``q`` over all ``n`` examples,
         and every worker declares the global ``n`` and ``q``.
+      user_ids: for user-level DP: one integer or string id per example (``[n]``). Users are
+        Poisson-sampled at rate ``sampling_probability`` and each sampled user contributes at
+        most ``max_records_per_user`` of its examples, chosen uniformly at random; the DP step
+        clips the sum of each user's gradients to ``C`` (see :mod:`tf_dp.data.users`).
+        ``steps_per_epoch`` and ``max_batch_size`` then count users (a batch has
+        ``max_batch_size * k`` rows). Not combined with ``num_shards > 1``.
+      max_records_per_user: ``k`` >= 1, required with ``user_ids``.
 
     Returns:
       A :class:`PoissonBatches` (``.dataset``, ``.tf_dp_sampling == (n, q)``, ``.steps_per_epoch``).
@@ -247,6 +261,24 @@ def poisson_batches(
             )
     if n < 1:
         raise ValueError("x must hold at least one example")
+    users = None
+    if user_ids is not None:
+        from tf_dp.data.users import UserIndex, check_records_per_user
+
+        if max_records_per_user is None:
+            raise ValueError(
+                "max_records_per_user must be an integer >= 1 with user_ids (the most records "
+                "one sampled user contributes to a batch), got None"
+            )
+        k = check_records_per_user(max_records_per_user)
+        users = UserIndex.from_user_ids(user_ids, n)
+        if num_shards != 1:
+            raise ValueError(
+                f"num_shards must be 1 with user_ids (user-level sampling is not sharded), got "
+                f"{num_shards!r}"
+            )
+    elif max_records_per_user is not None:
+        raise ValueError("max_records_per_user is only used with user_ids")
     num_shards = _check_positive_int("num_shards", num_shards)
     if isinstance(shard_index, bool) or not isinstance(shard_index, (int, np.integer)) or not (
         0 <= shard_index < num_shards
@@ -270,7 +302,8 @@ def poisson_batches(
     steps_per_epoch = _check_positive_int("steps_per_epoch", steps_per_epoch)
     shard_rows = np.arange(shard_index, n, num_shards)
     if max_batch_size is None:
-        max_batch_size = default_max_batch_size(len(shard_rows), q, overflow_probability)
+        units = len(shard_rows) if users is None else users.num_users
+        max_batch_size = default_max_batch_size(units, q, overflow_probability)
     max_batch_size = _check_positive_int("max_batch_size", max_batch_size)
     if seed is None:
         key = int.from_bytes(os.urandom(8), "little") >> 1  # OS entropy; int64-safe
@@ -313,6 +346,31 @@ def poisson_batches(
         bw = pad(w, k)
         return bx, by, bw
 
+    if users is not None:
+        from tf_dp.data.users import sample_user_rows
+
+        order_t = tf.constant(users.order)
+        starts_t = tf.constant(users.starts)
+
+        def sample(counter: tf.Tensor):  # noqa: F811 (the user-level sampler)
+            rows_ = sample_user_rows(
+                order_t, starts_t, q64, k, max_batch_size, tf.stack([key_t, counter])
+            )
+            real = rows_ >= 0
+            idx = tf.maximum(rows_, 0)
+
+            def take(t):
+                got = tf.gather(t, idx)
+                mask = tf.reshape(real, [-1] + [1] * (len(t.shape) - 1))
+                return tf.where(mask, got, tf.zeros_like(got))
+
+            w = tf.ones([n], tf.float32) if sw_t is None else sw_t
+            bw = tf.where(real, tf.gather(w, idx), 0.0)
+            return (tf.nest.map_structure(take, x_t), tf.nest.map_structure(take, y_t), bw)
+
+        n_units = users.num_users
+    else:
+        n_units = n
     # Fresh random counters on every pass over the dataset (Keras re-iterates it each epoch).
     counters = tf.data.Dataset.random(seed=key % (1 << 31), rerandomize_each_iteration=True)
     dataset = counters.take(steps_per_epoch).map(sample).prefetch(2)
@@ -322,10 +380,11 @@ def poisson_batches(
         dataset = dataset.with_options(options)
     return PoissonBatches(
         dataset=dataset,
-        tf_dp_sampling=(n, q),
+        tf_dp_sampling=(n_units, q),
         steps_per_epoch=steps_per_epoch,
         max_batch_size=max_batch_size,
         num_shards=num_shards,
+        records_per_user=None if users is None else k,
     )
 
 

@@ -47,6 +47,7 @@ from tf_dp.engine import validation
 from tf_dp.engine.config import PrivacyConfig, SpeedConfig, check_combination
 from tf_dp.data.sampling import Sampling
 from tf_dp.gradients import ClippedGradients, GradientClipper, make_clipper
+from tf_dp.gradients.per_user import for_users
 from tf_dp.gradients.physical_batches import PhysicalBatches
 from tf_dp.ledger.privacy_ledger import PrivacyLedger, ledger_variable
 from tf_dp.ledger.query_with_ledger import QueryWithLedger
@@ -155,15 +156,18 @@ class DPEngine:
         step on."""
         if not isinstance(sampling, Sampling):
             raise TypeError(f"sampling must be a tf_dp.engine.Sampling, got {sampling!r}")
-        self.recorder.set_sampling(
-            sampling.population_size, sampling.selection_probability, sampling.policy
-        )
+        self.recorder.set_sampling(sampling)
         expected = np.float32(sampling.population_size) * np.float32(
             sampling.selection_probability
         )
         self._expected_batch.assign(expected)
         self._poisson.assign(sampling.policy == "poisson")
         self.sampling = sampling
+
+    @property
+    def user_level(self) -> bool:
+        """Whether the declared sampling is of users (each user's records clipped together)."""
+        return self.sampling is not None and self.sampling.unit == "user"
 
     def start_pass(self) -> None:
         """Marks the next step as the first of a new pass over the data (eager)."""
@@ -268,6 +272,8 @@ class DPEngine:
         """
         self.update_schedules(step)                                          # 1. schedules
         clipper = self.clipper_for(model)
+        if self.user_level:  # each user's summed gradient is one clipped record
+            clipper = for_users(clipper, self.sampling.records_per_unit)
         params = self.recorder.derive_sample_params(self.global_state)
         extra = {"model": model} if getattr(clipper, "needs_model", False) else {}
         clipped = clipper.clipped_sum(loss_fn, data, variables, self.recorder, params, **extra)
@@ -307,7 +313,7 @@ class DPEngine:
                 return _share([tf.identity(g) for g in noised], replicas)
             if self.privacy.num_microbatches is not None and (
                 self.clipper is not None and self.clipper.name == "microbatch"
-            ):
+            ) and not self.user_level:
                 denominator = records
             else:
                 denominator = tf.where(self._poisson, self._expected_batch, records)

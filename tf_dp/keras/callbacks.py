@@ -402,10 +402,13 @@ class PrivacyBudget(keras.callbacks.Callback):
             self._original_train_function = None
         self.epsilon_spent = self._epsilon_now()
         if self.stopped and self.verbose:
+            from tf_dp.accounting import sampling_claims
+
+            claim = sampling_claims(self.model.optimizer.ledger.runs())
             print(
                 f"PrivacyBudget: stopped after {self.model.optimizer.ledger.num_samples} DP steps "
                 f"(epsilon {self.epsilon_spent:.4g} <= {self.target_epsilon:g} at "
-                f"delta={self.delta:g}); one more step would exceed the budget"
+                f"delta={self.delta:g}); one more step would exceed the budget. {claim}"
             )
 
     def _stop(self) -> None:

@@ -86,6 +86,9 @@ def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, d
     args = list(args)
     x = args[0] if args else kwargs.get("x")
     sampling = getattr(x, "tf_dp_sampling", None)
+    claim = getattr(x, "sampling", None)
+    if isinstance(claim, Sampling) and claim.origin == "sampled" and sampling is None:
+        sampling = (claim.population_size, claim.selection_probability)
     if sampling is not None:
         n, q = sampling
         if kwargs.get("batch_size") is not None:
@@ -107,12 +110,11 @@ def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, d
             dataset = multi_worker.distribute_poisson_batches(
                 model.distribute_strategy, dataset, x.max_batch_size
             )
-        else:  # equal pieces for the local replicas, whatever the batch's size
-            replicas = model.distribute_strategy.num_replicas_in_sync
-            dataset = pad_to_multiple(dataset, replicas)
-        claim = getattr(x, "sampling", None)  # a tf_dp sampler's own claim (policy, unit, k)
-        if not isinstance(claim, Sampling):
+        if not isinstance(claim, Sampling):  # else a tf_dp sampler's own claim (policy, unit, k)
             claim = Sampling(int(n), float(q), "poisson", origin="sampled")
+        if workers <= 1:  # equal pieces (whole user slots) for the local replicas
+            replicas = model.distribute_strategy.num_replicas_in_sync
+            dataset = pad_to_multiple(dataset, replicas * (claim.records_per_unit or 1))
         optimizer.declare_fit_sampling(claim)
         kwargs.setdefault("shuffle", False)  # the sampler draws its own batches
         if args:
@@ -135,7 +137,9 @@ def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, d
         batch_size = min(int(batch_size), n_train)
         # Fixed-size batches, shuffled or not: the bound used for them assumes no amplification
         # (each example is in one batch per epoch), so it does not depend on the order.
-        optimizer.declare_fit_sampling(Sampling(n_train, batch_size / n_train, "shuffle"))
+        optimizer.declare_fit_sampling(
+            Sampling(n_train, batch_size / n_train, "shuffle", origin="sampled")
+        )
         return tuple(args), kwargs
     if not optimizer.sampling_configured:
         raise ValueError(
@@ -219,6 +223,7 @@ def private_fit(model: keras.Model, fit: Any, args: tuple, kwargs: dict) -> Any:
     _probe_batch_mixing(model, args[0] if args else kwargs.get("x"))
     _check_weights_ledger(model, optimizer)
     args, kwargs = prepare_fit(model, args, kwargs)
+    _retrace_for_unit(model, optimizer)
     args = list(args)
     _with_pass_starts(optimizer, args, kwargs)
     fixes = (
@@ -258,7 +263,16 @@ def private_train_on_batch(model: keras.Model, train_on_batch: Any, args: tuple,
             "input is not reused."
         )
     optimizer.start_pass()
+    _retrace_for_unit(model, optimizer)
     return train_on_batch(*args, **kwargs)
+
+
+def _retrace_for_unit(model: keras.Model, optimizer: Any) -> None:
+    """Drops a traced train step that clips another unit (example vs user, or another ``k``)
+    than the sampling now in force, so the next call traces the right one."""
+    traced = getattr(model, "_tf_dp_step_records_per_user", "untraced")
+    if traced != "untraced" and traced != optimizer.records_per_user:
+        model.train_function = None
 
 
 def private_compile(model: keras.Model, compile_fn: Any, args: tuple, kwargs: dict) -> None:

@@ -212,11 +212,12 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         Tree aggregation gets no amplification, and no accountant analyses it under Poisson
         sampling, so ``sampling_policy='poisson'`` (e.g. ``tf_dp.data.poisson_batches``) is
         refused. With ``restart_every='epoch'`` the tree restarts every ``ceil(n / b)`` steps.
+        ``population_size`` may be a :class:`tf_dp.data.Sampling` (its policy is checked).
         """
-        if isinstance(population_size, Sampling):
-            sampling = population_size
+        claim = population_size
+        if isinstance(claim, Sampling):
             population_size, selection_probability, sampling_policy = (
-                sampling.population_size, sampling.selection_probability, sampling.policy
+                claim.population_size, claim.selection_probability, claim.policy
             )
         if sampling_policy != "shuffle":
             raise ValueError(
@@ -226,7 +227,7 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
                 "sampling. Feed in-memory arrays or a batched dataset and declare it with "
                 "set_sampling(n, batch_size / n, 'shuffle')"
             )
-        super().set_sampling(population_size, selection_probability, sampling_policy)
+        super().set_sampling(claim, selection_probability, sampling_policy)
         from tf_dp.accounting.ledger_analysis import shuffle_steps_per_epoch
 
         steps = shuffle_steps_per_epoch(population_size, float(selection_probability))

@@ -120,6 +120,7 @@ def private_step(
         # the per-example computation, so that the clipper sees them.
         model(x, training=False)
     variables = list(model.trainable_variables)
+    model._tf_dp_step_records_per_user = optimizer.records_per_user  # the unit this trace clips
     clipped, grads = optimizer.private_gradients(
         loss_fn, (x, y, sample_weight), variables, model,
         check=lambda _: _refuse_add_loss_terms(model),

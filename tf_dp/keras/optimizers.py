@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from typing import Any, Optional, Union
@@ -44,6 +45,8 @@ _logger = logging.getLogger("tf_dp")
 
 class DPOptimizerMixin:
     """The Keras side of every DP optimizer class: an engine, its ledger, saving and loading."""
+
+    _declaring_from_fit = False  # True while fit declares the sampling of its own input
 
     def _init_dp(
         self,
@@ -170,15 +173,18 @@ class DPOptimizerMixin:
         sampling_policy: str = "poisson",
     ) -> None:
         """Declares how batches are drawn (recorded in the ledger from the next step on): a
-        :class:`tf_dp.engine.Sampling`, or ``(population_size, selection_probability,
+        :class:`tf_dp.data.Sampling`, or ``(population_size, selection_probability,
         sampling_policy)``.
 
         ``model.fit`` of a private model sets this itself for in-memory arrays (``shuffle``) and
-        for :func:`tf_dp.data.poisson_batches` (``poisson``); call it yourself for other inputs.
+        for tf_dp's samplers (:func:`tf_dp.data.poisson_batches`, example- or user-level, and the
+        others of :mod:`tf_dp.data`); call it yourself for other inputs. A sampling declared here
+        is recorded as ``declared`` (tf_dp cannot check it), whatever its ``origin`` says.
 
         Example::
 
-            opt.set_sampling(tf_dp.engine.Sampling(60_000, 256 / 60_000))
+            opt.set_sampling(tf_dp.data.Sampling(60_000, 256 / 60_000))
+            opt.set_sampling(tf_dp.data.Sampling(5_000, 0.02, unit="user", records_per_unit=4))
         """
         if isinstance(population_size, Sampling):
             if selection_probability is not None:
@@ -186,8 +192,17 @@ class DPOptimizerMixin:
             sampling = population_size
         else:
             sampling = _declared(population_size, selection_probability, sampling_policy)
+        if not self._declaring_from_fit:
+            sampling = dataclasses.replace(sampling, origin="declared")
         self._engine.set_sampling(sampling)
-        self._sampling_from_fit = False
+        self._sampling_from_fit = self._declaring_from_fit
+
+    @property
+    def records_per_user(self) -> Optional[int]:
+        """``k`` when the sampling in force is user-level (each user's records clipped together),
+        else None."""
+        sampling = self._engine.sampling
+        return sampling.records_per_unit if sampling is not None and sampling.unit == "user" else None
 
     @property
     def sampling(self) -> Optional[Sampling]:
@@ -207,9 +222,13 @@ class DPOptimizerMixin:
         self._engine.start_pass()
 
     def declare_fit_sampling(self, sampling: Sampling) -> None:
-        """A sampling ``fit`` derived from its own input: valid until :meth:`end_fit`."""
-        self.set_sampling(sampling)
-        self._sampling_from_fit = True
+        """A sampling ``fit`` derived from its own input (tf_dp drew or batched the data itself:
+        recorded with the sampling's own ``origin``): valid until :meth:`end_fit`."""
+        self._declaring_from_fit = True
+        try:  # through set_sampling, so that subclasses' checks (DP-FTRL's policy) apply
+            self.set_sampling(sampling)
+        finally:
+            self._declaring_from_fit = False
 
     def end_fit(self) -> None:
         """Called when a ``fit`` returns: forgets the sampling that ``fit`` derived from its input

@@ -36,6 +36,17 @@ from typing import Optional, Sequence
 #: the bound that does not assume amplification for it.
 SAMPLING_POLICIES = ("poisson", "shuffle")
 
+#: Who performed the sampling. ``declared``: the user declared it (``set_sampling``); tf_dp
+#: records the claim and cannot check it. ``sampled``: a tf_dp sampler drew the batches (or
+#: ``fit`` batched in-memory arrays itself), so the claim holds by construction. Codes are the
+#: positions in this tuple (0, the code of a table that predates the column, is ``declared``).
+SAMPLING_ORIGINS = ("declared", "sampled")
+
+#: The unit of privacy. ``example``: neighbouring data sets differ in one record. ``user``: they
+#: differ in all the records of one user (add/remove-one-user adjacency); the population and the
+#: rate are those of users. Codes are the positions in this tuple.
+PRIVACY_UNITS = ("example", "user")
+
 #: Sum-query mechanisms. ``gaussian``: exact clipping plus Gaussian noise. ``jl``: clipping weights
 #: from Johnson-Lindenstrauss norm estimates (Bu et al. 2020) plus Gaussian noise; the event carries
 #: ``jl_projections``. ``none``: no noise (a non-private query); any sample that contains one has
@@ -66,12 +77,23 @@ class SamplingEvent:
         ``optimizer.start_pass()``). ``shuffle`` accounting counts epochs, and tree aggregation
         cuts its epoch windows, from these boundaries; the first draw of a ledger always starts a
         pass. Recorded for ``shuffle`` draws only (Poisson draws have no passes).
+      origin: one of :data:`SAMPLING_ORIGINS`: ``sampled`` when tf_dp drew the batches,
+        ``declared`` when the user declared the sampling (not checked by tf_dp). Ledgers written
+        before the origin was recorded read as ``declared``.
+      unit: one of :data:`PRIVACY_UNITS`; under ``user``, ``population_size`` and
+        ``selection_probability`` count users and neighbouring data sets differ in all the
+        records of one user (added or removed under ``poisson``).
+      records_per_unit: ``k``, the most records one sampled user contributes to a batch (an
+        integer >= 1 with ``unit="user"``, None with ``unit="example"``).
     """
 
     population_size: int
     selection_probability: float
     policy: str = "poisson"
     pass_start: bool = False
+    origin: str = "declared"
+    unit: str = "example"
+    records_per_unit: Optional[int] = None
 
     def __post_init__(self):
         n = self.population_size
@@ -88,6 +110,38 @@ class SamplingEvent:
             raise ValueError(f"policy must be one of {SAMPLING_POLICIES}, got {self.policy!r}")
         if not isinstance(self.pass_start, bool):
             raise ValueError(f"pass_start must be a bool, got {self.pass_start!r}")
+        if self.origin not in SAMPLING_ORIGINS:
+            raise ValueError(f"origin must be one of {SAMPLING_ORIGINS}, got {self.origin!r}")
+        if self.unit not in PRIVACY_UNITS:
+            raise ValueError(f"unit must be one of {PRIVACY_UNITS}, got {self.unit!r}")
+        k = self.records_per_unit
+        if self.unit == "user":
+            if isinstance(k, bool) or not (isinstance(k, int) and k >= 1):
+                raise ValueError(
+                    f"records_per_unit must be an integer >= 1 with unit='user', got {k!r}"
+                )
+        elif k is not None:
+            raise ValueError(f"records_per_unit must be None with unit='example', got {k!r}")
+
+    def describe(self) -> str:
+        """What a privacy statement says about this draw: the unit and who vouches for it (the
+        adjacency, add/remove or replace-one, follows from the policy and is stated with it).
+
+        Example::
+
+            SamplingEvent(1000, 0.01, origin="sampled", unit="user", records_per_unit=4).describe()
+            # 'user-level (one user's records, at most 4 per batch); sampling performed
+            #  by tf_dp'
+        """
+        if self.unit == "user":
+            unit = f"user-level (one user's records, at most {self.records_per_unit} per batch)"
+        else:
+            unit = "example-level (one example)"
+        if self.origin == "sampled":
+            who = "sampling performed by tf_dp"
+        else:
+            who = "sampling declared by the user, not checked by tf_dp"
+        return f"{unit}; {who}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The ledger file: a versioned, checksummed JSON record of a run's sampling and sum-query events.
 
-Format (version 2; version 1 is the same without ``pass_start``)::
+Format (version 3; version 2 is the same without ``origin``, ``unit`` and ``records_per_unit``,
+version 1 also without ``pass_start``)::
 
     {
       "format": "tf_dp.privacy_ledger",
@@ -23,7 +24,13 @@ runs only), ``tree_step`` (``"mechanism": "tree"`` queries only: the leaf's 0-ba
 its tree-aggregation tree) and ``noise_grid`` (grid-mode noise only: the grid spacing; the
 sensitivity already includes the rounding term, so a reader that ignores the key still accounts
 correctly); optional sampling key ``pass_start`` (``true`` on the draws that start a new pass over
-shuffled data; a file without it is one pass from its first draw). A reader that predates a
+shuffled data; a file without it is one pass from its first draw). Version 3 sampling keys:
+``origin`` (``"sampled"`` when tf_dp drew the batches; absent: ``"declared"``, a sampling the user
+declared and tf_dp did not check), ``unit`` (``"user"`` for user-level DP, with
+``records_per_unit``, the most records one sampled user contributes; absent: ``"example"``). Files
+of versions 1 and 2 predate these keys: tf_dp did not record who drew their batches, so they
+read as ``declared`` and example-level, and their statements say the sampling was not checked.
+A file with any of these keys says version 3. A reader that predates a
 mechanism rejects the file as a malformed
 event naming the mechanism, never misreads it.
 
@@ -56,11 +63,13 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent, compress
 
 FORMAT_NAME = "tf_dp.privacy_ledger"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 #: Versions this reader understands. Version 2 adds the sampling key ``pass_start``, which an
 #: accountant must not ignore (it would under-count epochs), so files that use it say version 2
 #: and readers that predate it reject them; files without it are still written as version 1.
-READ_VERSIONS = (1, 2)
+#: Version 3 adds ``origin``, ``unit`` and ``records_per_unit`` (what a statement must not
+#: misreport: a checked claim, a user-level guarantee); files that use them say version 3.
+READ_VERSIONS = (1, 2, 3)
 
 
 class LedgerFileError(ValueError):
@@ -133,7 +142,19 @@ def _sampling_payload(s: SamplingEvent) -> dict[str, Any]:
     }
     if s.pass_start:  # only draws that start a pass carry the key
         out["pass_start"] = True
+    if s.origin != "declared":  # absent: declared (what every older file means too)
+        out["origin"] = s.origin
+    if s.unit != "example":
+        out["unit"] = s.unit
+        out["records_per_unit"] = s.records_per_unit
     return out
+
+
+def _file_version(runs: Sequence[tuple[SampleEntry, int]]) -> int:
+    """The oldest version that can say everything in ``runs``."""
+    if any(e.sampling.origin != "declared" or e.sampling.unit != "example" for e, _ in runs):
+        return 3
+    return 2 if any(e.sampling.pass_start for e, _ in runs) else 1
 
 
 def entries_to_payload(
@@ -151,7 +172,7 @@ def runs_to_payload(
     runs = list(runs)
     payload: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION if any(e.sampling.pass_start for e, _ in runs) else 1,
+        "version": _file_version(runs),
         "num_samples": sum(count for _, count in runs),
         "runs": payload_from_runs(runs),
         "metadata": dict(metadata or {}),
@@ -196,6 +217,9 @@ def parse_runs(runs: Any) -> tuple[list[tuple[SampleEntry, int]], int]:
                     selection_probability=s["selection_probability"],
                     policy=s["policy"],
                     pass_start=s.get("pass_start", False),
+                    origin=s.get("origin", "declared"),
+                    unit=s.get("unit", "example"),
+                    records_per_unit=s.get("records_per_unit"),
                 ),
                 queries=tuple(
                     SumQueryEvent(

@@ -44,6 +44,8 @@ import tensorflow as tf
 from tf_dp.dp_query.xla import in_xla_context
 from tf_dp.ledger.events import (
     MECHANISMS,
+    PRIVACY_UNITS,
+    SAMPLING_ORIGINS,
     SAMPLING_POLICIES,
     SampleEntry,
     SamplingEvent,
@@ -60,7 +62,11 @@ from tf_dp.ledger.ledger_file import (
 )
 
 # Column layouts of the two buffers.
-_SAMPLE_COLS = 4  # population_size, selection_probability, policy code, pass start (0/1)
+# population_size, selection_probability, policy code, pass start (0/1), origin code (0
+# declared, 1 sampled), unit code (0 example, 1 user), records per unit (0 for examples). Tables
+# with fewer columns (saved before a column existed) are read with zeros there: no pass start,
+# declared, example-level.
+_SAMPLE_COLS = 7
 # sample index, l2_sensitivity, noise_stddev, mechanism code, jl_projections (jl) or tree_step
 # (tree), noise seed (NaN: none), noise grid (NaN: continuous noise)
 _QUERY_COLS = 7
@@ -71,6 +77,18 @@ def policy_code(policy: str) -> int:
     if policy not in SAMPLING_POLICIES:
         raise ValueError(f"sampling policy must be one of {SAMPLING_POLICIES}, got {policy!r}")
     return SAMPLING_POLICIES.index(policy)
+
+
+def origin_code(origin: str) -> int:
+    if origin not in SAMPLING_ORIGINS:
+        raise ValueError(f"sampling origin must be one of {SAMPLING_ORIGINS}, got {origin!r}")
+    return SAMPLING_ORIGINS.index(origin)
+
+
+def unit_code(unit: str) -> int:
+    if unit not in PRIVACY_UNITS:
+        raise ValueError(f"privacy unit must be one of {PRIVACY_UNITS}, got {unit!r}")
+    return PRIVACY_UNITS.index(unit)
 
 
 def mechanism_code(mechanism: str) -> int:
@@ -324,10 +342,13 @@ def _to_entries(samples: np.ndarray, queries: np.ndarray, first: int = 0) -> lis
                 selection_probability=float(q),
                 policy=SAMPLING_POLICIES[int(p)],
                 pass_start=bool(start) and SAMPLING_POLICIES[int(p)] == "shuffle",
+                origin=SAMPLING_ORIGINS[int(origin)],
+                unit=PRIVACY_UNITS[int(unit)],
+                records_per_unit=int(k) if PRIVACY_UNITS[int(unit)] == "user" else None,
             ),
             queries=tuple(qs),
         )
-        for (n, q, p, start), qs in zip(samples, per_sample)
+        for (n, q, p, start, origin, unit, k), qs in zip(samples, per_sample)
     ]
 
 
@@ -396,7 +417,9 @@ def _runs_to_tables(runs: Sequence[tuple[SampleEntry, int]]) -> tuple[np.ndarray
     sample_rows = np.array(
         [
             [e.sampling.population_size, e.sampling.selection_probability,
-             policy_code(e.sampling.policy), float(e.sampling.pass_start)]
+             policy_code(e.sampling.policy), float(e.sampling.pass_start),
+             origin_code(e.sampling.origin), unit_code(e.sampling.unit),
+             e.sampling.records_per_unit or 0]
             for e, _ in runs
         ],
         np.float64,
@@ -582,18 +605,29 @@ class PrivacyLedger(tf.Module):
     # -- recording (graph-safe) ------------------------------------------------------------------
 
     def record_sampling(
-        self, population_size, selection_probability, policy, pass_start=False, keep=None
+        self, population_size, selection_probability, policy, pass_start=False, keep=None,
+        origin="declared", unit="example", records_per_unit=0,
     ) -> tf.Tensor:
         """Starts a new sample. ``policy`` is a name or its code (0 poisson, 1 shuffle);
-        ``pass_start`` (bool or 0/1) marks the first draw of a new pass over the data."""
+        ``pass_start`` (bool or 0/1) marks the first draw of a new pass over the data;
+        ``origin`` (name or code: 0 declared, 1 sampled) says who drew the batch; ``unit`` (name
+        or code: 0 example, 1 user) the unit of privacy, with ``records_per_unit`` (``k``, 0
+        for examples)."""
         if isinstance(policy, str):
             policy = policy_code(policy)
+        if isinstance(origin, str):
+            origin = origin_code(origin)
+        if isinstance(unit, str):
+            unit = unit_code(unit)
         row = tf.stack(
             [
                 _f64(population_size),
                 _f64(selection_probability),
                 _f64(policy),
                 tf.cast(pass_start, tf.float64),
+                _f64(origin),
+                _f64(unit),
+                _f64(0 if records_per_unit is None else records_per_unit),
             ]
         )
         return self._samples.append(row, keep)
@@ -731,9 +765,11 @@ class PrivacyLedger(tf.Module):
     def load_tables(self, samples: np.ndarray, queries: np.ndarray) -> None:
         """Replaces the content with tables from :meth:`tables` (validated through the events)."""
         samples = np.asarray(samples, np.float64)
-        if samples.ndim == 2 and samples.shape[1] == _SAMPLE_COLS - 1:
-            # tables saved before pass boundaries were recorded: no pass starts
-            samples = np.concatenate([samples, np.zeros([samples.shape[0], 1])], axis=1)
+        if samples.ndim == 2 and 3 <= samples.shape[1] < _SAMPLE_COLS:
+            # tables saved before a column existed (pass starts; origin, unit and k): zeros,
+            # i.e. no pass starts, sampling declared (not checked), example-level
+            missing = _SAMPLE_COLS - samples.shape[1]
+            samples = np.concatenate([samples, np.zeros([samples.shape[0], missing])], axis=1)
         samples = samples.reshape(-1, _SAMPLE_COLS)
         queries = np.asarray(queries, np.float64)
         if queries.ndim == 2 and queries.shape[1] == _QUERY_COLS - 1:  # saved before noise_grid

@@ -10,6 +10,8 @@ from tf_dp.dp_query.dp_query import DPQuery, SumQuerySpec
 from tf_dp.dp_query.validation import check_scalar
 from tf_dp.ledger.events import (
     MECHANISMS,
+    PRIVACY_UNITS,
+    SAMPLING_ORIGINS,
     SAMPLING_POLICIES,
     SampleEntry,
     SamplingEvent,
@@ -20,7 +22,9 @@ from tf_dp.ledger.privacy_ledger import (
     _fixed_shape_context,
     ledger_variable,
     mechanism_code,
+    origin_code,
     policy_code,
+    unit_code,
 )
 
 
@@ -80,6 +84,10 @@ class QueryWithLedger(DPQuery):
             self._population_size = ledger_variable(tf.constant(1, tf.int64))
             self._selection_probability = ledger_variable(tf.constant(1.0, tf.float64))
             self._policy = ledger_variable(tf.constant(0, tf.int32))
+            # who drew the batches (0 declared, 1 sampled), the unit (0 example, 1 user), k
+            self._origin = ledger_variable(tf.constant(0, tf.int32))
+            self._unit = ledger_variable(tf.constant(0, tf.int32))
+            self._records_per_unit = ledger_variable(tf.constant(0, tf.int32))
             self._sensitivity_multiplier = ledger_variable(tf.constant(1.0, tf.float32))
             self._jl_projections = ledger_variable(tf.constant(0, tf.int32))
             # 1 until the next recorded draw: that draw starts a new pass over the data
@@ -99,9 +107,28 @@ class QueryWithLedger(DPQuery):
         return self._ledger
 
     def set_sampling(
-        self, population_size: int, selection_probability: float, sampling_policy: str = "poisson"
+        self,
+        population_size: Any,
+        selection_probability: Optional[float] = None,
+        sampling_policy: str = "poisson",
+        origin: str = "declared",
+        unit: str = "example",
+        records_per_unit: Optional[int] = None,
     ) -> None:
-        """Sets the sampling parameters recorded from the next step on (validated first)."""
+        """Sets the sampling recorded from the next step on (validated first, all or nothing).
+
+        ``population_size`` may instead be a :class:`tf_dp.data.Sampling` (any object with its
+        fields), whose population, rate, policy, origin, unit and ``records_per_unit`` are used.
+
+        Example::
+
+            query.set_sampling(tf_dp.data.Sampling(60000, 256 / 60000, origin="sampled"))
+        """
+        if hasattr(population_size, "selection_probability") and hasattr(population_size, "origin"):
+            s = population_size
+            population_size, selection_probability = s.population_size, s.selection_probability
+            sampling_policy, origin, unit = s.policy, s.origin, s.unit
+            records_per_unit = s.records_per_unit
         if isinstance(population_size, bool) or not isinstance(population_size, int) or (
             population_size < 1
         ):
@@ -110,9 +137,22 @@ class QueryWithLedger(DPQuery):
         if q > 1:
             raise ValueError(f"selection_probability must be in (0, 1], got {q}")
         code = policy_code(sampling_policy)
+        # validates origin, unit and k together (ValueError naming the field)
+        event = SamplingEvent(population_size, q, sampling_policy, origin=origin, unit=unit,
+                              records_per_unit=records_per_unit)
         self._population_size.assign(population_size)
         self._selection_probability.assign(q)
         self._policy.assign(code)
+        self._origin.assign(origin_code(event.origin))
+        self._unit.assign(unit_code(event.unit))
+        self._records_per_unit.assign(event.records_per_unit or 0)
+
+    @property
+    def records_per_user(self) -> Optional[int]:
+        """``k`` when the declared sampling is user-level, else None (eager)."""
+        if PRIVACY_UNITS[int(self._unit.numpy())] != "user":
+            return None
+        return int(self._records_per_unit.numpy())
 
     def start_pass(self) -> None:
         """Marks the next recorded draw as the first of a new pass over the data (eager).
@@ -263,6 +303,9 @@ class QueryWithLedger(DPQuery):
             policy=SAMPLING_POLICIES[int(self._policy.numpy())],
             pass_start=(self.pass_start_pending or self._ledger.num_samples == 0)
             and SAMPLING_POLICIES[int(self._policy.numpy())] == "shuffle",
+            origin=SAMPLING_ORIGINS[int(self._origin.numpy())],
+            unit=PRIVACY_UNITS[int(self._unit.numpy())],
+            records_per_unit=self.records_per_user,
         )
         return SampleEntry(sampling, tuple(entries))
 
@@ -331,7 +374,8 @@ class QueryWithLedger(DPQuery):
                 room = tf.logical_and(room, keep)
             index = self._ledger.record_sampling(
                 self._population_size, self._selection_probability, self._policy, pass_start,
-                keep=keep,
+                keep=keep, origin=self._origin, unit=self._unit,
+                records_per_unit=self._records_per_unit,
             )
             with tf.control_dependencies([index]):
                 recorded = [

@@ -412,12 +412,21 @@ class GhostClipper(base.GradientClipper):
     ) -> base.ClippedGradients:
         """The clipped sum; ``model`` is the model whose layers the rules read (without it:
         ``loss_fn.model``, which :class:`tf_dp.keras.PerExampleLoss` has)."""
+        return self.grouped_clipped_sum(loss_fn, data, variables, query, params, 1, model=model)
+
+    def grouped_clipped_sum(
+        self, loss_fn, data, variables, query, params, group_size: int, model=None
+    ) -> base.ClippedGradients:
+        """:meth:`clipped_sum` with records ``j k .. j k + k - 1`` (``k = group_size``) clipped
+        together: the sum of each group's gradients is one clipped record (user-level clipping,
+        :mod:`tf_dp.gradients.per_user`); ``norms`` and ``record_mask`` are then per group."""
+        k = int(group_size)
         base.check_weights_structure(query, variables)
         variables = list(variables)
         if model is None:
             model = getattr(loss_fn, "model", None)
         if model is None:
-            raise ValueError("the ghost strategy needs the model: pass clipped_sum(..., model=)")
+            raise ValueError("the ghost clipper needs the model: pass clipped_sum(..., model=)")
         plan = self._plan_for(model, variables)
         data = base.fill_padding_rows(data)
         x, y, sw = data
@@ -484,7 +493,7 @@ class GhostClipper(base.GradientClipper):
             for v, pe in zip(fallback_vars, per_ex):
                 parts.setdefault(_key(v), []).append(F.PerExample(pe))
 
-        batch = tf.shape(losses)[0]
+        batch = tf.shape(losses)[0] // k
         squared, summers = [], []
         for v in variables:
             shape = list(v.shape)
@@ -493,21 +502,25 @@ class GhostClipper(base.GradientClipper):
                 squared.append(tf.zeros([batch], tf.float32))
                 summers.append(lambda w, shape=shape: tf.zeros(shape, tf.float32))
                 continue
-            sq, summer = F.squared_norm_and_sum(F.combine(factors, shape), shape)
+            sq, summer = F.squared_norm_and_sum(F.group(F.combine(factors, shape), k), shape)
             squared.append(sq)
             summers.append(summer)
         # a record whose loss or norm is not finite gets weight 0 and is selected out of the sums
-        weights, _ = base.record_weights(query, params, squared, losses)
+        group_losses = losses if k == 1 else tf.reshape(losses, [-1, k])
+        weights, _ = base.record_weights(query, params, squared, group_losses)
         weights = tf.nest.flatten(weights)
         clipped = [
             tf.cast(summer(w), v.dtype) for summer, w, v in zip(summers, weights, variables)
         ]
+        real = base.real_records(sw, base.batch_size_of(x))
+        if k > 1:
+            real = tf.reduce_any(tf.reshape(real, [-1, k]), axis=1)
         return base.ClippedGradients(
             clipped_sum=clipped,
             norms=base.global_norms(squared),
-            num_records=base.batch_size_of(x),
+            num_records=base.batch_size_of(x) // k,
             sensitivity_multiplier=1.0,
-            record_mask=base.real_records(sw, base.batch_size_of(x)),
+            record_mask=real,
             y_pred=y_pred,
             losses=losses,
         )

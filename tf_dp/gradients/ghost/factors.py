@@ -180,6 +180,39 @@ def materialize(f, variable_shape) -> tf.Tensor:
     raise TypeError("Rows factors are not materialised")
 
 
+def group(f, k: int):
+    """The factor of the per-*group* gradients: records ``j k .. j k + k - 1`` form group ``j``.
+
+    A group's gradient is the sum of its records' gradients, which keeps each factor's form:
+    an :class:`Outer` or :class:`Rows` factor of ``[B, T, .]`` becomes one of ``[B / k, k T, .]``
+    (a reshape: the group's terms are concatenated along ``T``), a :class:`PerExample` factor is
+    summed over each group. Norms and weighted sums of the result are per group (user-level
+    clipping, :mod:`tf_dp.gradients.per_user`). ``B`` must be a multiple of ``k``.
+    """
+    if k == 1:
+        return f
+
+    def regroup(t):
+        shape = tf.shape(t)
+        static = t.shape
+        out = tf.reshape(t, tf.concat([[-1, k * shape[1]], shape[2:]], 0))
+        if static[1] is not None:
+            out.set_shape([None, k * static[1]] + static[2:].as_list())
+        return out
+
+    if isinstance(f, Outer):
+        return Outer(regroup(f.a), regroup(f.g), f.unflat_shape, f.perm)
+    if isinstance(f, Rows):
+        return Rows(regroup(f.ids), regroup(f.g), f.num_rows)
+    if isinstance(f, PerExample):
+        g = f.grads
+        grouped = tf.reshape(g, tf.concat([[-1, k], tf.shape(g)[1:]], 0))
+        return PerExample(tf.reduce_sum(grouped, axis=1))
+    if isinstance(f, RowsPlus):
+        return RowsPlus(group(f.rows, k), group(f.dense, k))
+    raise TypeError(f"cannot group a {type(f).__name__} factor")
+
+
 # -- norms and weighted sums -----------------------------------------------------------------------
 
 
