@@ -30,6 +30,7 @@ MODULES = (
     "tf_dp.data",
     "tf_dp.gradients",
     "tf_dp.gradients.ghost",
+    "tf_dp.engine",
     "tf_dp.keras",
     "tf_dp.auditing",
 )

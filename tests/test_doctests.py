@@ -17,6 +17,7 @@ MODULES = (
     "tf_dp.accounting.ledger_analysis",
     "tf_dp.accounting.rdp",
     "tf_dp.data.poisson",
+    "tf_dp.data.sampling",
     "tf_dp.dp_query.dp_query",
     "tf_dp.dp_query.gaussian_query",
     "tf_dp.dp_query.no_privacy_query",
