@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -268,19 +268,40 @@ class _Buffer(tf.Module):
             self.staged.assign(tf.zeros([int(rows), self.staged.shape[1]], tf.float64))
 
     def numpy(self) -> np.ndarray:
+        """The recorded rows (flushed, then staged), read without copying the spare capacity."""
         n = int(self.count.numpy())
         k = int(self.staged_count.numpy())
         if k == 0:
-            return self.data.numpy()[:n]
-        return np.concatenate([self.data.numpy()[:n], self.staged.numpy()[:k]], axis=0)
+            return _read_rows(self.data, 0, n)
+        return np.concatenate([_read_rows(self.data, 0, n), self.staged.numpy()[:k]], axis=0)
 
     def load(self, table: np.ndarray) -> None:
-        n = table.shape[0]
-        cap = max(_INITIAL_CAPACITY, 1 << int(np.ceil(np.log2(max(n, 1)))))
-        padded = np.zeros([cap, self.data.shape[1]], np.float64)
-        padded[:n] = table
-        self.data.assign(padded)
-        self.count.assign(n)
+        """Replaces the rows with ``table``."""
+        self.allocate(table.shape[0])
+        self.write(0, table)
+        self.set_count(table.shape[0])
+
+    def allocate(self, rows: int) -> None:
+        """Replaces the table with a zero table of capacity for ``rows`` rows, to be filled in
+        place by :meth:`write` and committed by :meth:`set_count` (no full-length host copy)."""
+        cap = max(_INITIAL_CAPACITY, 1 << int(np.ceil(np.log2(max(rows, 1)))))
+        cols = int(self.data.shape[1])
+        self.data.assign(tf.zeros([1, cols], tf.float64))  # frees the old table first
+        self.data.assign(tf.zeros([cap, cols], tf.float64))
+        self.count.assign(0)
+
+    def write(self, start: int, rows: np.ndarray) -> None:
+        """Writes ``rows`` at row ``start`` of the allocated table, in place."""
+        if not rows.shape[0]:
+            return
+        index = np.arange(start, start + rows.shape[0])
+        table = self.data
+        # under tf.distribute, every component holds the same rows
+        for var in table.values if isinstance(table, tf.distribute.DistributedValues) else [table]:
+            tf.raw_ops.ResourceScatterUpdate(resource=var.handle, indices=index, updates=rows)
+
+    def set_count(self, rows: int) -> None:
+        self.count.assign(rows)
         self.staged_count.assign(0)
         self.overflow.assign(0)
 
@@ -419,6 +440,30 @@ def _runs_to_tables(runs: Sequence[tuple[SampleEntry, int]]) -> tuple[np.ndarray
     queries[:, 0] = step
     queries[:, 1:] = query_rows[template]
     return samples, queries
+
+
+_CHUNK_ROWS = 1 << 16  # steps per chunk when tables are written or read in pieces
+
+
+def _split_runs(
+    runs: Sequence[tuple[SampleEntry, int]], chunk: Optional[int] = None
+) -> Iterator[tuple[int, list[tuple[SampleEntry, int]]]]:
+    """``(first_step, runs)`` pieces of ``runs`` holding at most ``chunk`` (default
+    ``_CHUNK_ROWS``) steps each (a run that crosses a boundary is split), in order."""
+    chunk = _CHUNK_ROWS if chunk is None else chunk
+    piece: list[tuple[SampleEntry, int]] = []
+    first = size = 0
+    for entry, count in runs:
+        while count:
+            take = min(count, chunk - size)
+            piece.append((entry, take))
+            size += take
+            count -= take
+            if size == chunk:
+                yield first, piece
+                first, piece, size = first + size, [], 0
+    if piece:
+        yield first, piece
 
 
 def _read_rows(table: tf.Variable, start: int, stop: int) -> np.ndarray:
@@ -651,7 +696,36 @@ class PrivacyLedger(tf.Module):
         """
         if tf.executing_eagerly():
             self.flush()
-        return _tables_to_runs(self._samples.numpy(), self._queries.numpy())
+        return self._runs_from(0)
+
+    def _runs_from(self, start: int) -> list[tuple[SampleEntry, int]]:
+        """Runs of the steps from index ``start`` on (after a flush), read a piece of steps at a
+        time: memory O(piece + runs), never a copy of the whole tables."""
+        n = int(self._samples.count.numpy())
+        m = int(self._queries.count.numpy())
+        index = np.concatenate(
+            [np.zeros(0)] + [
+                _read_rows(self._queries.data, a, min(a + _CHUNK_ROWS, m))[:, 0].copy()
+                for a in range(0, m, _CHUNK_ROWS)
+            ]
+        )
+        if len(index) and (
+            index[0] < 0 or index[-1] >= n or np.any(np.diff(index) < 0)
+            or np.any(index != np.round(index))
+        ):  # malformed tables: the whole-table reader names the problem
+            return _tables_to_runs(self._samples.numpy(), self._queries.numpy())
+        out: list[tuple[SampleEntry, int]] = []
+        for s0 in range(start, n, _CHUNK_ROWS):
+            s1 = min(s0 + _CHUNK_ROWS, n)
+            q0, q1 = np.searchsorted(index, [s0, s1])
+            queries = _read_rows(self._queries.data, int(q0), int(q1))
+            queries[:, 0] -= s0
+            for entry, count in _tables_to_runs(_read_rows(self._samples.data, s0, s1), queries):
+                if out and out[-1][0] == entry:  # a run crossing a piece boundary
+                    out[-1] = (entry, out[-1][1] + count)
+                else:
+                    out.append((entry, count))
+        return out
 
     def save(
         self,
@@ -709,9 +783,22 @@ class PrivacyLedger(tf.Module):
                     "Detach the journal first (ledger.detach_journal()) if they did not touch "
                     "this run's data"
                 )
-        samples, queries = _runs_to_tables(runs)
-        self._samples.load(samples)
-        self._queries.load(queries)
+        _runs_to_tables([(entry, 1) for entry, _ in runs])  # every run converts: fail before
+        # any change. The tables are built in place, a piece of steps at a time (no full-length
+        # host copy).
+        n_samples = sum(c for _, c in runs)
+        n_queries = sum(len(e.queries) * c for e, c in runs)
+        self._samples.allocate(n_samples)
+        self._queries.allocate(n_queries)
+        query_row = 0
+        for first, piece in _split_runs(runs):
+            samples, queries = _runs_to_tables(piece)
+            queries[:, 0] += first
+            self._samples.write(first, samples)
+            self._queries.write(query_row, queries)
+            query_row += queries.shape[0]
+        self._samples.set_count(n_samples)
+        self._queries.set_count(n_queries)
         if self._journal is not None:
             self._journal_queries = sum(len(e.queries) * c for e, c in journaled)
             self._sync_journal()
