@@ -6,6 +6,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np
+import pytest
 
 import tf_dp
 from tf_dp.ledger import read_ledger_runs
@@ -160,3 +161,32 @@ def test_restore_and_runs_hold_no_full_length_host_copy(monkeypatch):
     # a piece's rows, its index arrays and the query index column: a few piece sizes
     assert restore_peak < 4 * piece_bytes < table_bytes / 8
     assert runs_peak < n * 8 + 4 * piece_bytes < table_bytes / 2
+
+
+def _steps_from(steps, start):
+    return _direct_runs(steps[start:])
+
+
+def test_runs_from_gives_the_runs_of_the_later_steps(monkeypatch):
+    # runs_from(start) equals a direct count of the steps from `start` on: from scratch, when
+    # following a growing ledger (each call from where the previous one ended), and after the
+    # tables were replaced by other steps.
+    from tf_dp.ledger import privacy_ledger
+
+    monkeypatch.setattr(privacy_ledger, "_CHUNK_ROWS", 7)
+    steps = _random_steps(np.random.default_rng(7), 90)
+    ledger = tf_dp.PrivacyLedger()
+    seen = 0
+    for stop in (13, 14, 40, 41, 90):
+        _record(ledger, steps[seen:stop])
+        assert ledger.runs_from(seen) == _steps_from(steps[:stop], seen)
+        seen = stop
+    for start in (90, 89, 0, 31, 5):
+        assert ledger.runs_from(start) == _steps_from(steps, start)
+    other = _random_steps(np.random.default_rng(8), 60)
+    ledger.restore_runs(_direct_runs(other))
+    for start in (31, 59, 60, 2):
+        assert ledger.runs_from(start) == _steps_from(other, start)
+    for bad in (-1, 61):
+        with pytest.raises(ValueError, match="start must be in"):
+            ledger.runs_from(bad)

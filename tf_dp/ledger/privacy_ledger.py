@@ -466,6 +466,19 @@ def _split_runs(
         yield first, piece
 
 
+def _drop_steps(
+    runs: list[tuple[SampleEntry, int]], start: int
+) -> list[tuple[SampleEntry, int]]:
+    """``runs`` without their first ``start`` steps."""
+    out: list[tuple[SampleEntry, int]] = []
+    seen = 0
+    for entry, count in runs:
+        if seen + count > start:
+            out.append((entry, min(count, seen + count - start)))
+        seen += count
+    return out
+
+
 def _read_rows(table: tf.Variable, start: int, stop: int) -> np.ndarray:
     """Rows ``start:stop`` of a ledger table, eagerly: one gather op, O(rows) (slicing a
     variable eagerly reads the whole table, and ``sparse_read`` costs several times the op);
@@ -698,26 +711,67 @@ class PrivacyLedger(tf.Module):
             self.flush()
         return self._runs_from(0)
 
-    def _runs_from(self, start: int) -> list[tuple[SampleEntry, int]]:
-        """Runs of the steps from index ``start`` on (after a flush), read a piece of steps at a
-        time: memory O(piece + runs), never a copy of the whole tables."""
+    def runs_from(self, start: int) -> list[tuple[SampleEntry, int]]:
+        """The runs of the steps from index ``start`` on (``runs()`` without the first ``start``
+        steps), reading only those steps' rows: a reader that keeps up with the ledger (e.g. a
+        callback at each epoch end) does work proportional to the new steps.
+
+        Args:
+          start: a step index, ``0 <= start <= num_samples``.
+
+        Example::
+
+            seen = ledger.num_samples
+            ...  # train
+            new_runs = ledger.runs_from(seen)   # only the steps recorded since
+        """
+        if isinstance(start, bool) or not isinstance(start, (int, np.integer)):
+            raise TypeError(f"start must be an int step index, got {type(start).__name__}")
+        if tf.executing_eagerly():
+            self.flush()
         n = int(self._samples.count.numpy())
-        m = int(self._queries.count.numpy())
-        index = np.concatenate(
+        if not 0 <= start <= n:
+            raise ValueError(f"start must be in [0, num_samples={n}], got {start}")
+        return self._runs_from(int(start))
+
+    def _index_column(self, first: int, stop: int) -> np.ndarray:
+        """Sample-index column of query rows ``first:stop``, read in pieces."""
+        return np.concatenate(
             [np.zeros(0)] + [
-                _read_rows(self._queries.data, a, min(a + _CHUNK_ROWS, m))[:, 0].copy()
-                for a in range(0, m, _CHUNK_ROWS)
+                _read_rows(self._queries.data, a, min(a + _CHUNK_ROWS, stop))[:, 0].copy()
+                for a in range(first, stop, _CHUNK_ROWS)
             ]
         )
-        if len(index) and (
-            index[0] < 0 or index[-1] >= n or np.any(np.diff(index) < 0)
-            or np.any(index != np.round(index))
-        ):  # malformed tables: the whole-table reader names the problem
-            return _tables_to_runs(self._samples.numpy(), self._queries.numpy())
+
+    def _runs_from(self, start: int) -> list[tuple[SampleEntry, int]]:
+        """Runs of the steps from index ``start`` on (after a flush), read a piece of steps at a
+        time: memory O(piece + runs), never a copy of the whole tables; work O(steps from
+        ``start``) when ``start`` is at or after the previous call's."""
+        n = int(self._samples.count.numpy())
+        m = int(self._queries.count.numpy())
+        # First query row that may belong to step `start`: the previous call's position, if
+        # the row before it still belongs to an earlier step (checked: tables may be replaced).
+        hint_step, hint_row = getattr(self, "_runs_cursor", (0, 0))
+        if not (0 < hint_step <= start and hint_row <= m and (
+            hint_row == 0 or _read_rows(self._queries.data, hint_row - 1, hint_row)[0, 0]
+            < hint_step
+        )):
+            hint_row = 0
+        index = self._index_column(hint_row, m)
+        q_start = hint_row + int(np.searchsorted(index, start))
+        index = index[q_start - hint_row :]
+        if (hint_row == 0 and q_start > 0 and index.size and index[0] < start) or (
+            index.size and (index[0] < start or index[-1] >= n or np.any(np.diff(index) < 0)
+                            or np.any(index != np.round(index)))
+        ) or (start == 0 and q_start > 0):
+            # malformed tables: the whole-table reader names the problem
+            runs = _tables_to_runs(self._samples.numpy(), self._queries.numpy())
+            return _drop_steps(runs, start)
+        self._runs_cursor = (start, q_start)
         out: list[tuple[SampleEntry, int]] = []
         for s0 in range(start, n, _CHUNK_ROWS):
             s1 = min(s0 + _CHUNK_ROWS, n)
-            q0, q1 = np.searchsorted(index, [s0, s1])
+            q0, q1 = np.searchsorted(index, [s0, s1]) + q_start
             queries = _read_rows(self._queries.data, int(q0), int(q1))
             queries[:, 0] -= s0
             for entry, count in _tables_to_runs(_read_rows(self._samples.data, s0, s1), queries):
