@@ -37,6 +37,7 @@ import os
 from typing import Any, Optional, Sequence
 
 import keras
+import numpy as np
 
 from tf_dp.ledger.events import SampleEntry, runs_are_prefix
 from tf_dp.ledger.ledger_file import read_ledger_runs
@@ -169,6 +170,72 @@ def _steps_differ_since(runs: Sequence[tuple[SampleEntry, int]], start: int, kin
     return seen < start
 
 
+class _ComposedCurve:
+    """The composed RDP curve (over ``rdp.DEFAULT_ORDERS``) of a ledger's steps, brought up to
+    date from the steps recorded since the last update only (``ledger.runs_from``), so a check
+    of "the ledger plus the next steps" costs O(new and upcoming runs), whatever the run length.
+
+    It covers runs that compose independently: Poisson-sampled steps without tree or JL queries.
+    Shuffle epochs and tree windows span runs; for those :meth:`epsilon_with` returns None and
+    the caller accounts the whole ledger."""
+
+    def __init__(self, delta: float, accountant: str):
+        from tf_dp.accounting import rdp
+
+        self._rdp = rdp
+        self.delta = delta
+        self.conversion = accountant if accountant in ("rdp", "moments") else None
+        self.orders = np.asarray(rdp.DEFAULT_ORDERS, dtype=np.float64)
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = 0
+        self.curve = np.zeros(self.orders.size)
+        self.composable = self.conversion is not None
+
+    def curve_of(self, runs: Sequence[tuple[SampleEntry, int]]) -> Optional[np.ndarray]:
+        """Composed RDP curve of ``runs``, or None when they do not compose independently."""
+        from tf_dp.accounting.ledger_analysis import _units
+
+        for entry, _ in runs:
+            if entry.sampling.policy != "poisson" or any(
+                q.mechanism in ("tree", "jl") for q in entry.queries
+            ):
+                return None
+        units, non_private, _ = _units(list(runs))
+        if non_private:
+            return np.full(self.orders.size, np.inf)
+        return self._rdp.rdp_curve([u.q for u in units], [u.z for u in units],
+                                   [u.count for u in units], self.orders)
+
+    def update(self, ledger) -> None:
+        """Adds the steps recorded since the last update (starts over if the ledger shrank)."""
+        n = ledger.num_samples
+        if n < self.steps:
+            self.reset()
+        if n > self.steps and self.composable:
+            added = self.curve_of(ledger.runs_from(self.steps))
+            if added is None:
+                self.composable = False
+            else:
+                self.curve = self.curve + added
+        self.steps = n
+
+    def epsilon_with(self, ledger, upcoming: Sequence[tuple[SampleEntry, int]],
+                     upcoming_curve: Optional[np.ndarray] = None) -> Optional[float]:
+        """Epsilon of the ledger followed by ``upcoming`` runs, or None (not composable)."""
+        self.update(ledger)
+        if not self.composable:
+            return None
+        added = self.curve_of(upcoming) if upcoming_curve is None else upcoming_curve
+        if added is None:
+            return None
+        eps = self._rdp.epsilon_from_rdp(self.orders, self.curve + added, self.delta,
+                                         self.conversion)[0]
+        # padded for round-off: the curve is summed in another order than the full accountant's
+        return eps * (1.0 + 1e-9)
+
+
 class BudgetExhaustedError(RuntimeError):
     """Raised by :class:`PrivacyBudget` when ``fit`` starts with no budget left for one step."""
 
@@ -228,6 +295,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.verbose = verbose
         self.stopped = False
         self.epsilon_spent: Optional[float] = None
+        self._composed = _ComposedCurve(self.delta, self.accountant)
         self._reset_plan()
 
     # -- planning ------------------------------------------------------------------------------
@@ -239,6 +307,15 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     def _epsilon(self, entries: Sequence[Any]) -> float:
         return compute_epsilon(entries, self.delta, self.accountant)[0]
+
+    def _epsilon_after(self, ledger, upcoming: Sequence[tuple[SampleEntry, int]]) -> float:
+        """Epsilon of the ledger followed by ``upcoming`` runs: from the composed curve kept up
+        to date incrementally when the steps compose independently, else from the whole
+        ledger."""
+        eps = self._composed.epsilon_with(ledger, upcoming)
+        if eps is None:
+            eps = self._epsilon([*ledger.runs(), *upcoming])
+        return eps
 
     def _cap(self) -> int:
         params = getattr(self, "params", None) or {}
@@ -255,6 +332,11 @@ class PrivacyBudget(keras.callbacks.Callback):
         def fits(k: int) -> bool:
             return self._epsilon([*entries, (kind, k)]) <= self.target_epsilon
 
+        return self._search(fits, cap)
+
+    @staticmethod
+    def _search(fits, cap: int) -> int:
+        """Largest ``k <= cap`` with ``fits(k)`` (``fits`` monotone), 0 if not even one."""
         if not fits(1):
             return 0
         lo, hi = 1, 2
@@ -270,8 +352,19 @@ class PrivacyBudget(keras.callbacks.Callback):
         return lo
 
     def _plan(self, optimizer, kind: SampleEntry) -> None:
-        entries = optimizer.ledger.runs()
+        ledger = optimizer.ledger
         self._plan_kind = kind
+        unit = self._composed.curve_of([(kind, 1)])
+        if unit is not None and self._composed.epsilon_with(ledger, [], unit * 0) is not None:
+            # composed curve of the ledger plus k steps of `kind`: curve + k * unit
+            self._plan_base = self._composed.steps
+            self._plan_headroom = self._search(
+                lambda k: self._composed.epsilon_with(ledger, [], unit * k)
+                <= self.target_epsilon,
+                self._cap(),
+            )
+            return
+        entries = ledger.runs()
         self._plan_base = sum(count for _, count in entries)
         self._plan_headroom = self.headroom(entries, kind, self._cap())
 
@@ -291,10 +384,10 @@ class PrivacyBudget(keras.callbacks.Callback):
         except Exception as e:  # noqa: BLE001 -- fall back to the general rule
             _logger.debug("tf_dp: cannot predict the next scheduled steps: %s", e)
             return None
-        entries = optimizer.ledger.runs()
-        fits = self._epsilon(entries + upcoming) <= self.target_epsilon
+        ledger = optimizer.ledger
+        fits = self._epsilon_after(ledger, [(e, 1) for e in upcoming]) <= self.target_epsilon
         self._plan_kind = upcoming[0]
-        self._plan_base = sum(count for _, count in entries)
+        self._plan_base = ledger.num_samples
         self._plan_headroom = needed if fits else 0
         return fits
 
@@ -328,6 +421,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.stopped = False
         self._first_batch = True
         self._reset_plan()  # the ledger may have been restored (BackupAndRestore) since
+        self._composed.reset()
 
     def on_train_batch_begin(self, batch, logs=None):
         if not self._first_batch:
@@ -365,9 +459,15 @@ class PrivacyBudget(keras.callbacks.Callback):
             ):
                 self._stop()
             return
-        runs = optimizer.ledger.runs()
-        if _steps_differ_since(runs, self._plan_base, self._plan_kind):
-            self._plan(optimizer, predicted_next_entry(optimizer) or runs[-1][0])
+        ledger = optimizer.ledger
+        # only the steps recorded since the plan was made are read
+        changed = ledger.num_samples < self._plan_base or _steps_differ_since(
+            ledger.runs_from(self._plan_base), 0, self._plan_kind)
+        if changed:
+            kind = predicted_next_entry(optimizer)
+            if kind is None and ledger.num_samples:
+                kind = ledger.runs_from(ledger.num_samples - 1)[-1][0]
+            self._plan(optimizer, kind or self._plan_kind)
         if not self.stopped and not (
             self._next_step_allowed() and self._next_epoch_allowed(optimizer)
         ):

@@ -767,7 +767,7 @@ class PrivacyLedger(tf.Module):
             # malformed tables: the whole-table reader names the problem
             runs = _tables_to_runs(self._samples.numpy(), self._queries.numpy())
             return _drop_steps(runs, start)
-        self._runs_cursor = (start, q_start)
+        self._runs_cursor = (n, m)  # every query row is of a step before n
         out: list[tuple[SampleEntry, int]] = []
         for s0 in range(start, n, _CHUNK_ROWS):
             s1 = min(s0 + _CHUNK_ROWS, n)
