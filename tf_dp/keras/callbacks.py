@@ -37,7 +37,6 @@ import os
 from typing import Any, Optional, Sequence
 
 import keras
-import numpy as np
 
 from tf_dp.ledger.events import SampleEntry, runs_are_prefix
 from tf_dp.ledger.ledger_file import read_ledger_runs
@@ -171,30 +170,31 @@ def _steps_differ_since(runs: Sequence[tuple[SampleEntry, int]], start: int, kin
 
 
 class _ComposedCurve:
-    """The composed RDP curve (over ``rdp.DEFAULT_ORDERS``) of a ledger's steps, brought up to
-    date from the steps recorded since the last update only (``ledger.runs_from``), so a check
-    of "the ledger plus the next steps" costs O(new and upcoming runs), whatever the run length.
+    """The composition of a ledger's steps (:class:`tf_dp.accounting.rdp.ComposedRdp`), brought
+    up to date from the steps recorded since the last update only (``ledger.runs_from``), so a
+    check of "the ledger plus the next steps" costs O(new and upcoming runs), whatever the run
+    length.
 
     It covers runs that compose independently: Poisson-sampled steps without tree or JL queries.
     Shuffle epochs and tree windows span runs; for those :meth:`epsilon_with` returns None and
     the caller accounts the whole ledger."""
 
     def __init__(self, delta: float, accountant: str):
-        from tf_dp.accounting import rdp
-
-        self._rdp = rdp
         self.delta = delta
         self.conversion = accountant if accountant in ("rdp", "moments") else None
-        self.orders = np.asarray(rdp.DEFAULT_ORDERS, dtype=np.float64)
         self.reset()
 
     def reset(self) -> None:
-        self.steps = 0
-        self.curve = np.zeros(self.orders.size)
-        self.composable = self.conversion is not None
+        from tf_dp.accounting.rdp import ComposedRdp
 
-    def curve_of(self, runs: Sequence[tuple[SampleEntry, int]]) -> Optional[np.ndarray]:
-        """Composed RDP curve of ``runs``, or None when they do not compose independently."""
+        self.steps = 0
+        self.composable = self.conversion is not None
+        if self.composable:
+            self.rdp = ComposedRdp(self.delta, conversion=self.conversion)
+
+    @staticmethod
+    def units_of(runs: Sequence[tuple[SampleEntry, int]]):
+        """``(q, z, counts)`` of ``runs``, or None when they do not compose independently."""
         from tf_dp.accounting.ledger_analysis import _units
 
         for entry, _ in runs:
@@ -203,10 +203,9 @@ class _ComposedCurve:
             ):
                 return None
         units, non_private, _ = _units(list(runs))
-        if non_private:
-            return np.full(self.orders.size, np.inf)
-        return self._rdp.rdp_curve([u.q for u in units], [u.z for u in units],
-                                   [u.count for u in units], self.orders)
+        q = [u.q for u in units] + ([1.0] if non_private else [])
+        z = [u.z for u in units] + ([0.0] if non_private else [])  # z = 0: infinite RDP
+        return q, z, [u.count for u in units] + ([1] if non_private else [])
 
     def update(self, ledger) -> None:
         """Adds the steps recorded since the last update (starts over if the ledger shrank)."""
@@ -214,26 +213,24 @@ class _ComposedCurve:
         if n < self.steps:
             self.reset()
         if n > self.steps and self.composable:
-            added = self.curve_of(ledger.runs_from(self.steps))
+            added = self.units_of(ledger.runs_from(self.steps))
             if added is None:
                 self.composable = False
             else:
-                self.curve = self.curve + added
+                self.rdp.add(*added)
         self.steps = n
 
-    def epsilon_with(self, ledger, upcoming: Sequence[tuple[SampleEntry, int]],
-                     upcoming_curve: Optional[np.ndarray] = None) -> Optional[float]:
+    def epsilon_with(self, ledger, upcoming: Sequence[tuple[SampleEntry, int]]
+                     ) -> Optional[float]:
         """Epsilon of the ledger followed by ``upcoming`` runs, or None (not composable)."""
         self.update(ledger)
         if not self.composable:
             return None
-        added = self.curve_of(upcoming) if upcoming_curve is None else upcoming_curve
+        added = self.units_of(upcoming)
         if added is None:
             return None
-        eps = self._rdp.epsilon_from_rdp(self.orders, self.curve + added, self.delta,
-                                         self.conversion)[0]
         # padded for round-off: the curve is summed in another order than the full accountant's
-        return eps * (1.0 + 1e-9)
+        return self.rdp.epsilon(*added) * (1.0 + 1e-9)
 
 
 class BudgetExhaustedError(RuntimeError):
@@ -354,13 +351,11 @@ class PrivacyBudget(keras.callbacks.Callback):
     def _plan(self, optimizer, kind: SampleEntry) -> None:
         ledger = optimizer.ledger
         self._plan_kind = kind
-        unit = self._composed.curve_of([(kind, 1)])
-        if unit is not None and self._composed.epsilon_with(ledger, [], unit * 0) is not None:
-            # composed curve of the ledger plus k steps of `kind`: curve + k * unit
+        if self._composed.epsilon_with(ledger, [(kind, 1)]) is not None:
+            # the kept composition of the ledger plus k steps of `kind`
             self._plan_base = self._composed.steps
             self._plan_headroom = self._search(
-                lambda k: self._composed.epsilon_with(ledger, [], unit * k)
-                <= self.target_epsilon,
+                lambda k: self._composed.epsilon_with(ledger, [(kind, k)]) <= self.target_epsilon,
                 self._cap(),
             )
             return
