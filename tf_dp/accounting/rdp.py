@@ -459,6 +459,22 @@ class ComposedRdp:
         self._c = np.zeros(0)
         self._known: dict = {}  # order -> composed R(a) of the added units
         self._kl = 0.0
+        self._last: tuple = ((), {})  # the last asked-about units (q, s) and R(a) of each
+
+    def _unit_curves(self, q, s, orders) -> np.ndarray:
+        """``R(a)`` of each unit (rows) at ``orders``, reusing the last asked-about units' (a
+        step asked about before it runs is then added: it is evaluated once)."""
+        key, cache = self._last
+        if key != (tuple(q), tuple(s)):
+            cache = {}
+            self._last = ((tuple(q), tuple(s)), cache)
+        missing = [a for a in orders if a not in cache]
+        if missing:
+            with np.errstate(invalid="ignore"):
+                m = np.nan_to_num(_rdp_matrix(q, s, np.asarray(missing, float)), nan=np.inf)
+            for j, a in enumerate(missing):
+                cache[a] = m[:, j]
+        return np.stack([cache[a] for a in orders], axis=1) if orders else np.zeros((q.size, 0))
 
     def _curve(self, q, s, c, orders) -> np.ndarray:
         if q.size == 0:
@@ -473,7 +489,7 @@ class ComposedRdp:
         if q.size == 0:
             return
         ks = sorted(self._known)
-        for a, r in zip(ks, self._curve(q, s, c, ks)):
+        for a, r in zip(ks, c @ self._unit_curves(q, s, ks)):
             self._known[a] += r
         self._kl += float(c @ _kl_lower_bound(q, s))
         self._q = np.concatenate([self._q, q])
@@ -487,14 +503,16 @@ class ComposedRdp:
         if self._q.size == 0 and uq.size == 0:
             return 0.0
         ks = sorted(self._known)
-        extra = dict(zip(ks, self._curve(uq, us, uc, ks)))
-        total = {a: self._known[a] + extra[a] for a in ks}
+        extra = dict(zip(ks, uc @ self._unit_curves(uq, us, ks))) if uq.size else {}
+        total = {a: self._known[a] + extra.get(a, 0.0) for a in ks}
 
         def evaluate(sub):
             mine = self._curve(self._q, self._s, self._c, sub)
             for a, r in zip(sub, mine):  # kept for later calls
                 self._known[float(a)] = r
-            return mine + self._curve(uq, us, uc, sub)
+            if not uq.size:
+                return mine
+            return mine + uc @ self._unit_curves(uq, us, [float(a) for a in sub])
 
         kl = self._kl + (float(uc @ _kl_lower_bound(uq, us)) if uq.size else 0.0)
         eps, _ = _search_orders(self._uniq, total, kl, evaluate, self.delta, "epsilon",
