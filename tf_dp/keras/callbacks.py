@@ -247,15 +247,20 @@ class PrivacyBudget(keras.callbacks.Callback):
     training is therefore ``<= target_epsilon`` (also across ``fit`` calls and resumed runs: the
     ledger holds all previous steps).
 
-    Cost: the number of further steps of one kind that the budget allows is computed once (a
-    search over step counts, each an accountant call on the run-length-compressed ledger) and then
-    counted down, so a batch costs a few variable reads. It is recomputed when the kind of step
-    changes or when the ledger, checked at each epoch end, holds a step of another kind. With
-    clip or noise schedules (each step possibly of another kind, e.g.
-    :class:`~tf_dp.keras.schedules.DecreasingClip` with a fixed ``noise_stddev``, where later
-    steps cost less), the next call's steps are predicted from the schedules
-    (``optimizer.next_sample_entry(i)``) and checked with one accountant call per batch, so
-    training goes on exactly until the budget is spent. With ``steps_per_execution = s > 1`` Keras runs ``s`` steps between two checks,
+    Cost: with the ``rdp`` or ``moments`` accountant and Poisson sampling, the callback keeps the
+    composition of the ledger's steps (:class:`tf_dp.accounting.rdp.ComposedRdp`) and adds only
+    the steps recorded since its last check (``ledger.runs_from``); composing the ledger's
+    earlier steps happens once per ``fit``, in time proportional to their distinct runs. The
+    number of further steps of one kind that the budget allows is computed once (a search over
+    step counts on that composition) and then counted down, so a batch costs a few variable
+    reads. It is recomputed when the kind of step changes or when the steps recorded since,
+    checked at each epoch end, include one of another kind. With clip or noise schedules (each
+    step possibly of another kind, e.g. :class:`~tf_dp.keras.schedules.DecreasingClip` with a
+    fixed ``noise_stddev``, where later steps cost less), the next call's steps are predicted
+    from the schedules (``optimizer.next_sample_entry(i)``) and checked at every batch against
+    the kept composition plus those steps, so training goes on exactly until the budget is
+    spent. Shuffle sampling, tree aggregation and JL steps are accounted from the whole ledger
+    at each check (their epochs and windows span runs). With ``steps_per_execution = s > 1`` Keras runs ``s`` steps between two checks,
     so training stops once fewer than ``s`` steps are left (the budget is never exceeded).
 
     If ``fit`` starts with not even one step left, it raises :class:`BudgetExhaustedError` from
