@@ -6,10 +6,22 @@ Run: ``python bench/accounting_time.py [--steps 100000] [--q 0.01] [--sigma 1.0]
 (identical steps, then 1e4 distinct steps repeated 100 times) through ``restore_runs``,
 ``runs``, ``save``, ``load`` and each accountant's epsilon, with dp_accounting's RDP accountant on
 the same ledger (``ledger_to_dp_event``) side by side, and the growth of the peak RSS.
-``--accountants rdp,gdp,pld`` picks the accountants (PLD of 1e4 distinct steps is slow).
+``--accountants rdp,gdp,pld`` picks the accountants. The peak RSS growth is
+``ru_maxrss`` (the kernel's peak resident set size of this process) minus its value after
+TensorFlow is imported: the most memory the ledger work ever held at once, both cases included.
 
-Each accountant is timed from a fresh cache (first call), in this process. Goals:
-RDP < 1 s, PLD < 10 s on the 2-core reference machine.
+``--distinct 10000`` times 1e4 all-distinct Poisson Gaussian steps (q = 256/60000, noise
+multipliers 1.0, 1.0001, ...) with tf_dp's RDP and PLD and dp_accounting's RDP and PLD
+accountants on the first ``--dpa-steps`` of the same events (dp_accounting costs about 0.25 s
+(RDP) and 0.4 s (PLD, default interval 1e-4) per distinct step), its time scaled to all steps.
+
+``--budget`` times ``PrivacyBudget``'s hooks (``on_train_batch_begin/end``, ``on_epoch_end``;
+the callback's whole work) per step of a small Keras model with a ``DecreasingClip`` schedule
+(every step distinct, the look-ahead checks "ledger + next step" at every batch) and with a fixed
+clip, after ledger prefixes of 0, 1e4, 1e5 and 1e6 steps.
+
+Each accountant is timed from a fresh cache (first call), in this process. Goals: RDP < 1 s,
+PLD < 10 s for 1e5 identical steps on the 2-core reference machine.
 """
 
 from __future__ import annotations
@@ -33,9 +45,16 @@ def main() -> None:
     ap.add_argument("--delta", type=float, default=1e-5)
     ap.add_argument("--ledger", action="store_true")
     ap.add_argument("--accountants", default="rdp,gdp")
+    ap.add_argument("--distinct", type=int, default=0)
+    ap.add_argument("--dpa-steps", type=int, default=100)
+    ap.add_argument("--budget", action="store_true")
     a = ap.parse_args()
     if a.ledger:
         return ledger_scale(a.delta, a.accountants.split(","))
+    if a.distinct:
+        return distinct_steps(a.distinct, a.dpa_steps, a.delta)
+    if a.budget:
+        return budget_overhead(a.delta)
     n = 1_000_000
     batch = int(round(a.q * n))
     print(f"{a.steps} Poisson-subsampled Gaussian steps, q={batch / n}, sigma={a.sigma}, "
@@ -106,6 +125,101 @@ def ledger_scale(delta: float, accountants: list[str]) -> None:
             print(f"  {'':<28} epsilon = {eps:.5f}")
         print(f"  peak RSS growth so far: {_peak_rss_mb() - start_rss:.0f} MB "
               f"(after importing TensorFlow: {start_rss:.0f} MB)")
+
+
+def distinct_steps(k: int, dpa_steps: int, delta: float) -> None:
+    """tf_dp's and dp_accounting's RDP and PLD on ``k`` all-distinct Poisson Gaussian steps."""
+    from tf_dp.accounting import pld
+
+    try:
+        import dp_accounting
+    except ImportError:  # optional extra
+        dp_accounting = None
+    q = 256 / 60000
+    zs = [1.0 + i * 1e-4 for i in range(k)]
+    print(f"{k} all-distinct Poisson Gaussian steps, q={q:.5f}, noise 1.0 ... {zs[-1]:.4f}, "
+          f"delta={delta}")
+    res = _timed("tf_dp rdp epsilon", lambda: rdp.rdp_epsilon([q] * k, zs, [1] * k, delta))
+    print(f"  {'':<28} epsilon = {res[0]:.5f}")
+    eps = _timed("tf_dp pld epsilon",
+                 lambda: pld.pld_epsilon([(pld.SubsampledGaussian(q, z), 1) for z in zs], delta))
+    print(f"  {'':<28} epsilon = {eps:.5f}")
+    if dp_accounting is None:
+        return
+
+    def dpa(acct, zs_):
+        for z in zs_:
+            acct.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)))
+        return acct.get_epsilon(delta)
+
+    m = min(dpa_steps, k)
+    for name, make in (("rdp", dp_accounting.rdp.RdpAccountant),
+                       ("pld", dp_accounting.pld.PLDAccountant)):
+        t0 = time.perf_counter()
+        eps_m = dpa(make(), zs[:m])
+        dt = time.perf_counter() - t0
+        if name == "rdp":
+            ours = rdp.rdp_epsilon([q] * m, zs[:m], [1] * m, delta)[0]
+        else:
+            ours = pld.pld_epsilon([(pld.SubsampledGaussian(q, z), 1) for z in zs[:m]], delta)
+        print(f"  dp_accounting {name}, first {m} steps: {dt:.3f} s (epsilon {eps_m:.5f}; tf_dp "
+              f"{ours:.5f}); scaled to {k} steps: {dt * k / m:.0f} s")
+
+
+def budget_overhead(delta: float) -> None:
+    """Seconds per step spent in PrivacyBudget's hooks after long ledger prefixes."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    import numpy as np
+
+    import tf_dp
+    from tf_dp.keras import callbacks as dp_callbacks
+    from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
+
+    n, q, steps = 6000, 0.05, 400
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 16)).astype(np.float32)
+    y = rng.integers(0, 2, size=n).astype(np.int32)
+    print(f"PrivacyBudget hooks, {steps} steps of a Dense(2) model on Poisson batches (q={q}), "
+          f"delta={delta}")
+    for schedule in (True, False):
+        for prefix in (0, 10**4, 10**5, 10**6):
+            keras.utils.set_random_seed(0)
+            model = tf_dp.keras.make_private(keras.Sequential([keras.Input((16,)),
+                                                               keras.layers.Dense(2)]))
+            clip = tf_dp.keras.DecreasingClip(1.0, decay_steps=10**7) if schedule else 1.0
+            model.compile(optimizer=tf_dp.keras.DPKerasSGDOptimizer(
+                l2_norm_clip=clip, noise_stddev=1.0, learning_rate=0.1),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            if prefix:  # 1e4 distinct values (or one), repeated
+                model.optimizer.ledger.restore_runs(
+                    [(SampleEntry(SamplingEvent(n, q), (SumQueryEvent(1.0, 1.0 + i * 1e-4),)),
+                      prefix // 10**4) for i in range(10**4)])
+            budget = dp_callbacks.PrivacyBudget(1e9, delta, verbose=False)
+            spent: list = []  # seconds of each hook call
+            for hook in ("on_train_begin", "on_train_batch_begin", "on_train_batch_end",
+                         "on_epoch_end"):
+                original = getattr(budget, hook)
+
+                def timed(*args, _original=original, **kwargs):
+                    t0 = time.perf_counter()
+                    try:
+                        return _original(*args, **kwargs)
+                    finally:
+                        spent.append(time.perf_counter() - t0)
+
+                setattr(budget, hook, timed)
+            data = tf_dp.data.poisson_batches(x, y, sampling_probability=q,
+                                              steps_per_epoch=steps // 4, seed=0)
+            t0 = time.perf_counter()
+            model.fit(data, epochs=4, verbose=0, callbacks=[budget])
+            total = time.perf_counter() - t0
+            # the first two calls (on_train_begin, first batch) compose the prefix once
+            first, rest = sum(spent[:2]), sum(spent[2:])
+            print(f"  {'DecreasingClip' if schedule else 'fixed clip':<15} prefix {prefix:>8}: "
+                  f"first check {first:6.3f} s, then {1000 * rest / steps:6.3f} ms/step; all "
+                  f"{1000 * (first + rest) / steps:7.3f} ms/step (fit {1000 * total / steps:.2f} "
+                  "ms/step)")
 
 
 if __name__ == "__main__":

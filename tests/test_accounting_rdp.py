@@ -186,3 +186,28 @@ def test_distinct_steps_match_dp_accounting():
     ref_eps, ref_order = acc.get_epsilon_and_optimal_order(1e-5)
     eps, order = rdp.rdp_epsilon(q, z, np.ones(40), 1e-5, REF_ORDERS)
     assert eps == pytest.approx(ref_eps, rel=1e-6) and order == ref_order
+
+
+def test_composed_rdp_grows_like_dp_accounting():
+    # steps added a few at a time (distinct noise each), epsilon asked with and without further
+    # steps, against dp_accounting's RDP accountant on the same steps listed at once
+    import dp_accounting
+
+    from tf_dp.accounting.rdp import DEFAULT_ORDERS, ComposedRdp
+
+    rng = np.random.default_rng(5)
+    acc = ComposedRdp(1e-5)
+    steps = []
+    for _ in range(3):
+        new = [(float(rng.choice([0.01, 0.1])), float(rng.uniform(0.7, 2.0)))
+               for _ in range(int(rng.integers(1, 6)))]
+        acc.add([q for q, _ in new], [z for _, z in new], [1] * len(new))
+        steps += new
+        for extra in ([], [(0.1, 0.9, 7)]):
+            ref = dp_accounting.rdp.RdpAccountant(list(DEFAULT_ORDERS))
+            for q, z in steps:
+                ref.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)))
+            for q, z, k in extra:
+                ref.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), k)
+            eps = acc.epsilon(*zip(*extra)) if extra else acc.epsilon()
+            assert eps == pytest.approx(ref.get_epsilon(1e-5), rel=1e-6)

@@ -1,5 +1,6 @@
 """tf_dp.keras.callbacks: PrivacyReport, PrivacyBudget, BackupAndRestore with the ledger, LedgerCheckpoint."""
 
+import collections
 import dataclasses
 import json
 import os
@@ -315,3 +316,77 @@ def test_an_accountant_that_cannot_analyse_jl_steps_fails_before_the_first_step(
         _batches(digits), epochs=1, verbose=0, callbacks=[dpcb.PrivacyReport(1e-5, "pld")])
     # (JL with r=2 has a heavy tail: no finite epsilon at this delta, never less than exact's)
     assert history.history["epsilon"][0] >= _eps(STEPS, accountant="pld")
+
+
+def test_budget_composed_curve_follows_a_growing_ledger_like_dp_accounting():
+    # The budget's incremental composition (only the new runs added at each update) against
+    # dp_accounting's RDP accountant on the same Poisson Gaussian steps, listed directly.
+    import dp_accounting
+
+    ledger = tf_dp.PrivacyLedger()
+    curve = dpcb._ComposedCurve(1e-5, "rdp")
+    steps = []
+    rng = np.random.default_rng(3)
+    pool = [SampleEntry(SamplingEvent(N, q, "poisson"), (SumQueryEvent(1.0, z),))
+            for q in (0.05, 0.1) for z in (0.8, 1.1, 1.5)]
+    upcoming = SampleEntry(SamplingEvent(N, 0.1, "poisson"), (SumQueryEvent(1.0, 0.9),))
+    for _ in range(3):
+        steps += [pool[i] for i in rng.integers(len(pool), size=int(rng.integers(5, 30)))]
+        ledger.restore_entries(steps)  # the same first steps, more at the end
+        eps = curve.epsilon_with(ledger, [(upcoming, 5)])
+        acc = dp_accounting.rdp.RdpAccountant(list(accounting.rdp.DEFAULT_ORDERS))
+        for e, count in collections.Counter([*steps, *[upcoming] * 5]).items():
+            acc.compose(dp_accounting.PoissonSampledDpEvent(
+                e.sampling.selection_probability,
+                dp_accounting.GaussianDpEvent(e.queries[0].noise_stddev)), count)
+        assert eps == pytest.approx(acc.get_epsilon(1e-5), rel=1e-6)
+    shuffle = SampleEntry(SamplingEvent(N, 0.1, "shuffle"), (SumQueryEvent(1.0, 1.0),))
+    assert curve.epsilon_with(ledger, [(shuffle, 1)]) is None  # epochs span runs: whole ledger
+
+
+def test_privacy_budget_with_a_schedule_reads_only_the_new_steps(digits, monkeypatch):
+    # Every batch with a clip schedule checks "ledger + next step": after a 50,000-step ledger
+    # prefix, the batch and epoch hooks read only the rows of the steps since the last check.
+    from tf_dp.ledger import privacy_ledger
+
+    model = _model()
+    model.compile(
+        optimizer=tf_dp.keras.DPKerasSGDOptimizer(
+            l2_norm_clip=tf_dp.keras.DecreasingClip(1.0, decay_steps=4), noise_stddev=1.0,
+            learning_rate=0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    prefix = [(SampleEntry(SamplingEvent(N, Q, "poisson"),
+                           (SumQueryEvent(1.0, 50.0 + i / 100),)), 100) for i in range(500)]
+    model.optimizer.ledger.restore_runs(prefix)
+    budget = dpcb.PrivacyBudget(target_epsilon=50.0, delta=1e-5, verbose=False)
+    rows = []  # steps turned into runs, rows read from the tables
+    to_runs, read = privacy_ledger._tables_to_runs, privacy_ledger._read_rows
+    counting = [False]
+
+    def spy_runs(samples, queries):
+        if counting[0]:
+            rows.append(len(samples))
+        return to_runs(samples, queries)
+
+    def spy_read(table, start, stop):
+        if counting[0]:
+            rows.append(stop - start)
+        return read(table, start, stop)
+
+    monkeypatch.setattr(privacy_ledger, "_tables_to_runs", spy_runs)
+    monkeypatch.setattr(privacy_ledger, "_read_rows", spy_read, raising=False)
+    for hook in ("on_train_batch_end", "on_epoch_end"):
+        original = getattr(budget, hook)
+
+        def counted(*args, _original=original, **kwargs):
+            counting[0] = True
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                counting[0] = False
+
+        setattr(budget, hook, counted)
+    model.fit(_batches(digits), epochs=2, verbose=0, callbacks=[budget])
+    assert model.optimizer.ledger.num_samples > 50_000 and not budget.stopped
+    assert rows and max(rows) <= 2 * STEPS and sum(rows) <= 40 * (2 * STEPS + 4)

@@ -6,6 +6,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np
+import pytest
 
 import tf_dp
 from tf_dp.ledger import read_ledger_runs
@@ -109,3 +110,83 @@ def test_runs_restore_save_load_on_a_million_steps(tmp_path):
     identical = tf_dp.PrivacyLedger()
     identical.restore_runs([(distinct[0], 10**6)])
     assert identical.runs() == [(distinct[0], 10**6)]
+
+
+def test_restore_and_runs_in_pieces_match_the_recorded_steps(monkeypatch):
+    # Pieces of 7 steps: runs cross piece boundaries everywhere. The tables built piece by piece
+    # from runs equal the tables recorded step by step; runs() read piece by piece equals a
+    # direct run-length count of the steps.
+    from tf_dp.ledger import privacy_ledger
+
+    monkeypatch.setattr(privacy_ledger, "_CHUNK_ROWS", 7)
+    for seed in range(3):
+        steps = _random_steps(np.random.default_rng(10 + seed), 80)
+        recorded = tf_dp.PrivacyLedger()
+        _record(recorded, steps)
+        assert recorded.runs() == _direct_runs(steps)
+        restored = tf_dp.PrivacyLedger()
+        restored.restore_runs(_direct_runs(steps))
+        for a, b in zip(restored.tables(), recorded.tables()):
+            np.testing.assert_array_equal(a, b)
+        assert restored.runs() == _direct_runs(steps)
+        assert restored.samples() == steps
+
+
+def test_restore_and_runs_hold_no_full_length_host_copy(monkeypatch):
+    # numpy buffers are traced by tracemalloc (TensorFlow's own tensors are not): restoring and
+    # reading 3e5 steps (26 MB of tables) works on pieces of a fixed number of steps, so the
+    # host memory they take is bounded by the piece, not by the ledger's length.
+    import tracemalloc
+
+    from tf_dp.ledger import privacy_ledger
+
+    monkeypatch.setattr(privacy_ledger, "_CHUNK_ROWS", 8192, raising=False)
+    n = 300_000
+    entry = SampleEntry(SamplingEvent(60000, 0.01), (SumQueryEvent(1.0, 1.1),))
+    table_bytes = n * (4 + 7) * 8
+    piece_bytes = 8192 * (4 + 7) * 8
+    ledger = tf_dp.PrivacyLedger()
+    ledger.restore_runs([(entry, 1)])  # first ops outside the measurement
+    ledger.runs()
+    tracemalloc.start()
+    try:
+        ledger.restore_runs([(entry, n)])
+        restore_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        runs = ledger.runs()
+        runs_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert sum(c for _, c in runs) == n
+    # a piece's rows, its index arrays and the query index column: a few piece sizes
+    assert restore_peak < 4 * piece_bytes < table_bytes / 8
+    assert runs_peak < n * 8 + 4 * piece_bytes < table_bytes / 2
+
+
+def _steps_from(steps, start):
+    return _direct_runs(steps[start:])
+
+
+def test_runs_from_gives_the_runs_of_the_later_steps(monkeypatch):
+    # runs_from(start) equals a direct count of the steps from `start` on: from scratch, when
+    # following a growing ledger (each call from where the previous one ended), and after the
+    # tables were replaced by other steps.
+    from tf_dp.ledger import privacy_ledger
+
+    monkeypatch.setattr(privacy_ledger, "_CHUNK_ROWS", 7)
+    steps = _random_steps(np.random.default_rng(7), 90)
+    ledger = tf_dp.PrivacyLedger()
+    seen = 0
+    for stop in (13, 14, 40, 41, 90):
+        _record(ledger, steps[seen:stop])
+        assert ledger.runs_from(seen) == _steps_from(steps[:stop], seen)
+        seen = stop
+    for start in (90, 89, 0, 31, 5):
+        assert ledger.runs_from(start) == _steps_from(steps, start)
+    other = _random_steps(np.random.default_rng(8), 60)
+    ledger.restore_runs(_direct_runs(other))
+    for start in (31, 59, 60, 2):
+        assert ledger.runs_from(start) == _steps_from(other, start)
+    for bad in (-1, 61):
+        with pytest.raises(ValueError, match="start must be in"):
+            ledger.runs_from(bad)

@@ -18,7 +18,9 @@ module reports is an upper bound, up to floating point.  After each convolution 
 moved *up* to the new lowest grid point and upper-tail mass beyond the truncation point goes to
 ``+inf``: truncation is pessimistic, never optimistic.  Where FFT round-off makes the tails
 unreadable (values below ~1e-16 of the peak) the true tail mass beyond the cut is computed exactly
-by direct sums and moved the same pessimistic way.  Stated error: with the default grid (``h = 1e-4``) the reported epsilon is
+by direct sums and moved the same pessimistic way.  Each mechanism's grid is first narrowed,
+by a coarse scan, to where its privacy loss has mass above ``1e-18`` (outside the grid the
+construction is pessimistic as above), and distinct mechanisms are composed as a balanced tree.  Stated error: with the default grid (``h = 1e-4``) the reported epsilon is
 above the exact value by well under 0.5% in the validated range (tests compare with the closed
 form for ``q = 1`` and with ``dp_accounting``); halving ``h`` and comparing shows the gap.
 
@@ -411,6 +413,39 @@ class DiscretePLD:
         return result
 
 
+_COARSE = 64  # grid points per step of the coarse scan that narrows a discretisation's range
+
+
+def _narrow(mechanism, comp, direction: str, h: float, i0: int, i1: int) -> tuple[int, int]:
+    """Grid index range ``[i0, i1]`` narrowed to where the privacy loss has mass above
+    ``_TAIL / 10`` (found on a coarse grid of one point in ``_COARSE``).
+
+    Any range gives a dominating discretisation (the construction is pessimistic outside it), so
+    this only trades tightness: above the new top the mass goes to ``+inf`` with
+    ``inf_mass = delta(top) <= _TAIL / 10``; below the new bottom it moves up to the bottom, and
+    ``P[L < l] <= D'(l + c) / (e^c - 1)`` for the complement ``D'`` bounds that mass by
+    ``_TAIL / 10``. Without a ``complement`` the bottom is kept."""
+    if i1 - i0 <= 4 * _COARSE:
+        return i0, i1
+    idx = np.arange(i0, i1 + 1, _COARSE)
+    eps = idx * h
+    tail = _TAIL / 10
+    new_i1 = i1
+    above = np.nonzero(mechanism.hockey_stick(eps, direction) > tail)[0]
+    if above.size and above[-1] + 1 < idx.size:
+        new_i1 = int(idx[above[-1] + 1])
+    new_i0 = i0
+    if comp is not None:
+        bound = np.maximum(comp(eps, direction), 0.0) / math.expm1(_COARSE * h)
+        # P[L < eps_j] <= bound[j + 1]: the first coarse point whose bound exceeds the tail
+        over = np.nonzero(bound[1:] > tail)[0]
+        if over.size and over[0] > 0:
+            new_i0 = int(idx[over[0] - 1])
+    if new_i1 - new_i0 < 2:
+        return i0, i1
+    return new_i0, new_i1
+
+
 def discretize(
     mechanism, direction: str, h: float, loss_cap: float = _LOSS_CAP
 ) -> DiscretePLD:
@@ -430,8 +465,24 @@ def discretize(
     lo, hi = max(lo, -loss_cap), min(hi, loss_cap)
     i0 = int(math.floor(lo / h))
     i1 = max(int(math.ceil(hi / h)), i0 + 1)
+    comp = getattr(mechanism, "complement", None)
+    i0, i1 = _narrow(mechanism, comp, direction, h, i0, i1)
     eps = np.arange(i0, i1 + 1) * h
-    d = mechanism.hockey_stick(eps, direction)
+    # delta(eps) and the other side of the hockey stick, D'(eps) = sup_S e^eps Q(S) - P(S),
+    # differ by 1 - e^eps (linear in e^eps, annihilated by the second difference). D' is the
+    # accurate one where delta is close to 1 (eps < 0: no cancellation), delta elsewhere; each
+    # is evaluated only on its side and the other derived from it.
+    em1_eps = np.expm1(eps)
+    if comp is not None:
+        neg = eps < 0
+        d = np.empty_like(eps)
+        d2 = np.empty_like(eps)
+        d2[neg] = np.maximum(comp(eps[neg], direction), 0.0)
+        d[neg] = d2[neg] - em1_eps[neg]
+        d[~neg] = mechanism.hockey_stick(eps[~neg], direction)
+        d2[~neg] = d[~neg] + em1_eps[~neg]
+    else:
+        d = mechanism.hockey_stick(eps, direction)
     # Pessimism guard: delta must be non-increasing; enforce it from the right.
     d = np.maximum.accumulate(d[::-1])[::-1]
     em1 = math.expm1(h)
@@ -447,12 +498,7 @@ def discretize(
         p[1:-1] = second_diff(d)
         p[0] = (d[1] - d[0]) / em1 + (1.0 - d[0])
         p[-1] = -eh * (d[-1] - d[-2]) / em1
-        comp = getattr(mechanism, "complement", None)
         if comp is not None:
-            # The other side of the hockey stick, D'(eps) = sup_S e^eps Q(S) - P(S), differs from
-            # delta by a function linear in e^eps, which the second difference annihilates; it is
-            # small where delta is close to 1, so use it there (avoids cancellation).
-            d2 = np.maximum(comp(eps, direction), 0.0)
             use2 = d2[1:-1] < d[1:-1]
             p[1:-1] = np.where(use2, second_diff(d2), p[1:-1])
             p[0] = (d2[1] - d2[0]) / em1 - d2[0]
@@ -488,21 +534,38 @@ def compose_mechanisms(
     h: Optional[float] = None,
     loss_cap: float = _LOSS_CAP,
 ) -> DiscretePLD:
-    """Composes ``[(mechanism, count), ...]`` (``count`` identical steps each) in one direction."""
+    """Composes ``[(mechanism, count), ...]`` (``count`` identical steps each) in one direction.
+
+    Identical mechanisms are self-composed once (by repeated squaring) wherever they occur;
+    distinct ones are composed as a balanced binary tree. Example::
+
+        steps = [(SubsampledGaussian(0.01, 1.0 + i / 1000), 1) for i in range(1000)]
+        d = compose_mechanisms(steps, "remove").delta(1.0)
+    """
     mechanisms = list(mechanisms)
     if not mechanisms:
         raise ValueError("mechanisms must not be empty")
     h = _auto_h(mechanisms) if h is None else h
-    out: Optional[DiscretePLD] = None
-    cache: dict = {}
-    for mech, count in mechanisms:
+    for _, count in mechanisms:
         if not (isinstance(count, (int, np.integer)) and count >= 1):
             raise ValueError(f"step counts must be integers >= 1, got {count!r}")
-        key = (mech, direction)
-        if key not in cache:
-            cache[key] = discretize(mech, direction, h, loss_cap)
-        step = cache[key].self_compose(int(count))
-        out = step if out is None else out.compose(step)
+    counts: dict = {}  # identical mechanisms anywhere in the list: one self-composition
+    for mech, count in mechanisms:
+        counts[mech] = counts.get(mech, 0) + int(count)
+    # Composition is commutative: compose as a balanced binary tree (a stack of partial
+    # compositions of 1, 2, 4, ... mechanisms, merged like a binary counter), so most
+    # convolutions are of short distributions rather than each step with the long running
+    # composition, and only O(log n) partial results are held at a time.
+    stack: list[tuple[int, DiscretePLD]] = []
+    for mech, c in counts.items():
+        size, part = 1, discretize(mech, direction, h, loss_cap).self_compose(c)
+        while stack and stack[-1][0] == size:
+            other = stack.pop()[1]
+            size, part = size * 2, other.compose(part)
+        stack.append((size, part))
+    out = stack.pop()[1]
+    while stack:
+        out = stack.pop()[1].compose(out)
     return out
 
 

@@ -54,6 +54,7 @@ __all__ = [
     "rdp_delta",
     "epsilon_from_rdp",
     "delta_from_rdp",
+    "ComposedRdp",
 ]
 
 #: A rich default set of RDP orders: dense fractional orders near 1 (large noise / small eps),
@@ -379,18 +380,18 @@ def _optimise_orders(q, s, counts, orders, target, what, conversion):
         v = _conversion_values(arr, np.zeros(arr.size), target, what, conversion)
         i = int(np.argmin(v))
         return float(v[i]), float(arr[i])
-    uniq = np.unique(arr)
     known: dict = {}
-    kl_lb = float(c @ _kl_lower_bound(q, s))  # R(a) >= KL for every order a > 1
 
-    def evaluate(idx):
-        sub = uniq[idx]
+    def evaluate(sub):
         with np.errstate(invalid="ignore"):
-            curve = np.nan_to_num(c @ _rdp_matrix(q, s, sub), nan=np.inf)
-        for a, r in zip(sub, curve):
-            known[float(a)] = r
+            return np.nan_to_num(c @ _rdp_matrix(q, s, sub), nan=np.inf)
 
-    # Seed: orders spaced by a factor >= 1.5 up to 64 (integers preferred: finite sums).
+    return _search_orders(np.unique(arr), known, float(c @ _kl_lower_bound(q, s)), evaluate,
+                          target, what, conversion)
+
+
+def _seed_orders(uniq: np.ndarray) -> np.ndarray:
+    """Orders spaced by a factor >= 1.5 up to 64 (integers preferred: finite sums)."""
     seed, last = [], 0.0
     for i, a in enumerate(uniq):
         if a <= 64 and (not seed or a >= 1.5 * last) and a.is_integer():
@@ -398,7 +399,20 @@ def _optimise_orders(q, s, counts, orders, target, what, conversion):
             last = a
     if len(seed) < 2:
         seed = list(range(min(2, uniq.size)))
-    evaluate(np.array(seed))
+    return uniq[np.array(seed)]
+
+
+def _search_orders(uniq, known, kl_lb, evaluate, target, what, conversion):
+    """The order search of :func:`_optimise_orders` on a composed curve known at the orders of
+    ``known`` (order -> value, updated in place); ``evaluate(orders)`` gives the curve at more
+    orders and ``kl_lb`` is a lower bound on the curve at every order."""
+
+    def add(sub):
+        for a, r in zip(sub, evaluate(sub)):
+            known[float(a)] = r
+
+    if not known:
+        add(_seed_orders(uniq))
     while True:
         ks = np.array(sorted(known))
         vals = _conversion_values(ks, np.array([known[a] for a in ks]), target, what, conversion)
@@ -413,11 +427,99 @@ def _optimise_orders(q, s, counts, orders, target, what, conversion):
         cand = np.nonzero(lb < best - 1e-12 * abs(best))[0]
         if cand.size == 0:
             break
-        evaluate(rest[cand[np.argsort(lb[cand])[:8]]])
+        add(uniq[rest[cand[np.argsort(lb[cand])[:8]]]])
     ks = np.array(sorted(known))
     vals = _conversion_values(ks, np.array([known[a] for a in ks]), target, what, conversion)
     i = int(np.argmin(vals))
     return float(vals[i]), float(ks[i])
+
+
+class ComposedRdp:
+    """A composition of Poisson-subsampled Gaussian steps that grows: :meth:`add` steps, ask
+    :meth:`epsilon` (optionally with further steps), at a cost proportional to the steps added
+    and the orders looked at, not to all the steps so far.
+
+    The composed curve is kept at the orders evaluated so far; the order search is that of
+    :func:`rdp_epsilon` (the same epsilon, up to round-off): an order not kept yet is evaluated
+    over every unit only when its convexity bound says it may be the best.
+
+    Example::
+
+        acc = ComposedRdp(delta=1e-5)
+        acc.add([0.01], [1.1], [1000])
+        acc.epsilon([0.01], [1.2], [1])   # epsilon after one more step with noise 1.2
+    """
+
+    def __init__(self, delta: float, orders: Sequence[float] = DEFAULT_ORDERS,
+                 conversion: str = "rdp"):
+        _check_delta(delta)
+        self.delta = float(delta)
+        self.conversion = conversion
+        self._uniq = np.unique(_check_orders(orders))
+        self._q = np.zeros(0)
+        self._s = np.zeros(0)
+        self._c = np.zeros(0)
+        self._known: dict = {}  # order -> composed R(a) of the added units
+        self._kl = 0.0
+        self._last: tuple = ((), {})  # the last asked-about units (q, s) and R(a) of each
+
+    def _unit_curves(self, q, s, orders) -> np.ndarray:
+        """``R(a)`` of each unit (rows) at ``orders``, reusing the last asked-about units' (a
+        step asked about before it runs is then added: it is evaluated once)."""
+        key, cache = self._last
+        if key != (tuple(q), tuple(s)):
+            cache = {}
+            self._last = ((tuple(q), tuple(s)), cache)
+        missing = [a for a in orders if a not in cache]
+        if missing:
+            with np.errstate(invalid="ignore"):
+                m = np.nan_to_num(_rdp_matrix(q, s, np.asarray(missing, float)), nan=np.inf)
+            for j, a in enumerate(missing):
+                cache[a] = m[:, j]
+        return np.stack([cache[a] for a in orders], axis=1) if orders else np.zeros((q.size, 0))
+
+    def _curve(self, q, s, c, orders) -> np.ndarray:
+        if q.size == 0:
+            return np.zeros(len(orders))
+        with np.errstate(invalid="ignore"):
+            return np.nan_to_num(c @ _rdp_matrix(q, s, np.asarray(orders, float)), nan=np.inf)
+
+    def add(self, q: Sequence[float], noise_multipliers: Sequence[float],
+            counts: Sequence[float]) -> None:
+        """Composes ``counts[i]`` steps of rate ``q[i]`` and noise ``noise_multipliers[i]``."""
+        q, s, c = _unique_units(q, noise_multipliers, counts)
+        if q.size == 0:
+            return
+        ks = sorted(self._known)
+        for a, r in zip(ks, c @ self._unit_curves(q, s, ks)):
+            self._known[a] += r
+        self._kl += float(c @ _kl_lower_bound(q, s))
+        self._q = np.concatenate([self._q, q])
+        self._s = np.concatenate([self._s, s])
+        self._c = np.concatenate([self._c, c])
+
+    def epsilon(self, q: Sequence[float] = (), noise_multipliers: Sequence[float] = (),
+                counts: Sequence[float] = ()) -> float:
+        """Epsilon at ``delta`` of the added steps followed by the given ones (not added)."""
+        uq, us, uc = _unique_units(q, noise_multipliers, counts)
+        if self._q.size == 0 and uq.size == 0:
+            return 0.0
+        ks = sorted(self._known)
+        extra = dict(zip(ks, uc @ self._unit_curves(uq, us, ks))) if uq.size else {}
+        total = {a: self._known[a] + extra.get(a, 0.0) for a in ks}
+
+        def evaluate(sub):
+            mine = self._curve(self._q, self._s, self._c, sub)
+            for a, r in zip(sub, mine):  # kept for later calls
+                self._known[float(a)] = r
+            if not uq.size:
+                return mine
+            return mine + uc @ self._unit_curves(uq, us, [float(a) for a in sub])
+
+        kl = self._kl + (float(uc @ _kl_lower_bound(uq, us)) if uq.size else 0.0)
+        eps, _ = _search_orders(self._uniq, total, kl, evaluate, self.delta, "epsilon",
+                                self.conversion)
+        return max(0.0, eps)
 
 
 def rdp_epsilon(

@@ -170,6 +170,70 @@ def _steps_differ_since(runs: Sequence[tuple[SampleEntry, int]], start: int, kin
     return seen < start
 
 
+class _ComposedCurve:
+    """The composition of a ledger's steps (:class:`tf_dp.accounting.rdp.ComposedRdp`), brought
+    up to date from the steps recorded since the last update only (``ledger.runs_from``), so a
+    check of "the ledger plus the next steps" costs O(new and upcoming runs), whatever the run
+    length.
+
+    It covers runs that compose independently: Poisson-sampled steps without tree or JL queries.
+    Shuffle epochs and tree windows span runs; for those :meth:`epsilon_with` returns None and
+    the caller accounts the whole ledger."""
+
+    def __init__(self, delta: float, accountant: str):
+        self.delta = delta
+        self.conversion = accountant if accountant in ("rdp", "moments") else None
+        self.reset()
+
+    def reset(self) -> None:
+        from tf_dp.accounting.rdp import ComposedRdp
+
+        self.steps = 0
+        self.composable = self.conversion is not None
+        if self.composable:
+            self.rdp = ComposedRdp(self.delta, conversion=self.conversion)
+
+    @staticmethod
+    def units_of(runs: Sequence[tuple[SampleEntry, int]]):
+        """``(q, z, counts)`` of ``runs``, or None when they do not compose independently."""
+        from tf_dp.accounting.ledger_analysis import _units
+
+        for entry, _ in runs:
+            if entry.sampling.policy != "poisson" or any(
+                q.mechanism in ("tree", "jl") for q in entry.queries
+            ):
+                return None
+        units, non_private, _ = _units(list(runs))
+        q = [u.q for u in units] + ([1.0] if non_private else [])
+        z = [u.z for u in units] + ([0.0] if non_private else [])  # z = 0: infinite RDP
+        return q, z, [u.count for u in units] + ([1] if non_private else [])
+
+    def update(self, ledger) -> None:
+        """Adds the steps recorded since the last update (starts over if the ledger shrank)."""
+        n = ledger.num_samples
+        if n < self.steps:
+            self.reset()
+        if n > self.steps and self.composable:
+            added = self.units_of(ledger.runs_from(self.steps))
+            if added is None:
+                self.composable = False
+            else:
+                self.rdp.add(*added)
+        self.steps = n
+
+    def epsilon_with(self, ledger, upcoming: Sequence[tuple[SampleEntry, int]]
+                     ) -> Optional[float]:
+        """Epsilon of the ledger followed by ``upcoming`` runs, or None (not composable)."""
+        self.update(ledger)
+        if not self.composable:
+            return None
+        added = self.units_of(upcoming)
+        if added is None:
+            return None
+        # padded for round-off: the curve is summed in another order than the full accountant's
+        return self.rdp.epsilon(*added) * (1.0 + 1e-9)
+
+
 class BudgetExhaustedError(RuntimeError):
     """Raised by :class:`PrivacyBudget` when ``fit`` starts with no budget left for one step."""
 
@@ -184,15 +248,20 @@ class PrivacyBudget(keras.callbacks.Callback):
     training is therefore ``<= target_epsilon`` (also across ``fit`` calls and resumed runs: the
     ledger holds all previous steps).
 
-    Cost: the number of further steps of one kind that the budget allows is computed once (a
-    search over step counts, each an accountant call on the run-length-compressed ledger) and then
-    counted down, so a batch costs a few variable reads. It is recomputed when the kind of step
-    changes or when the ledger, checked at each epoch end, holds a step of another kind. With
-    clip or noise schedules (each step possibly of another kind, e.g.
-    :class:`~tf_dp.keras.schedules.DecreasingClip` with a fixed ``noise_stddev``, where later
-    steps cost less), the next call's steps are predicted from the schedules
-    (``optimizer.next_sample_entry(i)``) and checked with one accountant call per batch, so
-    training goes on exactly until the budget is spent. With ``steps_per_execution = s > 1`` Keras runs ``s`` steps between two checks,
+    Cost: with the ``rdp`` or ``moments`` accountant and Poisson sampling, the callback keeps the
+    composition of the ledger's steps (:class:`tf_dp.accounting.rdp.ComposedRdp`) and adds only
+    the steps recorded since its last check (``ledger.runs_from``); composing the ledger's
+    earlier steps happens once per ``fit``, in time proportional to their distinct runs. The
+    number of further steps of one kind that the budget allows is computed once (a search over
+    step counts on that composition) and then counted down, so a batch costs a few variable
+    reads. It is recomputed when the kind of step changes or when the steps recorded since,
+    checked at each epoch end, include one of another kind. With clip or noise schedules (each
+    step possibly of another kind, e.g. :class:`~tf_dp.keras.schedules.DecreasingClip` with a
+    fixed ``noise_stddev``, where later steps cost less), the next call's steps are predicted
+    from the schedules (``optimizer.next_sample_entry(i)``) and checked at every batch against
+    the kept composition plus those steps, so training goes on exactly until the budget is
+    spent. Shuffle sampling, tree aggregation and JL steps are accounted from the whole ledger
+    at each check (their epochs and windows span runs). With ``steps_per_execution = s > 1`` Keras runs ``s`` steps between two checks,
     so training stops once fewer than ``s`` steps are left (the budget is never exceeded).
 
     If ``fit`` starts with not even one step left, it raises :class:`BudgetExhaustedError` from
@@ -229,6 +298,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.verbose = verbose
         self.stopped = False
         self.epsilon_spent: Optional[float] = None
+        self._composed = _ComposedCurve(self.delta, self.accountant)
         self._reset_plan()
 
     # -- planning ------------------------------------------------------------------------------
@@ -240,6 +310,15 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     def _epsilon(self, entries: Sequence[Any]) -> float:
         return compute_epsilon(entries, self.delta, self.accountant)[0]
+
+    def _epsilon_after(self, ledger, upcoming: Sequence[tuple[SampleEntry, int]]) -> float:
+        """Epsilon of the ledger followed by ``upcoming`` runs: from the composed curve kept up
+        to date incrementally when the steps compose independently, else from the whole
+        ledger."""
+        eps = self._composed.epsilon_with(ledger, upcoming)
+        if eps is None:
+            eps = self._epsilon([*ledger.runs(), *upcoming])
+        return eps
 
     def _cap(self) -> int:
         params = getattr(self, "params", None) or {}
@@ -256,6 +335,11 @@ class PrivacyBudget(keras.callbacks.Callback):
         def fits(k: int) -> bool:
             return self._epsilon([*entries, (kind, k)]) <= self.target_epsilon
 
+        return self._search(fits, cap)
+
+    @staticmethod
+    def _search(fits, cap: int) -> int:
+        """Largest ``k <= cap`` with ``fits(k)`` (``fits`` monotone), 0 if not even one."""
         if not fits(1):
             return 0
         lo, hi = 1, 2
@@ -271,8 +355,17 @@ class PrivacyBudget(keras.callbacks.Callback):
         return lo
 
     def _plan(self, optimizer, kind: SampleEntry) -> None:
-        entries = optimizer.ledger.runs()
+        ledger = optimizer.ledger
         self._plan_kind = kind
+        if self._composed.epsilon_with(ledger, [(kind, 1)]) is not None:
+            # the kept composition of the ledger plus k steps of `kind`
+            self._plan_base = self._composed.steps
+            self._plan_headroom = self._search(
+                lambda k: self._composed.epsilon_with(ledger, [(kind, k)]) <= self.target_epsilon,
+                self._cap(),
+            )
+            return
+        entries = ledger.runs()
         self._plan_base = sum(count for _, count in entries)
         self._plan_headroom = self.headroom(entries, kind, self._cap())
 
@@ -292,10 +385,10 @@ class PrivacyBudget(keras.callbacks.Callback):
         except Exception as e:  # noqa: BLE001 -- fall back to the general rule
             _logger.debug("tf_dp: cannot predict the next scheduled steps: %s", e)
             return None
-        entries = optimizer.ledger.runs()
-        fits = self._epsilon(entries + upcoming) <= self.target_epsilon
+        ledger = optimizer.ledger
+        fits = self._epsilon_after(ledger, [(e, 1) for e in upcoming]) <= self.target_epsilon
         self._plan_kind = upcoming[0]
-        self._plan_base = sum(count for _, count in entries)
+        self._plan_base = ledger.num_samples
         self._plan_headroom = needed if fits else 0
         return fits
 
@@ -329,6 +422,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.stopped = False
         self._first_batch = True
         self._reset_plan()  # the ledger may have been restored (BackupAndRestore) since
+        self._composed.reset()
 
     def on_train_batch_begin(self, batch, logs=None):
         if not self._first_batch:
@@ -366,9 +460,15 @@ class PrivacyBudget(keras.callbacks.Callback):
             ):
                 self._stop()
             return
-        runs = optimizer.ledger.runs()
-        if _steps_differ_since(runs, self._plan_base, self._plan_kind):
-            self._plan(optimizer, predicted_next_entry(optimizer) or runs[-1][0])
+        ledger = optimizer.ledger
+        # only the steps recorded since the plan was made are read
+        changed = ledger.num_samples < self._plan_base or _steps_differ_since(
+            ledger.runs_from(self._plan_base), 0, self._plan_kind)
+        if changed:
+            kind = predicted_next_entry(optimizer)
+            if kind is None and ledger.num_samples:
+                kind = ledger.runs_from(ledger.num_samples - 1)[-1][0]
+            self._plan(optimizer, kind or self._plan_kind)
         if not self.stopped and not (
             self._next_step_allowed() and self._next_epoch_allowed(optimizer)
         ):

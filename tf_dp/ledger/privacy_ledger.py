@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -293,19 +293,40 @@ class _Buffer(tf.Module):
             self.staged.assign(tf.zeros([int(rows), self.staged.shape[1]], tf.float64))
 
     def numpy(self) -> np.ndarray:
+        """The recorded rows (flushed, then staged), read without copying the spare capacity."""
         n = int(self.count.numpy())
         k = int(self.staged_count.numpy())
         if k == 0:
-            return self.data.numpy()[:n]
-        return np.concatenate([self.data.numpy()[:n], self.staged.numpy()[:k]], axis=0)
+            return _read_rows(self.data, 0, n)
+        return np.concatenate([_read_rows(self.data, 0, n), self.staged.numpy()[:k]], axis=0)
 
     def load(self, table: np.ndarray) -> None:
-        n = table.shape[0]
-        cap = max(_INITIAL_CAPACITY, 1 << int(np.ceil(np.log2(max(n, 1)))))
-        padded = np.zeros([cap, self.data.shape[1]], np.float64)
-        padded[:n] = table
-        self.data.assign(padded)
-        self.count.assign(n)
+        """Replaces the rows with ``table``."""
+        self.allocate(table.shape[0])
+        self.write(0, table)
+        self.set_count(table.shape[0])
+
+    def allocate(self, rows: int) -> None:
+        """Replaces the table with a zero table of capacity for ``rows`` rows, to be filled in
+        place by :meth:`write` and committed by :meth:`set_count` (no full-length host copy)."""
+        cap = max(_INITIAL_CAPACITY, 1 << int(np.ceil(np.log2(max(rows, 1)))))
+        cols = int(self.data.shape[1])
+        self.data.assign(tf.zeros([1, cols], tf.float64))  # frees the old table first
+        self.data.assign(tf.zeros([cap, cols], tf.float64))
+        self.count.assign(0)
+
+    def write(self, start: int, rows: np.ndarray) -> None:
+        """Writes ``rows`` at row ``start`` of the allocated table, in place."""
+        if not rows.shape[0]:
+            return
+        index = np.arange(start, start + rows.shape[0])
+        table = self.data
+        # under tf.distribute, every component holds the same rows
+        for var in table.values if isinstance(table, tf.distribute.DistributedValues) else [table]:
+            tf.raw_ops.ResourceScatterUpdate(resource=var.handle, indices=index, updates=rows)
+
+    def set_count(self, rows: int) -> None:
+        self.count.assign(rows)
         self.staged_count.assign(0)
         self.overflow.assign(0)
 
@@ -449,6 +470,43 @@ def _runs_to_tables(runs: Sequence[tuple[SampleEntry, int]]) -> tuple[np.ndarray
     queries[:, 0] = step
     queries[:, 1:] = query_rows[template]
     return samples, queries
+
+
+_CHUNK_ROWS = 1 << 16  # steps per chunk when tables are written or read in pieces
+
+
+def _split_runs(
+    runs: Sequence[tuple[SampleEntry, int]], chunk: Optional[int] = None
+) -> Iterator[tuple[int, list[tuple[SampleEntry, int]]]]:
+    """``(first_step, runs)`` pieces of ``runs`` holding at most ``chunk`` (default
+    ``_CHUNK_ROWS``) steps each (a run that crosses a boundary is split), in order."""
+    chunk = _CHUNK_ROWS if chunk is None else chunk
+    piece: list[tuple[SampleEntry, int]] = []
+    first = size = 0
+    for entry, count in runs:
+        while count:
+            take = min(count, chunk - size)
+            piece.append((entry, take))
+            size += take
+            count -= take
+            if size == chunk:
+                yield first, piece
+                first, piece, size = first + size, [], 0
+    if piece:
+        yield first, piece
+
+
+def _drop_steps(
+    runs: list[tuple[SampleEntry, int]], start: int
+) -> list[tuple[SampleEntry, int]]:
+    """``runs`` without their first ``start`` steps."""
+    out: list[tuple[SampleEntry, int]] = []
+    seen = 0
+    for entry, count in runs:
+        if seen + count > start:
+            out.append((entry, min(count, seen + count - start)))
+        seen += count
+    return out
 
 
 def _read_rows(table: tf.Variable, start: int, stop: int) -> np.ndarray:
@@ -692,7 +750,77 @@ class PrivacyLedger(tf.Module):
         """
         if tf.executing_eagerly():
             self.flush()
-        return _tables_to_runs(self._samples.numpy(), self._queries.numpy())
+        return self._runs_from(0)
+
+    def runs_from(self, start: int) -> list[tuple[SampleEntry, int]]:
+        """The runs of the steps from index ``start`` on (``runs()`` without the first ``start``
+        steps), reading only those steps' rows: a reader that keeps up with the ledger (e.g. a
+        callback at each epoch end) does work proportional to the new steps.
+
+        Args:
+          start: a step index, ``0 <= start <= num_samples``.
+
+        Example::
+
+            seen = ledger.num_samples
+            ...  # train
+            new_runs = ledger.runs_from(seen)   # only the steps recorded since
+        """
+        if isinstance(start, bool) or not isinstance(start, (int, np.integer)):
+            raise TypeError(f"start must be an int step index, got {type(start).__name__}")
+        if tf.executing_eagerly():
+            self.flush()
+        n = int(self._samples.count.numpy())
+        if not 0 <= start <= n:
+            raise ValueError(f"start must be in [0, num_samples={n}], got {start}")
+        return self._runs_from(int(start))
+
+    def _index_column(self, first: int, stop: int) -> np.ndarray:
+        """Sample-index column of query rows ``first:stop``, read in pieces."""
+        return np.concatenate(
+            [np.zeros(0)] + [
+                _read_rows(self._queries.data, a, min(a + _CHUNK_ROWS, stop))[:, 0].copy()
+                for a in range(first, stop, _CHUNK_ROWS)
+            ]
+        )
+
+    def _runs_from(self, start: int) -> list[tuple[SampleEntry, int]]:
+        """Runs of the steps from index ``start`` on (after a flush), read a piece of steps at a
+        time: memory O(piece + runs), never a copy of the whole tables; work O(steps from
+        ``start``) when ``start`` is at or after the previous call's."""
+        n = int(self._samples.count.numpy())
+        m = int(self._queries.count.numpy())
+        # First query row that may belong to step `start`: the previous call's position, if
+        # the row before it still belongs to an earlier step (checked: tables may be replaced).
+        hint_step, hint_row = getattr(self, "_runs_cursor", (0, 0))
+        if not (0 < hint_step <= start and hint_row <= m and (
+            hint_row == 0 or _read_rows(self._queries.data, hint_row - 1, hint_row)[0, 0]
+            < hint_step
+        )):
+            hint_row = 0
+        index = self._index_column(hint_row, m)
+        q_start = hint_row + int(np.searchsorted(index, start))
+        index = index[q_start - hint_row :]
+        if (hint_row == 0 and q_start > 0 and index.size and index[0] < start) or (
+            index.size and (index[0] < start or index[-1] >= n or np.any(np.diff(index) < 0)
+                            or np.any(index != np.round(index)))
+        ) or (start == 0 and q_start > 0):
+            # malformed tables: the whole-table reader names the problem
+            runs = _tables_to_runs(self._samples.numpy(), self._queries.numpy())
+            return _drop_steps(runs, start)
+        self._runs_cursor = (n, m)  # every query row is of a step before n
+        out: list[tuple[SampleEntry, int]] = []
+        for s0 in range(start, n, _CHUNK_ROWS):
+            s1 = min(s0 + _CHUNK_ROWS, n)
+            q0, q1 = np.searchsorted(index, [s0, s1]) + q_start
+            queries = _read_rows(self._queries.data, int(q0), int(q1))
+            queries[:, 0] -= s0
+            for entry, count in _tables_to_runs(_read_rows(self._samples.data, s0, s1), queries):
+                if out and out[-1][0] == entry:  # a run crossing a piece boundary
+                    out[-1] = (entry, out[-1][1] + count)
+                else:
+                    out.append((entry, count))
+        return out
 
     def save(
         self,
@@ -750,9 +878,22 @@ class PrivacyLedger(tf.Module):
                     "Detach the journal first (ledger.detach_journal()) if they did not touch "
                     "this run's data"
                 )
-        samples, queries = _runs_to_tables(runs)
-        self._samples.load(samples)
-        self._queries.load(queries)
+        _runs_to_tables([(entry, 1) for entry, _ in runs])  # every run converts: fail before
+        # any change. The tables are built in place, a piece of steps at a time (no full-length
+        # host copy).
+        n_samples = sum(c for _, c in runs)
+        n_queries = sum(len(e.queries) * c for e, c in runs)
+        self._samples.allocate(n_samples)
+        self._queries.allocate(n_queries)
+        query_row = 0
+        for first, piece in _split_runs(runs):
+            samples, queries = _runs_to_tables(piece)
+            queries[:, 0] += first
+            self._samples.write(first, samples)
+            self._queries.write(query_row, queries)
+            query_row += queries.shape[0]
+        self._samples.set_count(n_samples)
+        self._queries.set_count(n_queries)
         if self._journal is not None:
             self._journal_queries = sum(len(e.queries) * c for e, c in journaled)
             self._sync_journal()
