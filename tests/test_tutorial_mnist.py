@@ -32,7 +32,7 @@ def test_tutorial_prints_accuracy_and_the_privacy_statement_of_its_saved_ledger(
     out = proc.stdout
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Start-up noise is filtered; the script's own first line says what TensorFlow found, and
-    # real log lines (tf_dp's choice of gradient strategy) still reach stderr.
+    # real log lines (tf_dp's choice of gradient clipper) still reach stderr.
     assert out.startswith("TensorFlow ") and "devices: " in out.splitlines()[0]
     for noise in ("cuInit", "absl::InitializeLog", "cuda drivers", "oneDNN", "font cache"):
         assert noise not in proc.stderr, proc.stderr[-3000:]

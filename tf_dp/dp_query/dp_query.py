@@ -125,7 +125,7 @@ class DPQuery(abc.ABC):
     def accumulate_norms(
         self, params: Any, sample_state: Any, norms: Any, record_mask: Any = None
     ) -> Any:
-        """Completes a sample state that a gradient strategy built from the clipping rule.
+        """Completes a sample state that a gradient clipper built from the clipping rule.
 
         Strategies sum the clipped records themselves (:meth:`clip_weights`); a query whose sample
         state holds more than that sum (``QuantileAdaptiveClipSumQuery``: the count of records

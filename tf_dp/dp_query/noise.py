@@ -55,7 +55,7 @@ tails:
 
 The noise does not depend on the clipped sum, so the TF executor may run it at any time in the
 step (it has no data dependency until the final addition): on a free core, alongside the forward
-and backward pass, at the price of holding the noise through them. A gradient strategy for which
+and backward pass, at the price of holding the noise through them. A gradient clipper for which
 memory matters more asks the DP optimizer to draw it after the clipped sum
 (``ClippedGradients.noise_after_sum``; JL's double-vjp route does). Large leaves get a draw each
 (:func:`add_gaussian_noise_structure`), and draws of more than :data:`CHUNK` normals are made in

@@ -196,12 +196,12 @@ class DPEngine:
             not self.recorder.supports_norm_clipping
         ):
             raise TypeError(
-                f"gradient strategy {strategy.name!r} needs a query with a norm-based "
+                f"gradient clipper {strategy.name!r} needs a query with a norm-based "
                 f"clipping rule; {type(self.query).__name__} has none"
             )
         self.clipper = strategy
         _logger.info(
-            "tf_dp: gradient_mode=%r uses the %r strategy", speed.gradient_mode, strategy.name
+            "tf_dp: gradient_mode=%r uses the %r clipper", speed.gradient_mode, strategy.name
         )
         return strategy
 
