@@ -293,11 +293,11 @@ class DPEngine:
         apply_fn: ApplyFn,
         model: Any = None,
         check: Optional[Callable[[ClippedGradients], None]] = None,
-        extra_gradients: Optional[list] = None,
+        extra_gradients: Optional[Callable[[], Optional[list]]] = None,
     ) -> ClippedGradients:
-        """One whole DP step: :meth:`private_gradients`, then ``extra_gradients`` (gradients
-        that do not depend on the data, such as weight regularisers': one per variable) added
-        after the noise, then :meth:`apply` with ``apply_fn``. Returns the clipped
+        """One whole DP step: :meth:`private_gradients`, then ``extra_gradients()`` (called
+        after the noise: gradients that do not depend on the data, such as weight regularisers',
+        one per variable, or None) added, then :meth:`apply` with ``apply_fn``. Returns the clipped
         gradients (per-example losses and predictions).
 
         Example::
@@ -305,8 +305,9 @@ class DPEngine:
             clipped = engine.step(loss_fn, (x, y, None), [w], step=0, apply_fn=sgd_update)
         """
         clipped, grads = self.private_gradients(loss_fn, data, variables, step, model, check)
-        if extra_gradients is not None:
-            grads = [g + tf.cast(e, g.dtype) for g, e in zip(grads, extra_gradients)]
+        extra = extra_gradients() if extra_gradients is not None else None
+        if extra is not None:
+            grads = [g + tf.cast(e, g.dtype) for g, e in zip(grads, extra)]
         self.apply(grads, variables, apply_fn)
         return clipped
 

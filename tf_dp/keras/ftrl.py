@@ -227,7 +227,10 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
                 "sampling. Feed in-memory arrays or a batched dataset and declare it with "
                 "set_sampling(n, batch_size / n, 'shuffle')"
             )
-        super().set_sampling(claim, selection_probability, sampling_policy)
+        if isinstance(claim, Sampling):
+            super().set_sampling(claim)
+        else:
+            super().set_sampling(population_size, selection_probability, sampling_policy)
         from tf_dp.accounting.ledger_analysis import shuffle_steps_per_epoch
 
         steps = shuffle_steps_per_epoch(population_size, float(selection_probability))

@@ -121,11 +121,15 @@ def private_step(
         model(x, training=False)
     variables = list(model.trainable_variables)
     model._tf_dp_step_records_per_user = optimizer.records_per_user  # the unit this trace clips
-    reg = _regularization_gradients(model, variables)  # data-independent: added after the noise
+    reg = []  # (gradients, penalty) of the weight regularisers, once the engine asks
+
+    def regularizer_gradients():  # called by the engine after the noise (data-independent)
+        reg.append(_regularization_gradients(model, variables))
+        return None if reg[0] is None else reg[0][0]
+
     clipped = optimizer.dp_step(
         loss_fn, (x, y, sample_weight), variables, model,
-        check=lambda _: _refuse_add_loss_terms(model),
-        extra_gradients=None if reg is None else reg[0],
+        check=lambda _: _refuse_add_loss_terms(model), extra_gradients=regularizer_gradients,
     )
     losses = tf.cast(clipped.losses, tf.float32)
     if sample_weight is None:
@@ -134,8 +138,8 @@ def private_step(
     else:  # zero-weight rows (e.g. Poisson padding) are not examples: leave them out of the mean
         rows = tf.reduce_sum(tf.cast(tf.not_equal(tf.reshape(sample_weight, [-1]), 0), tf.float32))
         mean_loss = tf.math.divide_no_nan(tf.reduce_sum(losses), rows)
-    if reg is not None:
-        mean_loss += reg[1]
+    if reg[0] is not None:
+        mean_loss += reg[0][1]
     return mean_loss, rows, clipped.y_pred
 
 

@@ -24,7 +24,7 @@ Example::
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import keras
 import tensorflow as tf
@@ -81,10 +81,11 @@ class DPOptimizerMixin(OptimizerSettings, OptimizerSampling, OptimizerSaving):
         variables: list,
         model: Any = None,
         check: Any = None,
-        extra_gradients: Optional[list] = None,
+        extra_gradients: Optional[Callable[[], Optional[list]]] = None,
     ) -> ClippedGradients:
         """One whole DP step at ``self.iterations`` (:meth:`tf_dp.engine.DPEngine.step`): clip,
-        noise and record, divide, add ``extra_gradients`` (data-independent, after the noise),
+        noise and record, divide, add ``extra_gradients()`` (called after the noise: gradients
+        that do not depend on the data, one per variable, or None),
         apply with the base optimizer's update. Returns the clipped gradients (losses,
         predictions). ``check(clipped)`` runs before anything is noised or recorded.
 
@@ -92,10 +93,17 @@ class DPOptimizerMixin(OptimizerSettings, OptimizerSampling, OptimizerSaving):
 
             clipped = opt.dp_step(PerExampleLoss(model), (x, y, None), model.trainable_variables)
         """
-        self._build_for(variables)
+        def before_apply():
+            # after the clipped sum (the graph's op order, hence seeded draws, as with
+            # private_gradients + apply_dp_gradients): the extra gradients, then the optimizer's
+            # slots, built outside the conditional update
+            extra = extra_gradients() if extra_gradients is not None else None
+            self._build_for(variables)
+            return extra
+
         return self._engine.step(
             loss_fn, data, variables, self.iterations, self._base_apply,  # type: ignore
-            model=model, check=check, extra_gradients=extra_gradients,
+            model=model, check=check, extra_gradients=before_apply,
         )
 
     def private_gradients(
