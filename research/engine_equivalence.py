@@ -33,12 +33,13 @@ def _model(name: str):
             keras.layers.Dense(8, activation="relu"),
             keras.layers.Dense(3),
         ]
-    elif name == "mlp":
+    elif name in ("mlp", "mlpreg"):
+        reg = keras.regularizers.L2(0.01) if name == "mlpreg" else None
         layers = [
             keras.Input((20,)),
+            keras.layers.Dense(16, activation="relu", kernel_regularizer=reg),
             keras.layers.Dense(16, activation="relu"),
-            keras.layers.Dense(16, activation="relu"),
-            keras.layers.Dense(3),
+            keras.layers.Dense(3, kernel_regularizer=reg),
         ]
     else:  # bilstm
         layers = [
@@ -56,7 +57,7 @@ def _data(name: str):
     n = 32
     if name == "cnn":
         x = rng.normal(size=(n, 12, 12, 1)).astype("float32")
-    elif name == "mlp":
+    elif name in ("mlp", "mlpreg"):
         x = rng.normal(size=(n, 20)).astype("float32")
     else:
         x = rng.integers(1, 30, size=(n, 6)).astype("int32")
@@ -102,7 +103,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     parser.add_argument("--compare", nargs=2)
-    parser.add_argument("--models", default="cnn,mlp,bilstm")
+    parser.add_argument("--models", default="cnn,mlp,mlpreg,bilstm")
     parser.add_argument("--modes", default=",".join(MODES))
     args = parser.parse_args()
     if args.compare:

@@ -1,6 +1,7 @@
 """One DP step, from a batch to the noised mean gradient: :class:`DPEngine`.
 
-The step, in order (:meth:`DPEngine.private_gradients`):
+The step, in order (:meth:`DPEngine.step` runs it whole; :meth:`DPEngine.private_gradients`
+stops before the update):
 
 1. schedules: the clip and noise of this step (a clip or noise schedule's value at ``step``);
 2. clipped sum: the gradient clipper computes the sum of per-record clipped gradients, with the
@@ -11,11 +12,13 @@ The step, in order (:meth:`DPEngine.private_gradients`):
    noise (replica 0's);
 5. divide by the public denominator: the expected batch size ``q * n`` of the declared
    :class:`~tf_dp.engine.Sampling` (Poisson), the number of records of the batch (shuffled
-   batches) or of microbatches, 1 for a ``NormalizedQuery``.
+   batches) or of microbatches, 1 for a ``NormalizedQuery``;
+6. gradients that do not depend on the data (weight regularisers') are added, after the noise;
+7. :meth:`DPEngine.apply` applies the result with the caller's update function, only when it is
+   finite and was recorded.
 
-:meth:`DPEngine.apply` then applies the result with the caller's update function, only when it is
-finite and was recorded. TensorFlow only: the Keras optimizers (``tf_dp.keras``) and custom
-training loops (``tf_dp.keras.DPTrainStep``) both run this step.
+TensorFlow only: the Keras optimizers (``tf_dp.keras``) and custom training loops
+(``tf_dp.keras.DPTrainStep``) both run this step.
 
 Example (a custom per-example loss and a plain ``tf.Variable``)::
 
@@ -25,8 +28,8 @@ Example (a custom per-example loss and a plain ``tf.Variable``)::
     def loss_fn(x, y, sample_weight):            # per-example losses [B] and predictions
         pred = tf.linalg.matvec(x, w)
         return tf.square(pred - y), pred
-    _, grads = engine.private_gradients(loss_fn, (x, y, None), [w], step=0)
-    engine.apply(grads, [w], lambda g, v: [vi.assign_sub(0.1 * gi) for gi, vi in zip(g, v)])
+    sgd = lambda g, v: [vi.assign_sub(0.1 * gi) for gi, vi in zip(g, v)]
+    engine.step(loss_fn, (x, y, None), [w], step=0, apply_fn=sgd)
     engine.flush()                               # between compiled calls
 """
 
@@ -280,6 +283,33 @@ class DPEngine:
         if check is not None:
             check(clipped)
         return clipped, self.noised_mean(clipped)                            # 3.-5.
+
+    def step(
+        self,
+        loss_fn: Any,
+        data: Any,
+        variables: list,
+        step: Any,
+        apply_fn: ApplyFn,
+        model: Any = None,
+        check: Optional[Callable[[ClippedGradients], None]] = None,
+        extra_gradients: Optional[Callable[[], Optional[list]]] = None,
+    ) -> ClippedGradients:
+        """One whole DP step: :meth:`private_gradients`, then ``extra_gradients()`` (called
+        after the noise: gradients that do not depend on the data, such as weight regularisers',
+        one per variable, or None) added, then :meth:`apply` with ``apply_fn``. Returns the clipped
+        gradients (per-example losses and predictions).
+
+        Example::
+
+            clipped = engine.step(loss_fn, (x, y, None), [w], step=0, apply_fn=sgd_update)
+        """
+        clipped, grads = self.private_gradients(loss_fn, data, variables, step, model, check)
+        extra = extra_gradients() if extra_gradients is not None else None
+        if extra is not None:
+            grads = [g + tf.cast(e, g.dtype) for g, e in zip(grads, extra)]
+        self.apply(grads, variables, apply_fn)
+        return clipped
 
     def noised_mean(self, clipped: ClippedGradients) -> list:
         """Noise and record (query + ledger), all-reduce with one noise draw, divide by the

@@ -270,6 +270,10 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         self._build_tree(list(variables))
         return super().private_gradients(loss_fn, data, variables, model, check)
 
+    def dp_step(self, loss_fn, data, variables, model=None, check=None, extra_gradients=None):
+        self._build_tree(list(variables))  # as in private_gradients
+        return super().dp_step(loss_fn, data, variables, model, check, extra_gradients)
+
     def dp_aggregate(self, clipped):
         # the first (traced) step, before Keras builds the optimizer: size the tree state from
         # the clipped sum (one tensor per trainable variable)

@@ -112,20 +112,25 @@ def private_step(
     model: keras.Model, optimizer: Any, loss_fn: Any, x: Any, y: Any, sample_weight: Any
 ) -> tuple[tf.Tensor, tf.Tensor, Any]:
     """One DP step of ``model`` through ``optimizer``'s engine (the body of ``train_step`` and of
-    :class:`tf_dp.keras.DPTrainStep`): the engine's noised mean gradient plus the gradients of
-    weight regularisers, applied by the DP optimizer. Returns ``(mean loss over the real
-    records, number of real records, predictions)``."""
+    :class:`tf_dp.keras.DPTrainStep`), one call of the optimizer's ``dp_step``: the engine's
+    noised mean gradient plus the gradients of weight regularisers, applied by the DP optimizer.
+    Returns ``(mean loss over the real records, number of real records, predictions)``."""
     if not model.built or not model.trainable_variables:
         # A subclassed model builds its variables on its first call: create them here, outside
         # the per-example computation, so that the clipper sees them.
         model(x, training=False)
     variables = list(model.trainable_variables)
     model._tf_dp_step_records_per_user = optimizer.records_per_user  # the unit this trace clips
-    clipped, grads = optimizer.private_gradients(
+    reg = []  # (gradients, penalty) of the weight regularisers, once the engine asks
+
+    def regularizer_gradients():  # called by the engine after the noise (data-independent)
+        reg.append(_regularization_gradients(model, variables))
+        return None if reg[0] is None else reg[0][0]
+
+    clipped = optimizer.dp_step(
         loss_fn, (x, y, sample_weight), variables, model,
-        check=lambda _: _refuse_add_loss_terms(model),
+        check=lambda _: _refuse_add_loss_terms(model), extra_gradients=regularizer_gradients,
     )
-    reg = _regularization_gradients(model, variables)
     losses = tf.cast(clipped.losses, tf.float32)
     if sample_weight is None:
         rows = tf.cast(tf.shape(clipped.losses)[0], tf.float32)
@@ -133,11 +138,8 @@ def private_step(
     else:  # zero-weight rows (e.g. Poisson padding) are not examples: leave them out of the mean
         rows = tf.reduce_sum(tf.cast(tf.not_equal(tf.reshape(sample_weight, [-1]), 0), tf.float32))
         mean_loss = tf.math.divide_no_nan(tf.reduce_sum(losses), rows)
-    if reg is not None:
-        reg_grads, penalty = reg
-        grads = [g + tf.cast(r, g.dtype) for g, r in zip(grads, reg_grads)]
-        mean_loss += penalty
-    optimizer.apply_dp_gradients(grads, variables)
+    if reg[0] is not None:
+        mean_loss += reg[0][1]
     return mean_loss, rows, clipped.y_pred
 
 
