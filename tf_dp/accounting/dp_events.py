@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 
-from tf_dp.accounting.ledger_analysis import _units
+from tf_dp.accounting.ledger_analysis import composable_units
 from tf_dp.ledger.ledger_file import as_runs
 
 __all__ = ["ledger_to_dp_event"]
@@ -58,7 +58,7 @@ def ledger_to_dp_event(ledger):
     """
     dpa = _dp_accounting()
     runs = as_runs(ledger)
-    units, non_private, _ = _units(runs)
+    units, non_private, _ = composable_units(runs)
     if any(u.r is not None for u in units):
         raise ValueError(
             "ledger_to_dp_event: the ledger has JL steps (jl_projections set); dp_accounting has "

@@ -263,9 +263,13 @@ def shuffle_epoch_runs(runs: Sequence[tuple[SampleEntry, int]]) -> list[tuple[Sa
     return out
 
 
-def _units(runs: Sequence[tuple[SampleEntry, int]]) -> tuple[list[_Unit], bool, set]:
-    """Reduces runs of identical entries to composable units; returns (units, any_non_private,
-    policies)."""
+def composable_units(
+    runs: Sequence[tuple[SampleEntry, int]],
+) -> tuple[list[_Unit], bool, set]:
+    """Reduces runs of identical entries to independently composable units (each with ``q``,
+    ``z``, ``count``; shuffle epochs and tree windows already counted); returns ``(units,
+    any_non_private, policies)``. Used by every reader of runs (accountants, dp_events,
+    ``PrivacyBudget``)."""
     units: list[_Unit] = []
     non_private = False
     policies = set()
@@ -463,7 +467,7 @@ def _noise_mode_note(runs: Sequence[tuple[SampleEntry, int]]) -> str:
 
 
 def _epsilon(runs, steps, delta, accountant, orders, discretization) -> PrivacyResult:
-    units, non_private, policies = _units(runs)
+    units, non_private, policies = composable_units(runs)
     has_jl = any(u.r is not None for u in units)
     certified = accountant != "gdp" or all(u.q >= 1.0 for u in units)
     assumptions = _assumptions(accountant, policies, has_jl)
@@ -523,7 +527,7 @@ def compute_delta(
 
 
 def _delta(runs, steps, epsilon, accountant, orders, discretization) -> PrivacyResult:
-    units, non_private, policies = _units(runs)
+    units, non_private, policies = composable_units(runs)
     has_jl = any(u.r is not None for u in units)
     certified = accountant != "gdp" or all(u.q >= 1.0 for u in units)
 

@@ -196,14 +196,14 @@ class _ComposedCurve:
     @staticmethod
     def units_of(runs: Sequence[tuple[SampleEntry, int]]):
         """``(q, z, counts)`` of ``runs``, or None when they do not compose independently."""
-        from tf_dp.accounting.ledger_analysis import _units
+        from tf_dp.accounting.ledger_analysis import composable_units
 
         for entry, _ in runs:
             if entry.sampling.policy != "poisson" or any(
                 q.mechanism in ("tree", "jl") for q in entry.queries
             ):
                 return None
-        units, non_private, _ = _units(list(runs))
+        units, non_private, _ = composable_units(list(runs))
         q = [u.q for u in units] + ([1.0] if non_private else [])
         z = [u.z for u in units] + ([0.0] if non_private else [])  # z = 0: infinite RDP
         return q, z, [u.count for u in units] + ([1] if non_private else [])
