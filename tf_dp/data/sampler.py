@@ -17,6 +17,15 @@ of about ``1e-12`` below the recorded ``q``, far above the float64 rounding of n
 sampler, so that the inclusion probability ``p`` is never above ``q`` (with ``q = 1`` every record
 is taken). Memory: the source's own index plus a few batches; the data is never copied.
 
+With ``user_ids=`` and ``max_records_per_user=k`` the sampled units are users (user-level DP, see
+:mod:`tf_dp.data.users`): every step draws one uniform per user and keeps each user with
+probability ``q`` (:func:`tf_dp.data.sample_user_rows`, the function
+:func:`tf_dp.data.poisson_batches` uses), then reads only the at most ``k`` drawn records of each
+sampled user. The batch has the user-level slot layout (``max_batch_size`` user slots of ``k``
+rows, padding rows of zeros with weight 0) and ``.sampling`` says ``unit="user"``, ``k`` and the
+number of users. Memory: the user index (an int64 per record, an int64 and the id per user) on top of the
+source's own.
+
 The batches are produced in a background thread of ``tf.data`` (``Dataset.from_generator``) and
 ``prefetch`` batches ahead, so reading overlaps the training step. Randomness comes from a Philox
 generator keyed from OS entropy; ``seed`` fixes it (tests and debugging only).

@@ -32,7 +32,8 @@ needs no extra element; under ``tf.distribute`` batches are padded to a multiple
 
 Any source that can fetch records by index uses the same function: :func:`sample_user_rows` turns
 a :class:`UserIndex` into the record indices of one batch (``-1`` for padding), and the source
-gathers those records. :func:`tf_dp.data.poisson_batches` does this for in-memory arrays::
+gathers those records. :func:`tf_dp.data.poisson_batches` does this for in-memory arrays, and
+:func:`tf_dp.data.poisson_sample` for random-access sources (files, memmaps)::
 
     batches = tf_dp.data.poisson_batches(x, y, sampling_probability=64 / n_users,
                                          user_ids=user_of_record, max_records_per_user=4)
