@@ -23,8 +23,8 @@ probability ``q`` (:func:`tf_dp.data.sample_user_rows`, the function
 :func:`tf_dp.data.poisson_batches` uses), then reads only the at most ``k`` drawn records of each
 sampled user. The batch has the user-level slot layout (``max_batch_size`` user slots of ``k``
 rows, padding rows of zeros with weight 0) and ``.sampling`` says ``unit="user"``, ``k`` and the
-number of users. Memory: the user index (an int64 per record, an int64 and the id per user) on top of the
-source's own.
+number of users. Memory: the user index (an int64 per record, an int64 and the id per user)
+on top of the source's own.
 
 The batches are produced in a background thread of ``tf.data`` (``Dataset.from_generator``) and
 ``prefetch`` batches ahead, so reading overlaps the training step. Randomness comes from a Philox
