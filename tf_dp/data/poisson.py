@@ -261,24 +261,9 @@ def poisson_batches(
             )
     if n < 1:
         raise ValueError("x must hold at least one example")
-    users = None
-    if user_ids is not None:
-        from tf_dp.data.users import UserIndex, check_records_per_user
+    from tf_dp.data.users import user_index_for
 
-        if max_records_per_user is None:
-            raise ValueError(
-                "max_records_per_user must be an integer >= 1 with user_ids (the most records "
-                "one sampled user contributes to a batch), got None"
-            )
-        k = check_records_per_user(max_records_per_user)
-        users = UserIndex.from_user_ids(user_ids, n)
-        if num_shards != 1:
-            raise ValueError(
-                f"num_shards must be 1 with user_ids (user-level sampling is not sharded), got "
-                f"{num_shards!r}"
-            )
-    elif max_records_per_user is not None:
-        raise ValueError("max_records_per_user is only used with user_ids")
+    users, k = user_index_for(user_ids, max_records_per_user, n, num_shards)
     num_shards = _check_positive_int("num_shards", num_shards)
     if isinstance(shard_index, bool) or not isinstance(shard_index, (int, np.integer)) or not (
         0 <= shard_index < num_shards

@@ -17,6 +17,15 @@ of about ``1e-12`` below the recorded ``q``, far above the float64 rounding of n
 sampler, so that the inclusion probability ``p`` is never above ``q`` (with ``q = 1`` every record
 is taken). Memory: the source's own index plus a few batches; the data is never copied.
 
+With ``user_ids=`` and ``max_records_per_user=k`` the sampled units are users (user-level DP, see
+:mod:`tf_dp.data.users`): every step draws one uniform per user and keeps each user with
+probability ``q`` (:func:`tf_dp.data.sample_user_rows`, the function
+:func:`tf_dp.data.poisson_batches` uses), then reads only the at most ``k`` drawn records of each
+sampled user. The batch has the user-level slot layout (``max_batch_size`` user slots of ``k``
+rows, padding rows of zeros with weight 0) and ``.sampling`` says ``unit="user"``, ``k`` and the
+number of users. Memory: the user index (an int64 per record, an int64 and the id per user)
+on top of the source's own.
+
 The batches are produced in a background thread of ``tf.data`` (``Dataset.from_generator``) and
 ``prefetch`` batches ahead, so reading overlaps the training step. Randomness comes from a Philox
 generator keyed from OS entropy; ``seed`` fixes it (tests and debugging only).
@@ -43,6 +52,7 @@ from tf_dp.data.poisson import (
     _check_probability,
     default_max_batch_size,
 )
+from tf_dp.data.users import sample_user_rows, user_index_for
 
 #: Relative margin of the binomial draw's rate below the recorded ``q``.
 RATE_MARGIN = 2.0**-40
@@ -61,6 +71,16 @@ def _pad(leaf: np.ndarray, rows: int) -> np.ndarray:
     if leaf.dtype.kind == "O":
         fill[...] = b""
     return np.concatenate([leaf, fill])
+
+
+def _scatter(leaf: np.ndarray, real: np.ndarray) -> np.ndarray:
+    """``leaf``'s rows (the records read, in order) at the rows where ``real``; zeros (or
+    ``b""``) elsewhere."""
+    out = np.zeros((len(real),) + leaf.shape[1:], dtype=leaf.dtype)
+    if leaf.dtype.kind == "O":
+        out[...] = b""
+    out[real] = leaf
+    return out
 
 
 def _split(batch: Any, what: str) -> tuple:
@@ -83,6 +103,8 @@ def poisson_sample(
     num_shards: int = 1,
     shard_index: int = 0,
     prefetch: int = 2,
+    user_ids: Any = None,
+    max_records_per_user: Optional[int] = None,
 ) -> PoissonBatches:
     """Poisson-sampled, padded batches read from a random-access source, for ``fit``.
 
@@ -99,13 +121,24 @@ def poisson_sample(
         worker ``shard_index`` samples, at rate ``q``, the records whose index is ``shard_index``
         modulo ``num_shards``; the union over workers is one Poisson sample of all ``n`` records.
       prefetch: batches read ahead of the training step (>= 1).
+      user_ids: for user-level DP: one integer or string id per record of the source (an array
+        of ``len(source)`` ids; a memmap is fine, it is read once to group the records). Users
+        are Poisson-sampled at rate ``q`` and each sampled user contributes at most
+        ``max_records_per_user`` of its records, chosen uniformly at random
+        (:func:`tf_dp.data.sample_user_rows`, as :func:`tf_dp.data.poisson_batches` does); only
+        those records are read. ``steps_per_epoch`` and ``max_batch_size`` then count users (a
+        batch has ``max_batch_size * k`` rows in slots of ``k``, padding rows of weight 0).
+        Not combined with ``num_shards > 1``.
+      max_records_per_user: ``k`` >= 1, required with ``user_ids``.
 
     Returns:
       A :class:`~tf_dp.data.PoissonBatches`; ``.sampling`` is
-      ``Sampling(n, q, policy="poisson", origin="sampled")``.
+      ``Sampling(n, q, policy="poisson", origin="sampled")``, or with ``user_ids``
+      ``Sampling(n_users, q, "poisson", "sampled", unit="user", records_per_unit=k)``.
 
     Raises (before anything runs): ``TypeError``/``ValueError`` naming the argument for a source
-    without ``len``/``read``, an empty source, ``q`` outside (0, 1], bad integers. While
+    without ``len``/``read``, an empty source, ``q`` outside (0, 1], bad integers, ``user_ids``
+    of the wrong dtype, shape or length, ``max_records_per_user`` < 1 or missing. While
     iterating: ``ValueError`` if the source's length changed since this call, or a batch has
     the wrong number of rows (the step that would use it never runs).
 
@@ -113,6 +146,9 @@ def poisson_sample(
 
         source = tf_dp.data.ArraySource(np.load("x.npy", mmap_mode="r"), np.load("y.npy"))
         model.fit(tf_dp.data.poisson_sample(source, sampling_probability=0.01), epochs=3)
+        users = np.load("user_of_record.npy", mmap_mode="r")    # one id per record
+        model.fit(tf_dp.data.poisson_sample(source, sampling_probability=64 / n_users,
+                                            user_ids=users, max_records_per_user=4), epochs=3)
     """
     if not (hasattr(source, "__len__") and callable(getattr(source, "read", None))):
         raise TypeError(
@@ -135,12 +171,14 @@ def poisson_sample(
     if num_shards > n:
         raise ValueError(f"num_shards must be <= the number of records ({n}), got {num_shards}")
     prefetch = _check_positive_int("prefetch", prefetch)
+    users, k_user = user_index_for(user_ids, max_records_per_user, n, num_shards)
     rows = len(range(shard_index, n, num_shards))
     if steps_per_epoch is None:
         steps_per_epoch = max(1, int(round(1.0 / q)))
     steps_per_epoch = _check_positive_int("steps_per_epoch", steps_per_epoch)
     if max_batch_size is None:
-        max_batch_size = default_max_batch_size(rows, q, overflow_probability)
+        units = rows if users is None else users.num_users
+        max_batch_size = default_max_batch_size(units, q, overflow_probability)
     max_batch_size = _check_positive_int("max_batch_size", max_batch_size)
     if seed is None:
         key = int.from_bytes(os.urandom(16), "little")
@@ -151,17 +189,21 @@ def poisson_sample(
     rng = np.random.Generator(np.random.Philox(key))
     p = q * (1.0 - RATE_MARGIN)
 
-    def draw() -> np.ndarray:
+    def check_length() -> None:
         if len(source) != n:
             raise ValueError(
                 f"source changed length from {n} to {len(source)} records during sampling: the "
                 "recorded population size would be false; a source must not change in training"
             )
+
+    def draw() -> np.ndarray:
+        check_length()
         k = rows if q == 1.0 else int(rng.binomial(rows, p))
         local = np.sort(rng.choice(rows, size=k, replace=False, shuffle=False))
         return shard_index + num_shards * local
 
-    def to_batch(indices: np.ndarray) -> tuple:
+    def read(indices: np.ndarray) -> tuple:
+        """``(x, y, sample_weight)`` of the records at ``indices``, one row each, unpadded."""
         parts = _split(source.read(indices), "a batch")
         k = len(indices)
         leaves = [np.asarray(a) for a in tf.nest.flatten(parts)]
@@ -172,11 +214,29 @@ def poisson_sample(
             )
         parts = tf.nest.pack_sequence_as(parts, leaves)
         weight = np.ones(k, np.float32) if len(parts) == 2 else parts[2].astype(np.float32)
-        x, y = (tf.nest.map_structure(lambda a: _pad(a, max_batch_size), t) for t in parts[:2])
-        return x, y, _pad(weight.reshape(k), max_batch_size)
+        return parts[0], parts[1], weight.reshape(k)
 
-    first = to_batch(np.array([shard_index], np.int64))  # the element spec, from one record
+    first = read(np.array([shard_index], np.int64))  # the element spec, from one record
     signature = tf.nest.map_structure(_spec, first)
+
+    def to_batch(indices: np.ndarray) -> tuple:
+        return tf.nest.map_structure(lambda a: _pad(a, max_batch_size), read(indices))
+
+    if users is not None:
+        user_rows = tf.function(sample_user_rows)
+        order, starts = tf.constant(users.order), tf.constant(users.starts)
+        q64 = tf.constant(q, tf.float64)
+        empty = tf.nest.map_structure(lambda a: a[:0], first)
+
+        def draw() -> np.ndarray:  # noqa: F811 (user-level: record indices, -1 for padding)
+            check_length()
+            seed = tf.constant(rng.integers(0, 1 << 63, size=2, dtype=np.int64))
+            return user_rows(order, starts, q64, k_user, max_batch_size, seed).numpy()
+
+        def to_batch(slots: np.ndarray) -> tuple:  # noqa: F811 (the records in their slots)
+            real = slots >= 0
+            got = read(slots[real]) if real.any() else empty
+            return tf.nest.map_structure(lambda a: _scatter(a, real), got)
 
     def batches():
         for _ in range(steps_per_epoch):
@@ -191,8 +251,9 @@ def poisson_sample(
         dataset = dataset.with_options(options)
     return PoissonBatches(
         dataset=dataset,
-        tf_dp_sampling=(n, q),
+        tf_dp_sampling=(n if users is None else users.num_users, q),
         steps_per_epoch=steps_per_epoch,
         max_batch_size=max_batch_size,
         num_shards=num_shards,
+        records_per_user=k_user,
     )

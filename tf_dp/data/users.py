@@ -32,7 +32,8 @@ needs no extra element; under ``tf.distribute`` batches are padded to a multiple
 
 Any source that can fetch records by index uses the same function: :func:`sample_user_rows` turns
 a :class:`UserIndex` into the record indices of one batch (``-1`` for padding), and the source
-gathers those records. :func:`tf_dp.data.poisson_batches` does this for in-memory arrays::
+gathers those records. :func:`tf_dp.data.poisson_batches` does this for in-memory arrays, and
+:func:`tf_dp.data.poisson_sample` for random-access sources (files, memmaps)::
 
     batches = tf_dp.data.poisson_batches(x, y, sampling_probability=64 / n_users,
                                          user_ids=user_of_record, max_records_per_user=4)
@@ -42,7 +43,7 @@ gathers those records. :func:`tf_dp.data.poisson_batches` does this for in-memor
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -116,6 +117,38 @@ def check_records_per_user(k: Any) -> int:
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"max_records_per_user must be an integer >= 1, got {k!r}")
     return int(k)
+
+
+def user_index_for(
+    user_ids: Any, max_records_per_user: Any, num_records: int, num_shards: int = 1
+) -> tuple[Optional[UserIndex], Optional[int]]:
+    """A sampler's user arguments checked: ``(UserIndex, k)``, or ``(None, None)`` without ids.
+
+    Raises ValueError naming the argument: ``max_records_per_user`` missing, not an integer >= 1,
+    or given without ``user_ids``; ``user_ids`` of the wrong dtype, shape or length; ``num_shards``
+    other than 1 with ``user_ids`` (user-level sampling is not sharded).
+
+    Example::
+
+        index, k = user_index_for(np.array([7, 3, 7]), 2, 3)   # 2 users, k = 2
+    """
+    if user_ids is None:
+        if max_records_per_user is not None:
+            raise ValueError("max_records_per_user is only used with user_ids")
+        return None, None
+    if max_records_per_user is None:
+        raise ValueError(
+            "max_records_per_user must be an integer >= 1 with user_ids (the most records "
+            "one sampled user contributes to a batch), got None"
+        )
+    k = check_records_per_user(max_records_per_user)
+    index = UserIndex.from_user_ids(user_ids, num_records)
+    if num_shards != 1:
+        raise ValueError(
+            f"num_shards must be 1 with user_ids (user-level sampling is not sharded), got "
+            f"{num_shards!r}"
+        )
+    return index, k
 
 
 def sample_user_rows(
