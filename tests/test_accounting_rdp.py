@@ -211,3 +211,57 @@ def test_composed_rdp_grows_like_dp_accounting():
                 ref.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), k)
             eps = acc.epsilon(*zip(*extra)) if extra else acc.epsilon()
             assert eps == pytest.approx(ref.get_epsilon(1e-5), rel=1e-6)
+
+
+def _random_units_and_orders(seed):
+    rng = np.random.default_rng(seed)
+    q = 10 ** rng.uniform(-4, np.log10(0.03), 4)
+    s = rng.uniform(0.6, 5.0, 4)
+    orders = np.unique(np.round(np.concatenate(
+        [1.0 + rng.uniform(0.02, 12.0, 16), rng.integers(2, 70, 6).astype(float)]), 3))
+    return q, s, orders
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_all_orders_at_once_equal_one_order_at_a_time_and_dp_accounting(seed):
+    """R(a) of several units at many (random) orders in one evaluation equals the same units
+    evaluated one order at a time, the closed-form binomial sum at integer orders (exact
+    integers, Python floats) and dp_accounting's RDP (its series, where it converges)."""
+    import math
+
+    q, s, orders = _random_units_and_orders(seed)
+    together = rdp._rdp_matrix(q, s, orders)
+    one_by_one = np.stack([rdp._rdp_matrix(q, s, np.array([a]))[:, 0] for a in orders], axis=1)
+    np.testing.assert_allclose(together, one_by_one, rtol=1e-9)
+    for i, (qi, si) in enumerate(zip(q, s)):
+        ref = np.asarray(ref_rdp._compute_rdp_poisson_subsampled_gaussian(qi, si, orders))
+        # fractional orders: a certified series (tail bound <= 1e-7 of log A_a added); tiny
+        # divergences: log A_a is a log of sums near 1, exact to double round-off (~1e-15)
+        np.testing.assert_allclose(together[i], ref, rtol=1e-6, atol=1e-14)
+        for j, a in enumerate(orders):
+            if a.is_integer():
+                a = int(a)
+                total = math.fsum(math.comb(a, k) * (1 - qi) ** (a - k) * qi ** k
+                                  * math.exp((k * k - k) / (2 * si * si)) for k in range(a + 1))
+                assert together[i, j] == pytest.approx(math.log(total) / (a - 1), rel=1e-9)
+                assert together[i, j] == pytest.approx(ref[j], rel=1e-9)
+
+
+def test_orders_share_the_blocks_of_series_terms(monkeypatch):
+    """The fractional series of all orders runs in one loop of blocks of terms: as many blocks
+    as the slowest order alone needs, not the sum over orders (each block evaluates the certified
+    tail bound once)."""
+    q, s = np.array([0.05]), np.array([1.0])
+    orders = np.array([1.05, 1.5, 2.5, 3.3, 4.1, 4.7, 5.5, 6.5, 8.1, 10.5])
+    calls = []
+    original = rdp._log_tail_bound
+    monkeypatch.setattr(rdp, "_log_tail_bound", lambda *a: calls.append(1) or original(*a))
+
+    def blocks(o):
+        calls.clear()
+        rdp._rdp_matrix(q, s, np.asarray(o, float))
+        return len(calls)
+
+    singles = [blocks([a]) for a in orders]
+    assert sum(singles) > max(singles)
+    assert blocks(orders) == max(singles)

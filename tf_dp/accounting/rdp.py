@@ -87,9 +87,20 @@ def _check_orders(orders: Sequence[float]) -> np.ndarray:
     return arr
 
 
-def _log_abs_binom(a: float, k: np.ndarray) -> np.ndarray:
-    """log |C(a, k)| for real a and integer k >= 0 (gammaln gives log|Gamma|)."""
+def _log_abs_binom(a, k: np.ndarray) -> np.ndarray:
+    """log |C(a, k)| for real a (a scalar, or a column of orders) and integer k >= 0 (gammaln
+    gives log|Gamma|)."""
     return special.gammaln(a + 1.0) - special.gammaln(k + 1.0) - special.gammaln(a - k + 1.0)
+
+
+def _logsumexp_rows(x: np.ndarray) -> np.ndarray:
+    """``log(sum(exp(x), axis=1))`` of a 2-d array, stable (rows of ``-inf`` give ``-inf``);
+    :func:`scipy.special.logsumexp` without its per-call overhead (it runs once per block of
+    series terms)."""
+    m = np.max(x, axis=1)
+    m = np.where(np.isfinite(m), m, 0.0)
+    with np.errstate(divide="ignore"):
+        return np.log(np.sum(np.exp(x - m[:, None]), axis=1)) + m
 
 
 def _log_ndtr_upper(x: np.ndarray) -> np.ndarray:
@@ -106,19 +117,26 @@ def _log_ndtr_upper(x: np.ndarray) -> np.ndarray:
 _NEGLIGIBLE = -45.0
 
 
-def _log_a_integer(log_q: np.ndarray, log_1mq: np.ndarray, inv2s2: np.ndarray, a: int
+def _log_a_integer(log_q: np.ndarray, log_1mq: np.ndarray, inv2s2: np.ndarray, a: np.ndarray
                    ) -> np.ndarray:
-    """``log A_a`` for an integer order ``a``, every unit at once (finite binomial sum)."""
-    k = np.arange(a + 1, dtype=np.float64)
-    lb = _log_abs_binom(float(a), k)
-    out = np.empty(log_q.size)
-    # Bound the work array to ~4e6 elements.
-    step = max(1, 4_000_000 // (a + 1))
-    for i in range(0, log_q.size, step):
-        sl = slice(i, i + step)
-        terms = (lb + k * log_q[sl, None] + (a - k) * log_1mq[sl, None]
-                 + (k * k - k) * inv2s2[sl, None])
-        out[sl] = special.logsumexp(terms, axis=1)
+    """``log A_a`` of the finite binomial sum, one evaluation for many (unit, integer order)
+    pairs: ``a[i]`` is the order of pair ``i`` (the other arrays its unit's values); terms
+    ``k > a[i]`` are left out. Pairs are taken by increasing order in blocks of ~4e6 terms."""
+    a = np.asarray(a, dtype=np.float64)
+    out = np.empty(a.size)
+    by_order = np.argsort(a, kind="stable")
+    i = 0
+    while i < a.size:
+        rest = by_order[i:]
+        fits = (np.arange(1, rest.size + 1) * (a[rest] + 1.0)) <= 4_000_000
+        sl = rest[:max(1, int(np.count_nonzero(fits)))]
+        aa = a[sl, None]
+        k = np.arange(int(a[sl].max()) + 1, dtype=np.float64)
+        with np.errstate(invalid="ignore"):
+            terms = (_log_abs_binom(aa, k) + k * log_q[sl, None] + (aa - k) * log_1mq[sl, None]
+                     + (k * k - k) * inv2s2[sl, None])
+        out[sl] = _logsumexp_rows(np.where(k <= aa, terms, -np.inf))
+        i += sl.size
     return out
 
 
@@ -133,11 +151,14 @@ def _series_side(lb, k, p_log, c_log, quad, tail_arg):
     return ub
 
 
-def _log_a_fractional(log_q: np.ndarray, log_1mq: np.ndarray, s: np.ndarray, a: float,
+def _log_a_fractional(log_q: np.ndarray, log_1mq: np.ndarray, s: np.ndarray, a,
                       max_terms: int = 100_000) -> np.ndarray:
-    """``log A_a`` for a fractional order, every unit at once (Mironov, Talwar & Zhang 2019,
-    Sec. 3.3): both halves of the integral, split at ``z0``, expanded in binomial series whose
-    terms are summed in absolute value (an upper bound).
+    """``log A_a`` for fractional orders, one evaluation for many (unit, order) pairs: ``a`` is
+    the order of each pair (or one order for all), the other arrays its unit's values (Mironov,
+    Talwar & Zhang 2019, Sec. 3.3): both halves of the integral, split at ``z0``, expanded in
+    binomial series whose terms are summed in absolute value (an upper bound). The pairs share
+    the blocks of terms ``k``; each stops on its own test below, so its value does not depend on
+    the other pairs.
 
     A unit stops at ``K`` terms once the certified bound on the rest of both series
     (:func:`_log_tail_bound`) is below ``1e-7`` of ``log A_a``, and the bound is added; or (where
@@ -145,6 +166,7 @@ def _log_a_fractional(log_q: np.ndarray, log_1mq: np.ndarray, s: np.ndarray, a: 
     decreasing and below ``1e-17`` of its sum. A unit still running after ``max_terms`` terms
     gets ``inf`` unless the tail bound applies."""
     n = log_q.size
+    a = np.broadcast_to(np.asarray(a, dtype=np.float64), (n,))
     total = np.full(n, -np.inf)
     active = np.arange(n)
     # Split point where q N(1, s^2) and (1-q) N(0, s^2) have equal density.
@@ -154,22 +176,23 @@ def _log_a_fractional(log_q: np.ndarray, log_1mq: np.ndarray, s: np.ndarray, a: 
     start = 0
     while active.size:
         k = np.arange(start, start + chunk, dtype=np.float64)
-        lb = _log_abs_binom(a, k)
-        j = a - k
+        aa = a[active, None]
+        lb = _log_abs_binom(aa, k)
+        j = aa - k
         lq, l1 = log_q[active, None], log_1mq[active, None]
         ss, zz, w = s[active, None], z0[active, None], inv2s2[active, None]
         # Left half (x <= z0): powers of the smaller q-component; right half: of the other.
         left = _series_side(lb, k, k * lq, j * l1, (k * k - k) * w, (zz - k) / ss)
         right = _series_side(lb, k, j * lq, k * l1, (j * j - j) * w, (j - zz) / ss)
-        block = special.logsumexp(np.concatenate([left, right], axis=1), axis=1)
+        block = _logsumexp_rows(np.concatenate([left, right], axis=1))
         new_total = np.logaddexp(total[active], block)
         start += chunk
-        tail = _log_tail_bound(a, start, log_1mq[active], s[active], z0[active])
+        tail = _log_tail_bound(a[active], start, log_1mq[active], s[active], z0[active])
         last = np.maximum(left[:, -1], right[:, -1])
-        small = ((start - 1 > a + 1) & (last < new_total - 40)
+        small = ((start - 1 > a[active] + 1) & (last < new_total - 40)
                  & (left[:, -1] < left[:, -2]) & (right[:, -1] < right[:, -2]))
         # The rest is below 1e-7 of log A_a (~ A_a - 1, small for small divergences).
-        with np.errstate(divide="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore"):
             certified = tail < np.log(np.expm1(np.minimum(new_total, 700.0))) - 16.0
         final = start >= max_terms
         done = certified | small | final
@@ -182,7 +205,7 @@ def _log_a_fractional(log_q: np.ndarray, log_1mq: np.ndarray, s: np.ndarray, a: 
     return total
 
 
-def _log_tail_bound(a: float, K: int, log_1mq: np.ndarray, s: np.ndarray, z0: np.ndarray
+def _log_tail_bound(a: np.ndarray, K: int, log_1mq: np.ndarray, s: np.ndarray, z0: np.ndarray
                     ) -> np.ndarray:
     """log of an upper bound on the sum of the absolute terms ``k >= K`` of both series of
     :func:`_log_a_fractional` (``inf`` where it does not apply: ``K <= a + 1`` or ``K`` not past
@@ -199,7 +222,7 @@ def _log_tail_bound(a: float, K: int, log_1mq: np.ndarray, s: np.ndarray, z0: np
     with np.errstate(divide="ignore", invalid="ignore"):
         log_c = (a * log_1mq - z0 * z0 / (2.0 * s * s) - 0.5 * math.log(2.0 * math.pi)
                  + np.log(s))
-        val = (float(_log_abs_binom(a, np.array([float(K)]))[0]) + math.log1p((K + 1.0) / a)
+        val = (_log_abs_binom(a, float(K)) + np.log1p((K + 1.0) / a)
                + log_c + np.log(1.0 / d_left + 1.0 / d_right))
     return np.where(ok, val, np.inf)
 
@@ -227,25 +250,39 @@ def _rdp_matrix(q: np.ndarray, s: np.ndarray, orders: np.ndarray) -> np.ndarray:
         qs, ss = q[sub], s[sub]
         log_q, log_1mq = np.log(qs), np.log1p(-qs)
         inv2s2 = 0.5 / (ss * ss)
-        cols = np.empty((qs.size, orders.size))
-        integer: dict = {1: np.zeros(qs.size)}  # log A_a at integer orders (log A_1 = 0)
-
-        def log_a_int(a: int) -> np.ndarray:
-            if a not in integer:
-                integer[a] = _log_a_integer(log_q, log_1mq, inv2s2, a)
-            return integer[a]
-
-        for i, a in enumerate(orders):
-            if float(a).is_integer():
-                log_a = log_a_int(int(a))
-            else:
-                # log A_a is convex in a (a log moment generating function), so it lies below
-                # its chord between the neighbouring integer orders: a valid upper bound, used
-                # where it is below the series (which is slow and loose for q near 1, a near 1).
-                lo, hi = math.floor(a), math.ceil(a)
-                chord = (hi - a) * log_a_int(lo) + (a - lo) * log_a_int(hi)
-                log_a = np.minimum(_log_a_fractional(log_q, log_1mq, ss, float(a)), chord)
-            cols[:, i] = np.maximum(log_a / (a - 1.0), 0.0)
+        frac = np.array([not float(a).is_integer() for a in orders], dtype=bool)
+        # log A_a at every integer order needed (the integer orders, and the neighbours of the
+        # fractional ones for their chord below), all in one evaluation; log A_1 = 0.
+        ints = np.unique(np.concatenate([orders[~frac], np.floor(orders[frac]),
+                                         np.ceil(orders[frac])]))
+        ints = ints[ints > 1]
+        n = qs.size
+        unit = np.tile(np.arange(n), ints.size)
+        vals = _log_a_integer(log_q[unit], log_1mq[unit], inv2s2[unit], np.repeat(ints, n))
+        integer = {1: np.zeros(n)}
+        integer.update({int(a): vals[j * n:(j + 1) * n] for j, a in enumerate(ints)})
+        log_a = np.empty((n, orders.size))
+        for i in np.nonzero(~frac)[0]:
+            log_a[:, i] = integer[int(orders[i])]
+        fo = orders[frac]
+        if fo.size:
+            # log A_a is convex in a (a log moment generating function), so it lies below its
+            # chord between the neighbouring integer orders: a valid upper bound, used where it is
+            # below the series (which is slow and loose for q near 1, a near 1).
+            lo, hi = np.floor(fo), np.ceil(fo)
+            chord = np.stack([(h - a) * integer[int(l)] + (a - l) * integer[int(h)]
+                              for a, l, h in zip(fo, lo, hi)], axis=1)
+            # The series for all (unit, order) pairs at once, in groups of at most
+            # max(units, 2048) pairs (bounding the memory of slowly converging pairs).
+            series = np.empty((n, fo.size))
+            per = max(1, 2048 // n)
+            for g in range(0, fo.size, per):
+                go = fo[g:g + per]
+                unit = np.tile(np.arange(n), go.size)
+                v = _log_a_fractional(log_q[unit], log_1mq[unit], ss[unit], np.repeat(go, n))
+                series[:, g:g + go.size] = v.reshape(go.size, n).T
+            log_a[:, frac] = np.minimum(series, chord)
+        cols = np.maximum(log_a / (orders[None, :] - 1.0), 0.0)
         out[sub] = cols
     return out
 
