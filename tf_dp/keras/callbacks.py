@@ -269,7 +269,10 @@ class PrivacyBudget(keras.callbacks.Callback):
     fixed ``noise_stddev``, where later steps cost less), the next call's steps are predicted
     from the schedules (``optimizer.next_sample_entry(i)``) and checked at every batch against
     the kept composition plus those steps, so training goes on exactly until the budget is
-    spent. Shuffle sampling, tree aggregation and JL steps are accounted from the whole ledger
+    spent. The RDP of the next ``LOOK_AHEAD`` (64) scheduled steps is evaluated in one call
+    (:meth:`tf_dp.accounting.rdp.ComposedRdp.prefetch`) and looked up by their values (rate,
+    noise over sensitivity) when they are checked and added; a step that runs with other values
+    than predicted (the sampling changed, a restored ledger) is evaluated on its own. Shuffle sampling, tree aggregation and JL steps are accounted from the whole ledger
     at each check (their epochs and windows span runs). With ``steps_per_execution = s > 1`` Keras runs ``s`` steps between two checks,
     so training stops once fewer than ``s`` steps are left (the budget is never exceeded).
 
