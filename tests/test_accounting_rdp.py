@@ -265,3 +265,37 @@ def test_orders_share_the_blocks_of_series_terms(monkeypatch):
     singles = [blocks([a]) for a in orders]
     assert sum(singles) > max(singles)
     assert blocks(orders) == max(singles)
+
+
+def test_composed_rdp_prefetch_looks_up_announced_steps_and_recomputes_others(monkeypatch):
+    # Steps announced ahead (one evaluation for all of them) are asked about and added one at a
+    # time; a step that was not announced (a wrong prediction) is evaluated on its own. Epsilon
+    # equals rdp_epsilon on all the steps at once, and the announced steps cost far fewer
+    # _rdp_matrix calls than one per step.
+    from tf_dp.accounting import rdp
+
+    calls = [0]
+    original = rdp._rdp_matrix
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    acc = rdp.ComposedRdp(1e-5)
+    acc.add([0.01], [1.0], [100])
+    acc.epsilon()
+    z = [1.0 + i / 200 for i in range(40)]
+    monkeypatch.setattr(rdp, "_rdp_matrix", counted)
+    acc.prefetch([0.01] * 40, z)
+    steps = [(0.01, 1.0, 100)]
+    for i, zi in enumerate(z):
+        if i == 20:
+            zi = 3.0  # not announced
+        eps = acc.epsilon([0.01], [zi], [1])
+        monkeypatch.setattr(rdp, "_rdp_matrix", original)
+        ref = rdp.rdp_epsilon(*zip(*steps, (0.01, zi, 1)), 1e-5)[0]
+        monkeypatch.setattr(rdp, "_rdp_matrix", counted)
+        assert eps == pytest.approx(ref, rel=1e-9)
+        acc.add([0.01], [zi], [1])
+        steps.append((0.01, zi, 1))
+    assert calls[0] <= 40 // 4

@@ -390,3 +390,48 @@ def test_privacy_budget_with_a_schedule_reads_only_the_new_steps(digits, monkeyp
     model.fit(_batches(digits), epochs=2, verbose=0, callbacks=[budget])
     assert model.optimizer.ledger.num_samples > 50_000 and not budget.stopped
     assert rows and max(rows) <= 2 * STEPS and sum(rows) <= 40 * (2 * STEPS + 4)
+
+
+def test_privacy_budget_with_a_schedule_stops_like_the_whole_ledger_with_few_rdp_evaluations(
+        digits, monkeypatch):
+    # DecreasingClip with a fixed noise stddev: every step is of another kind. The budget must
+    # stop exactly where the accountant, composing the whole recorded ledger from scratch, says
+    # the next step would exceed the target; the RDP of the scheduled steps is evaluated
+    # PrivacyBudget.LOOK_AHEAD steps at a time, not at every batch (about 1.2 calls per step
+    # before).
+    from tf_dp.accounting import rdp
+
+    calls = [0]
+    original = rdp._rdp_matrix
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(rdp, "_rdp_matrix", counted)
+    keras.utils.set_random_seed(0)
+    model = tf_dp.keras.make_private(
+        keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)]))
+    model.compile(
+        optimizer=tf_dp.keras.DPKerasSGDOptimizer(
+            l2_norm_clip=tf_dp.keras.DecreasingClip(1.0, decay_steps=1000), noise_stddev=1.0,
+            learning_rate=0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    target = 8.0
+    budget = dpcb.PrivacyBudget(target_epsilon=target, delta=1e-5, verbose=False)
+    model.fit(_batches(digits), epochs=30, verbose=0, callbacks=[budget])
+    runs = model.optimizer.ledger.runs()
+    steps = sum(count for _, count in runs)
+    assert budget.stopped and steps < 30 * STEPS
+
+    monkeypatch.setattr(rdp, "_rdp_matrix", original)
+
+    def epsilon(entries):
+        return accounting.compute_epsilon(entries, delta=1e-5, accountant="rdp").epsilon
+
+    assert epsilon(runs) <= target
+    # the step the budget refused
+    assert epsilon([*runs, (model.optimizer.next_sample_entry(), 1)]) > target
+    assert len({e.queries[0].l2_sensitivity for e, _ in runs}) == steps  # all distinct
+    assert calls[0] <= steps // 4

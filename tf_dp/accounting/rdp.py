@@ -498,22 +498,50 @@ class ComposedRdp:
         self._c = np.zeros(0)
         self._known: dict = {}  # order -> composed R(a) of the added units
         self._kl = 0.0
-        self._last: tuple = ((), {})  # the last asked-about units (q, s) and R(a) of each
+        # (q, s) -> {order: R(a)} of the units asked about or announced (:meth:`prefetch`) since
+        # the last announcement: a step asked about before it runs is added without evaluating
+        # it again
+        self._pending: dict = {}
 
     def _unit_curves(self, q, s, orders) -> np.ndarray:
-        """``R(a)`` of each unit (rows) at ``orders``, reusing the last asked-about units' (a
-        step asked about before it runs is then added: it is evaluated once)."""
-        key, cache = self._last
-        if key != (tuple(q), tuple(s)):
-            cache = {}
-            self._last = ((tuple(q), tuple(s)), cache)
-        missing = [a for a in orders if a not in cache]
-        if missing:
-            with np.errstate(invalid="ignore"):
-                m = np.nan_to_num(_rdp_matrix(q, s, np.asarray(missing, float)), nan=np.inf)
-            for j, a in enumerate(missing):
-                cache[a] = m[:, j]
-        return np.stack([cache[a] for a in orders], axis=1) if orders else np.zeros((q.size, 0))
+        """``R(a)`` of each unit (rows) at ``orders``, from the pending units' values. Orders a
+        pending unit lacks are evaluated for every pending unit lacking them, in one call."""
+        keys = list(zip(q.tolist(), s.tolist()))
+        if len(self._pending) > 4096:
+            self._pending.clear()
+        for k in keys:
+            self._pending.setdefault(k, {})
+        if any(a not in self._pending[k] for k in keys for a in orders):
+            self._evaluate_pending(orders)
+        return (np.array([[self._pending[k][a] for a in orders] for k in keys])
+                if orders else np.zeros((q.size, 0)))
+
+    def _evaluate_pending(self, orders) -> None:
+        rows = [k for k, known in self._pending.items() if any(a not in known for a in orders)]
+        if not rows:
+            return
+        missing = sorted({a for k in rows for a in orders if a not in self._pending[k]})
+        pq, ps = (np.array(v, dtype=np.float64) for v in zip(*rows))
+        with np.errstate(invalid="ignore"):
+            m = np.nan_to_num(_rdp_matrix(pq, ps, np.asarray(missing, float)), nan=np.inf)
+        for i, k in enumerate(rows):
+            self._pending[k].update(zip(missing, m[i].tolist()))
+
+    def prefetch(self, q: Sequence[float], noise_multipliers: Sequence[float]) -> None:
+        """Announces the steps that will be asked about or added next (e.g. the next steps of a
+        clip schedule): their ``R(a)`` at the orders kept so far is evaluated now, for all of
+        them in one call, and looked up (by value) when they are. The values kept are those of
+        the steps last announced (older ones are dropped).
+
+        Example::
+
+            acc.prefetch([0.01] * 64, noise_of_the_next_64_steps)
+            acc.epsilon([0.01], noise_of_the_next_64_steps[:1], [1])  # no new RDP evaluation
+        """
+        uq, us, _ = _unique_units(q, noise_multipliers, np.ones(len(q)))
+        old = self._pending
+        self._pending = {k: old.get(k, {}) for k in zip(uq.tolist(), us.tolist())}
+        self._evaluate_pending(sorted(self._known))
 
     def _curve(self, q, s, c, orders) -> np.ndarray:
         if q.size == 0:

@@ -221,6 +221,15 @@ class _ComposedCurve:
                 self.rdp.add(*added)
         self.steps = n
 
+    def prefetch(self, entries: Sequence[SampleEntry]) -> None:
+        """Evaluates the RDP of steps predicted to run (a schedule's next steps) in one call;
+        they are looked up by value when asked about or added."""
+        if not (self.composable and entries):
+            return
+        units = self.units_of([(e, 1) for e in entries])
+        if units is not None:
+            self.rdp.prefetch(units[0], units[1])
+
     def epsilon_with(self, ledger, upcoming: Sequence[tuple[SampleEntry, int]]
                      ) -> Optional[float]:
         """Epsilon of the ledger followed by ``upcoming`` runs, or None (not composable)."""
@@ -260,7 +269,10 @@ class PrivacyBudget(keras.callbacks.Callback):
     fixed ``noise_stddev``, where later steps cost less), the next call's steps are predicted
     from the schedules (``optimizer.next_sample_entry(i)``) and checked at every batch against
     the kept composition plus those steps, so training goes on exactly until the budget is
-    spent. Shuffle sampling, tree aggregation and JL steps are accounted from the whole ledger
+    spent. The RDP of the next ``LOOK_AHEAD`` (64) scheduled steps is evaluated in one call
+    (:meth:`tf_dp.accounting.rdp.ComposedRdp.prefetch`) and looked up by their values (rate,
+    noise over sensitivity) when they are checked and added; a step that runs with other values
+    than predicted (the sampling changed, a restored ledger) is evaluated on its own. Shuffle sampling, tree aggregation and JL steps are accounted from the whole ledger
     at each check (their epochs and windows span runs). With ``steps_per_execution = s > 1`` Keras runs ``s`` steps between two checks,
     so training stops once fewer than ``s`` steps are left (the budget is never exceeded).
 
@@ -277,6 +289,8 @@ class PrivacyBudget(keras.callbacks.Callback):
         budget = dp_callbacks.PrivacyBudget(target_epsilon=3.0, delta=1e-5)
         model.fit(batches, epochs=1000, callbacks=[budget])   # stops when the budget is spent
     """
+
+    LOOK_AHEAD = 64  # scheduled steps whose RDP is evaluated together
 
     def __init__(
         self,
@@ -304,6 +318,7 @@ class PrivacyBudget(keras.callbacks.Callback):
     # -- planning ------------------------------------------------------------------------------
 
     def _reset_plan(self) -> None:
+        self._ahead: dict[int, SampleEntry] = {}  # step -> entry predicted and prefetched
         self._plan_kind: Optional[SampleEntry] = None
         self._plan_base = 0  # ledger.num_samples when the plan was made
         self._plan_headroom = 0  # further steps of _plan_kind the budget allows
@@ -386,11 +401,29 @@ class PrivacyBudget(keras.callbacks.Callback):
             _logger.debug("tf_dp: cannot predict the next scheduled steps: %s", e)
             return None
         ledger = optimizer.ledger
+        self._look_ahead(optimizer, upcoming)
         fits = self._epsilon_after(ledger, [(e, 1) for e in upcoming]) <= self.target_epsilon
         self._plan_kind = upcoming[0]
         self._plan_base = ledger.num_samples
         self._plan_headroom = needed if fits else 0
         return fits
+
+    def _look_ahead(self, optimizer, upcoming: list[SampleEntry]) -> None:
+        """Prefetches the RDP of the next ``LOOK_AHEAD`` scheduled steps, in one evaluation, when
+        the steps about to run were not predicted (or were predicted otherwise: the sampling
+        changed, the ledger was restored) by the last look-ahead."""
+        step = int(optimizer.iterations.numpy())
+        if all(self._ahead.get(step + i) == e for i, e in enumerate(upcoming)):
+            return
+        ahead = list(upcoming)
+        for i in range(len(upcoming), len(upcoming) + self.LOOK_AHEAD):
+            try:
+                ahead.append(optimizer.next_sample_entry(i))
+            except Exception:  # noqa: BLE001 -- e.g. past the schedule's end: look less ahead
+                break
+        self._ahead = {step + i: e for i, e in enumerate(ahead)}
+        self._composed.update(optimizer.ledger)  # the last step, asked about, is added first
+        self._composed.prefetch(ahead)
 
     def _next_step_allowed(self) -> bool:
         optimizer = _dp_optimizer(self.model, "PrivacyBudget")
