@@ -65,7 +65,7 @@ CHECKS = {
         " 'stddevs': [float(s) for s in stddevs], 'z': NOISE_MULTIPLIER,"
         " 'effective': [float(e) for e in effective], 'epsilon': per_layer_epsilon,"
         " 'n': int(n), 'batch': BATCH_SIZE, 'delta': DELTA, 'steps': ledger.num_samples,"
-        " 'strategy': custom_strategy.name,"
+        " 'clipper': custom_clipper.name,"
         " 'accuracy': [float(custom_accuracy), float(per_layer_accuracy)]}))"
     ),
     "migrating_from_tf_privacy": (
@@ -226,7 +226,7 @@ def _check_custom_layers_and_ghost_clipping(values):
     # 1 - 1/B on those variables (the Dense layer's norms are untouched).
     assert abs(values["mistaken"][0] - (1 - 1 / values["check_batch"])) < 1e-3
     assert values["mistaken"][1] > 1e-2
-    assert values["strategy"] == "ghost"
+    assert values["clipper"] == "ghost"
     # Eq. (1) of McMahan et al. 2018, from the clips and stddevs the notebook chose.
     z = sum((c / s) ** 2 for c, s in zip(values["clips"], values["stddevs"])) ** -0.5
     assert math.isclose(z, values["z"], rel_tol=1e-6)
