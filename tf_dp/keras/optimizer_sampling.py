@@ -120,17 +120,12 @@ class OptimizerSampling:
 
 
 def _declared(population_size: Any, selection_probability: Any, policy: str) -> Sampling:
-    """The 3-argument declaration as a :class:`Sampling` (checked by the ledger's rules first,
-    so the messages name the argument as before)."""
+    """The 3-argument declaration as a :class:`Sampling` (a numeric scalar of any type for the
+    rate; the messages name the argument: ``Sampling`` checks the population and the rate's
+    range, the ledger's ``policy_code`` the policy)."""
     from tf_dp.dp_query.validation import check_scalar
     from tf_dp.ledger.privacy_ledger import policy_code
 
-    if isinstance(population_size, bool) or not isinstance(population_size, int) or (
-        population_size < 1
-    ):
-        raise ValueError(f"population_size must be an integer >= 1, got {population_size!r}")
     q = check_scalar("selection_probability", selection_probability, allow_zero=False)
-    if q > 1:
-        raise ValueError(f"selection_probability must be in (0, 1], got {q}")
     policy_code(policy)
     return Sampling(population_size, float(q), policy=policy)
