@@ -2,7 +2,7 @@
 
 - ``unit``: mechanisms, ledger, accountants, CLI, lint, imports, BUILD and doctests; no Keras
   training
-  (``python -m pytest tests -m unit``: 441 tests in 210 s on 2 cores shared with other jobs).
+  (``python -m pytest tests -m unit``: 470 tests in 90 s on 2 cores with nothing else running).
 - ``e2e``: notebooks, the tutorial script, README snippets, research quick runs, multi-device and
   multi-worker runs in subprocesses.
 - ``integration``: everything else (Keras training through the DP step).
