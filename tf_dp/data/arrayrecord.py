@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 
 from tf_dp.data.files import FileSet
-from tf_dp.data.source import check_indices
+from tf_dp.data.source import check_indices, record_batch
 
 #: Reader options for random access (no read-ahead, no reader threads).
 RANDOM_ACCESS_OPTIONS = "readahead_buffer_size:0,max_parallelism:0"
@@ -78,10 +78,7 @@ class ArrayRecordSource:
         for f in np.unique(files).tolist():
             local = unique[files == f] - self._starts[f]
             records.extend(self._readers[f].read(local.tolist()))
-        batch = np.empty(len(records), dtype=object)
-        batch[:] = records
-        batch = batch[inverse]
-        return batch if self._parse_fn is None else self._parse_fn(batch)
+        return record_batch(records, inverse, self._parse_fn)
 
     def close(self) -> None:
         """Closes the readers."""

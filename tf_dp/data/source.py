@@ -61,6 +61,16 @@ def check_indices(indices: Any, length: int) -> np.ndarray:
     return idx
 
 
+def record_batch(records: list, inverse: np.ndarray, parse_fn: Any = None) -> Any:
+    """The byte records read for the distinct sorted indices, put back in the caller's order
+    (``inverse`` from ``np.unique(..., return_inverse=True)``) as a 1-D object array, then through
+    ``parse_fn`` when given (the record files' ``read``)."""
+    batch = np.empty(len(records), dtype=object)
+    batch[:] = records
+    batch = batch[inverse]
+    return batch if parse_fn is None else parse_fn(batch)
+
+
 def read_rows(array: Any, indices: np.ndarray) -> np.ndarray:
     """The rows ``indices`` of an array-like, read in increasing order of index (each once: what
     h5py requires, and what keeps memmap reads local), returned in the order asked."""

@@ -130,7 +130,7 @@ class TFRecordSource:
 
     def read(self, indices: np.ndarray) -> Any:
         """The records at ``indices`` (in that order), CRC-checked, through ``parse_fn``."""
-        from tf_dp.data.source import check_indices
+        from tf_dp.data.source import check_indices, record_batch
 
         idx = check_indices(indices, len(self))
         unique, inverse = np.unique(idx, return_inverse=True)
@@ -157,10 +157,7 @@ class TFRecordSource:
                         f"{start - 12}) fails its CRC check: the file is corrupt"
                     )
                 records.append(data)
-        batch = np.empty(len(records), dtype=object)
-        batch[:] = records
-        batch = batch[inverse]
-        return batch if self._parse_fn is None else self._parse_fn(batch)
+        return record_batch(records, inverse, self._parse_fn)
 
     def close(self) -> None:
         """Closes the files (the source cannot read afterwards)."""
