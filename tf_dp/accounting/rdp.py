@@ -167,6 +167,9 @@ def _log_a_fractional(log_q: np.ndarray, log_1mq: np.ndarray, s: np.ndarray, a,
     gets ``inf`` unless the tail bound applies."""
     n = log_q.size
     a = np.broadcast_to(np.asarray(a, dtype=np.float64), (n,))
+    # |C(a, k)| depends on the order only: evaluated once per distinct order and block
+    orders, which = np.unique(a, return_inverse=True)
+    which = which.ravel()
     total = np.full(n, -np.inf)
     active = np.arange(n)
     # Split point where q N(1, s^2) and (1-q) N(0, s^2) have equal density.
@@ -177,7 +180,7 @@ def _log_a_fractional(log_q: np.ndarray, log_1mq: np.ndarray, s: np.ndarray, a,
     while active.size:
         k = np.arange(start, start + chunk, dtype=np.float64)
         aa = a[active, None]
-        lb = _log_abs_binom(aa, k)
+        lb = _log_abs_binom(orders[:, None], k)[which[active]]
         j = aa - k
         lq, l1 = log_q[active, None], log_1mq[active, None]
         ss, zz, w = s[active, None], z0[active, None], inv2s2[active, None]

@@ -35,6 +35,7 @@ Example (a custom per-example loss and a plain ``tf.Variable``)::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable, Optional
 
@@ -456,15 +457,70 @@ class DPEngine:
         multiplier = None
         if self.privacy.num_microbatches is not None and self.ledger.num_samples == 0:
             multiplier = 2.0
-        jl = None  # JL steps are a different mechanism: known from the mode before the first step
-        if self.clipper is not None:
-            jl = int(getattr(self.clipper, "jl_projections", None) or 0)
-        elif self.speed.gradient_mode == "jl":
-            jl = int(self.speed.jl_projections)
+        jl = self._jl_now()  # JL steps: known from the mode before the first step
         state = self.global_state
         if self._schedules is not None:
             state = GaussianGlobalState(*self.values_at(step + int(steps_ahead)))
         return self.recorder.next_sample_entry(state, multiplier, jl)
+
+    def next_sample_entries(self, step: int, count: int) -> list:
+        """The entries of the steps numbered ``step, ..., step + count - 1`` (eager): what
+        :meth:`next_sample_entry` gives for each, with the query's variables read once and the
+        schedules evaluated in numpy when they have a numpy path (``numpy_values``, e.g.
+        :class:`tf_dp.keras.schedules.DecreasingClip`); other schedules are evaluated step by
+        step. ValueError naming the argument when a schedule gives a value out of range.
+
+        Example::
+
+            engine.next_sample_entries(int(optimizer.iterations), 64)   # the next 64 entries
+        """
+        step, count = int(step), int(count)
+        if count < 1:
+            raise ValueError(f"count must be an integer >= 1, got {count}")
+        if self._schedules is None:
+            return [self.next_sample_entry(step)] * count
+        p = self.privacy
+        steps = np.arange(step, step + count, dtype=np.int64)
+        values = validation.schedule_values_numpy(
+            p.l2_norm_clip, p.noise_multiplier, p.noise_stddev, steps)
+        if values is None or self._grid_noise:  # no numpy path (or grid sensitivities)
+            return [self.next_sample_entry(s) for s in steps.tolist()]
+        clip, noise, std = values
+        for i in np.nonzero(~_in_range(clip, noise, std))[0][:1]:
+            validation.raise_if_out_of_range(p.noise_name, step + int(i), clip[i], noise[i],
+                                             std[i])
+        first = self.recorder.next_sample_entry(
+            GaussianGlobalState(float(clip[0]), float(std[0])),
+            2.0 if p.num_microbatches is not None and self.ledger.num_samples == 0 else None,
+            self._jl_now(),
+        )
+        (event,) = first.queries  # the engine's GaussianSumQuery: one sum query
+        if event.mechanism == "none":
+            return [first] * count
+        # the recorded sensitivity: the clip times the multiplier, as the step computes it
+        multiplier = np.float32(self.recorder.sensitivity_multiplier.numpy())
+        sens = (clip * multiplier).astype(np.float64)
+        if p.num_microbatches is not None and self.ledger.num_samples == 0:
+            sens = sens / float(multiplier) * 2.0
+        return [first] + [
+            dataclasses.replace(first, queries=(dataclasses.replace(
+                event, l2_sensitivity=float(sens[i]), noise_stddev=float(std[i])),))
+            for i in range(1, count)
+        ]
+
+    def _jl_now(self) -> Optional[int]:
+        if self.clipper is not None:
+            return int(getattr(self.clipper, "jl_projections", None) or 0)
+        if self.speed.gradient_mode == "jl":
+            return int(self.speed.jl_projections)
+        return None
+
+
+def _in_range(clip: np.ndarray, noise: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """Per step: clip finite > 0, noise and stddev finite >= 0 (numpy)."""
+    with np.errstate(invalid="ignore"):
+        return (np.isfinite(clip) & np.isfinite(noise) & np.isfinite(std) & (clip > 0)
+                & (noise >= 0) & (std >= 0))
 
 
 def _refuse_query(query: DPQuery, owner: str, allow_tree: bool = False) -> None:

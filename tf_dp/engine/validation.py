@@ -118,6 +118,30 @@ def schedule_values(clip: Any, noise_multiplier: Any, noise_stddev: Any, step: t
     return c, noise, noise
 
 
+def _evaluate_numpy(value: Any, steps: np.ndarray) -> Optional[np.ndarray]:
+    """A number or a schedule's values at ``steps`` as float32, in numpy, or None when the
+    schedule has no numpy path (a ``numpy_values(steps)`` method giving what its TensorFlow
+    call gives)."""
+    if not is_schedule(value):
+        return np.full(steps.shape, np.float32(value), np.float32)
+    numpy_values = getattr(value, "numpy_values", None)
+    if numpy_values is None:
+        return None
+    return np.asarray(numpy_values(steps), np.float32).reshape(steps.shape)
+
+
+def schedule_values_numpy(clip: Any, noise_multiplier: Any, noise_stddev: Any,
+                          steps: np.ndarray) -> Optional[tuple[np.ndarray, ...]]:
+    """:func:`schedule_values` at many ``steps`` at once, in numpy (float32, the same values),
+    or None when a schedule has no numpy path (``numpy_values``)."""
+    c = _evaluate_numpy(clip, steps)
+    noise = _evaluate_numpy(
+        noise_multiplier if noise_stddev is None else noise_stddev, steps)
+    if c is None or noise is None:
+        return None
+    return c, noise, (noise * c if noise_stddev is None else noise)
+
+
 def values_in_range(clip: tf.Tensor, noise: tf.Tensor, std: tf.Tensor) -> tf.Tensor:
     """A bool tensor: clip finite > 0, noise and stddev finite >= 0."""
     finite = tf.logical_and(tf.math.is_finite(clip), tf.math.is_finite(noise))
@@ -126,8 +150,9 @@ def values_in_range(clip: tf.Tensor, noise: tf.Tensor, std: tf.Tensor) -> tf.Ten
 
 
 def raise_if_out_of_range(noise_name: str, step: int, clip, noise, std) -> None:
-    """Eagerly: ValueError naming the schedule and the step when a value is out of range."""
-    c, z, s = float(clip.numpy()), float(noise.numpy()), float(std.numpy())
+    """Eagerly: ValueError naming the schedule and the step when a value is out of range
+    (tensors or numbers)."""
+    c, z, s = (float(v.numpy() if hasattr(v, "numpy") else v) for v in (clip, noise, std))
     if not (math.isfinite(c) and c > 0):
         raise ValueError(
             f"the l2_norm_clip schedule gave {c} at step {step}; the clip must be a finite "

@@ -119,6 +119,21 @@ class OptimizerSampling:
         )
 
 
+    def next_sample_entries(self, count: int) -> list:
+        """The entries of the next ``count`` DP steps (``iterations`` on), in one call: the
+        schedules evaluated in numpy where they can be (see
+        :meth:`tf_dp.engine.DPEngine.next_sample_entries`), each entry what
+        :meth:`next_sample_entry` gives for its step.
+
+        Example::
+
+            upcoming = opt.next_sample_entries(64)   # upcoming[i] == opt.next_sample_entry(i)
+        """
+        return self._engine.next_sample_entries(  # type: ignore[attr-defined]
+            int(self.iterations.numpy()), count  # type: ignore[attr-defined]
+        )
+
+
 def _declared(population_size: Any, selection_probability: Any, policy: str) -> Sampling:
     """The 3-argument declaration as a :class:`Sampling` (a numeric scalar of any type for the
     rate; the messages name the argument: ``Sampling`` checks the population and the rate's

@@ -23,6 +23,7 @@ import math
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 __all__ = ["DecreasingClip"]
@@ -79,6 +80,20 @@ class DecreasingClip(keras.optimizers.schedules.LearningRateSchedule):
             tf.constant(1.0 / self.floor_fraction, tf.float32), 1.0 + t / self.decay_steps
         )
         return tf.constant(self.initial_clip, tf.float32) / denominator
+
+    def numpy_values(self, steps: Any) -> np.ndarray:
+        """The clip at each of ``steps`` (an array of step numbers), in numpy: the float32
+        values the TensorFlow call gives, without TensorFlow (``PrivacyBudget`` predicts the
+        next steps' ledger entries with it).
+
+        Example::
+
+            DecreasingClip(4.0, 1000).numpy_values(np.arange(3))  # float32 [4.0, 3.996, 3.992]
+        """
+        t = np.asarray(steps).astype(np.float32)
+        denominator = np.minimum(np.float32(1.0 / self.floor_fraction),
+                                 np.float32(1.0) + t / np.float32(self.decay_steps))
+        return np.float32(self.initial_clip) / denominator
 
     def get_config(self) -> dict[str, Any]:
         return {
