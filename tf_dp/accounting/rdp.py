@@ -39,7 +39,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 from scipy import special
@@ -442,10 +442,12 @@ def _seed_orders(uniq: np.ndarray) -> np.ndarray:
     return uniq[np.array(seed)]
 
 
-def _search_orders(uniq, known, kl_lb, evaluate, target, what, conversion):
+def _search_orders(uniq, known, kl_lb, evaluate, target, what, conversion, stop_at=None):
     """The order search of :func:`_optimise_orders` on a composed curve known at the orders of
     ``known`` (order -> value, updated in place); ``evaluate(orders)`` gives the curve at more
-    orders and ``kl_lb`` is a lower bound on the curve at every order."""
+    orders and ``kl_lb`` is a lower bound on the curve at every order. With ``stop_at``, the
+    search stops once an order gives a value ``<= stop_at`` (the optimum is then below it
+    too) and returns that value."""
 
     def add(sub):
         for a, r in zip(sub, evaluate(sub)):
@@ -457,6 +459,8 @@ def _search_orders(uniq, known, kl_lb, evaluate, target, what, conversion):
         ks = np.array(sorted(known))
         vals = _conversion_values(ks, np.array([known[a] for a in ks]), target, what, conversion)
         best = float(np.min(vals))
+        if stop_at is not None and best <= stop_at:
+            break
         rest = np.array([i for i, a in enumerate(uniq) if float(a) not in known], dtype=int)
         if rest.size == 0:
             break
@@ -567,8 +571,19 @@ class ComposedRdp:
         self._c = np.concatenate([self._c, c])
 
     def epsilon(self, q: Sequence[float] = (), noise_multipliers: Sequence[float] = (),
-                counts: Sequence[float] = ()) -> float:
-        """Epsilon at ``delta`` of the added steps followed by the given ones (not added)."""
+                counts: Sequence[float] = (), at_most: Optional[float] = None) -> float:
+        """Epsilon at ``delta`` of the added steps followed by the given ones (not added).
+
+        With ``at_most``, the order search stops at the first order whose epsilon is
+        ``<= at_most``, and returns that epsilon (an upper bound, ``<= at_most``, on the
+        optimum); above ``at_most`` the result is the optimum. A budget check
+        (``epsilon(..., at_most=target) <= target``) is decided with the same answer as with
+        the optimum, looking at fewer orders while the budget is far.
+
+        Example::
+
+            acc.epsilon([0.01], [1.2], [1], at_most=3.0) <= 3.0   # one more step fits in 3.0
+        """
         uq, us, uc = _unique_units(q, noise_multipliers, counts)
         if self._q.size == 0 and uq.size == 0:
             return 0.0
@@ -586,7 +601,7 @@ class ComposedRdp:
 
         kl = self._kl + (float(uc @ _kl_lower_bound(uq, us)) if uq.size else 0.0)
         eps, _ = _search_orders(self._uniq, total, kl, evaluate, self.delta, "epsilon",
-                                self.conversion)
+                                self.conversion, stop_at=at_most)
         return max(0.0, eps)
 
 

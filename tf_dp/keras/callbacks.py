@@ -189,6 +189,7 @@ class _ComposedCurve:
         from tf_dp.accounting.rdp import ComposedRdp
 
         self.steps = 0
+        self.unseen: list[tuple[int, list]] = []  # (first step, runs) read by update, not taken
         self.composable = self.conversion is not None
         if self.composable:
             self.rdp = ComposedRdp(self.delta, conversion=self.conversion)
@@ -214,7 +215,9 @@ class _ComposedCurve:
         if n < self.steps:
             self.reset()
         if n > self.steps and self.composable:
-            added = self.units_of(ledger.runs_from(self.steps))
+            runs = ledger.runs_from(self.steps)
+            self.unseen.append((self.steps, runs))
+            added = self.units_of(runs)
             if added is None:
                 self.composable = False
             else:
@@ -230,9 +233,22 @@ class _ComposedCurve:
         if units is not None:
             self.rdp.prefetch(units[0], units[1])
 
-    def epsilon_with(self, ledger, upcoming: Sequence[tuple[SampleEntry, int]]
-                     ) -> Optional[float]:
-        """Epsilon of the ledger followed by ``upcoming`` runs, or None (not composable)."""
+    def take_unseen(self) -> list[tuple[int, list]]:
+        """The ``(first step, runs)`` pieces of the ledger read since the last call."""
+        unseen, self.unseen = self.unseen, []
+        return unseen
+
+    def covers(self, ledger, upcoming: Sequence[tuple[SampleEntry, int]]) -> bool:
+        """Whether the ledger followed by ``upcoming`` composes independently (RDP, Poisson,
+        neither tree nor JL steps): then :meth:`epsilon_with` answers."""
+        self.update(ledger)
+        return self.composable and self.units_of(upcoming) is not None
+
+    def epsilon_with(self, ledger, upcoming: Sequence[tuple[SampleEntry, int]],
+                     at_most: Optional[float] = None) -> Optional[float]:
+        """Epsilon of the ledger followed by ``upcoming`` runs, or None (not composable). With
+        ``at_most``, the first epsilon found ``<= at_most`` when there is one (enough to decide
+        a budget: :meth:`tf_dp.accounting.rdp.ComposedRdp.epsilon`)."""
         self.update(ledger)
         if not self.composable:
             return None
@@ -240,7 +256,9 @@ class _ComposedCurve:
         if added is None:
             return None
         # padded for round-off: the curve is summed in another order than the full accountant's
-        return self.rdp.epsilon(*added) * (1.0 + 1e-9)
+        pad = 1.0 + 1e-9
+        stop = None if at_most is None else at_most / (pad * (1.0 + 1e-12))
+        return self.rdp.epsilon(*added, at_most=stop) * pad
 
 
 class BudgetExhaustedError(RuntimeError):
@@ -319,6 +337,8 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     def _reset_plan(self) -> None:
         self._ahead: dict[int, SampleEntry] = {}  # step -> entry predicted and prefetched
+        self._ahead_key: Any = None  # what the predictions depend on (see _predicted)
+        self._ahead_step = self._ahead_base = 0  # optimizer step, ledger step of the window
         self._plan_kind: Optional[SampleEntry] = None
         self._plan_base = 0  # ledger.num_samples when the plan was made
         self._plan_headroom = 0  # further steps of _plan_kind the budget allows
@@ -326,14 +346,15 @@ class PrivacyBudget(keras.callbacks.Callback):
     def _epsilon(self, entries: Sequence[Any]) -> float:
         return compute_epsilon(entries, self.delta, self.accountant)[0]
 
-    def _epsilon_after(self, ledger, upcoming: Sequence[tuple[SampleEntry, int]]) -> float:
-        """Epsilon of the ledger followed by ``upcoming`` runs: from the composed curve kept up
-        to date incrementally when the steps compose independently, else from the whole
+    def _fits(self, ledger, upcoming: Sequence[tuple[SampleEntry, int]]) -> bool:
+        """Whether the ledger followed by ``upcoming`` runs stays within the budget: from the
+        composed curve kept up to date incrementally when the steps compose independently
+        (its order search stops at the first order within the budget), else from the whole
         ledger."""
-        eps = self._composed.epsilon_with(ledger, upcoming)
+        eps = self._composed.epsilon_with(ledger, upcoming, at_most=self.target_epsilon)
         if eps is None:
             eps = self._epsilon([*ledger.runs(), *upcoming])
-        return eps
+        return eps <= self.target_epsilon
 
     def _cap(self) -> int:
         params = getattr(self, "params", None) or {}
@@ -372,13 +393,11 @@ class PrivacyBudget(keras.callbacks.Callback):
     def _plan(self, optimizer, kind: SampleEntry) -> None:
         ledger = optimizer.ledger
         self._plan_kind = kind
-        if self._composed.epsilon_with(ledger, [(kind, 1)]) is not None:
+        if self._composed.covers(ledger, [(kind, 1)]):
             # the kept composition of the ledger plus k steps of `kind`
             self._plan_base = self._composed.steps
-            self._plan_headroom = self._search(
-                lambda k: self._composed.epsilon_with(ledger, [(kind, k)]) <= self.target_epsilon,
-                self._cap(),
-            )
+            self._plan_headroom = self._search(lambda k: self._fits(ledger, [(kind, k)]),
+                                               self._cap())
             return
         entries = ledger.runs()
         self._plan_base = sum(count for _, count in entries)
@@ -395,35 +414,53 @@ class PrivacyBudget(keras.callbacks.Callback):
         """With clip or noise schedules every step may be of another kind: check the next
         ``needed`` steps exactly as the schedules give them (one accountant call), or None when
         they cannot be predicted."""
-        try:
-            upcoming = [optimizer.next_sample_entry(i) for i in range(needed)]
-        except Exception as e:  # noqa: BLE001 -- fall back to the general rule
-            _logger.debug("tf_dp: cannot predict the next scheduled steps: %s", e)
+        upcoming = self._predicted(optimizer, needed)
+        if upcoming is None:
             return None
         ledger = optimizer.ledger
-        self._look_ahead(optimizer, upcoming)
-        fits = self._epsilon_after(ledger, [(e, 1) for e in upcoming]) <= self.target_epsilon
+        fits = self._fits(ledger, [(e, 1) for e in upcoming])
         self._plan_kind = upcoming[0]
-        self._plan_base = ledger.num_samples
+        self._plan_base = self._composed.steps
         self._plan_headroom = needed if fits else 0
         return fits
 
-    def _look_ahead(self, optimizer, upcoming: list[SampleEntry]) -> None:
-        """Prefetches the RDP of the next ``LOOK_AHEAD`` scheduled steps, in one evaluation, when
-        the steps about to run were not predicted (or were predicted otherwise: the sampling
-        changed, the ledger was restored) by the last look-ahead."""
+    def _predicted(self, optimizer, needed: int) -> Optional[list[SampleEntry]]:
+        """The entries of the next ``needed`` steps, from the window of ``LOOK_AHEAD`` steps
+        predicted in one call (``optimizer.next_sample_entries``), whose RDP is prefetched in
+        one evaluation. The window is predicted again when the steps asked for leave it, when
+        what the predictions depend on changed (a sampling declared, a pass started, the
+        mechanism set, the gradient clipper resolved, the first step recorded) or when a step
+        was recorded with another entry than predicted (e.g. a restored ledger). None when the
+        steps cannot be predicted."""
+        self._composed.update(optimizer.ledger)
+        lo, hi = self._ahead_base, self._ahead_base + len(self._ahead)  # ledger steps covered
+        for first, runs in self._composed.take_unseen():
+            for entry, count in runs:  # the steps recorded since: as predicted?
+                for j in range(max(first, lo), min(first + count, hi)):
+                    if self._ahead[self._ahead_step + j - self._ahead_base] != entry:
+                        self._ahead_key = None
+                first += count
         step = int(optimizer.iterations.numpy())
-        if all(self._ahead.get(step + i) == e for i, e in enumerate(upcoming)):
-            return
-        ahead = list(upcoming)
-        for i in range(len(upcoming), len(upcoming) + self.LOOK_AHEAD):
-            try:
-                ahead.append(optimizer.next_sample_entry(i))
-            except Exception:  # noqa: BLE001 -- e.g. past the schedule's end: look less ahead
-                break
-        self._ahead = {step + i: e for i, e in enumerate(ahead)}
-        self._composed.update(optimizer.ledger)  # the last step, asked about, is added first
-        self._composed.prefetch(ahead)
+        engine = optimizer.engine
+        key = (engine.recorder.settings_version, id(engine.clipper), self._composed.steps == 0)
+        window = self._ahead
+        if key != self._ahead_key or any(step + i not in window for i in range(needed)):
+            ahead = None
+            for count in (max(needed, self.LOOK_AHEAD), needed):
+                try:
+                    ahead = optimizer.next_sample_entries(count)
+                    break
+                except Exception as e:  # noqa: BLE001 -- e.g. past a schedule's end: fewer
+                    _logger.debug("tf_dp: cannot predict the next %d steps: %s", count, e)
+            if ahead is None:
+                self._ahead, self._ahead_key = {}, None
+                return None
+            window = self._ahead = {step + i: e for i, e in enumerate(ahead)}
+            # a pass start is recorded once: predictions made with one hold for this step only
+            self._ahead_key = None if ahead[0].sampling.pass_start else key
+            self._ahead_step, self._ahead_base = step, self._composed.steps
+            self._composed.prefetch(ahead)
+        return [window[step + i] for i in range(needed)]
 
     def _next_step_allowed(self) -> bool:
         optimizer = _dp_optimizer(self.model, "PrivacyBudget")
@@ -451,11 +488,15 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         optimizer = _dp_optimizer(self.model, "PrivacyBudget")
-        _check_can_analyse(optimizer, self.delta, self.accountant, "PrivacyBudget")
         self.stopped = False
         self._first_batch = True
         self._reset_plan()  # the ledger may have been restored (BackupAndRestore) since
         self._composed.reset()
+        upcoming = predicted_next_entry(optimizer)
+        # Poisson-sampled Gaussian steps compose (the RDP accountant analyses them): the
+        # composition the first check needs is built here, from the ledger's runs, once
+        if upcoming is None or not self._composed.covers(optimizer.ledger, [(upcoming, 1)]):
+            _check_can_analyse(optimizer, self.delta, self.accountant, "PrivacyBudget")
 
     def on_train_batch_begin(self, batch, logs=None):
         if not self._first_batch:
@@ -519,7 +560,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         upcoming = [kind] * needed
         if getattr(optimizer, "has_dp_schedules", False):
             try:
-                upcoming = [optimizer.next_sample_entry(i) for i in range(needed)]
+                upcoming = optimizer.next_sample_entries(needed)
             except Exception as e:  # noqa: BLE001 -- keep the unscheduled prediction
                 _logger.debug("tf_dp: cannot predict the next scheduled steps: %s", e)
         first = upcoming[0]

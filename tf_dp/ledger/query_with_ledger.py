@@ -96,6 +96,9 @@ class QueryWithLedger(DPQuery):
             # nothing released; check_values() raises for them between calls
             self._invalid_steps = ledger_variable(tf.constant(0, tf.int64))
         self._invalid_reported = 0
+        #: counts the eager calls that change what the next step records (set_sampling,
+        #: start_pass, set_mechanism): a reader that caches predicted entries compares it
+        self.settings_version = 0
         self.set_sampling(population_size, selection_probability, sampling_policy)
 
     @property
@@ -146,6 +149,7 @@ class QueryWithLedger(DPQuery):
         self._origin.assign(origin_code(event.origin))
         self._unit.assign(unit_code(event.unit))
         self._records_per_unit.assign(event.records_per_unit or 0)
+        self.settings_version += 1
 
     @property
     def records_per_user(self) -> Optional[int]:
@@ -163,6 +167,7 @@ class QueryWithLedger(DPQuery):
         make the count more conservative, missing ones under-count.
         """
         self._pass_start.assign(1)
+        self.settings_version += 1
 
     @property
     def pass_start_pending(self) -> bool:
@@ -179,6 +184,7 @@ class QueryWithLedger(DPQuery):
             raise ValueError(f"jl_projections must be an integer >= 0, got {jl_projections!r}")
         self._sensitivity_multiplier.assign(m)
         self._jl_projections.assign(jl_projections)
+        self.settings_version += 1
 
     def set_jl_projections(self, jl_projections: Any) -> None:
         """Sets the JL dimension recorded by the next step (0: exact clipping); graph-safe, for

@@ -1,0 +1,187 @@
+"""PrivacyBudget's per-step work with a clip schedule: the next steps' ledger entries predicted in
+one call (numpy schedules), checked against what the ledger then records, and the budget's stop
+checked against the accountant on the whole ledger."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dp
+from tf_dp import accounting
+from tf_dp.accounting import rdp
+from tf_dp.keras import callbacks as dpcb
+from tf_dp.ledger import query_with_ledger
+from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
+
+N, Q = 400, 0.05
+
+
+def _model(clip, seed=0, **noise):
+    keras.utils.set_random_seed(seed)
+    model = tf_dp.keras.make_private(keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)]))
+    noise = noise or {"noise_stddev": 1.0}
+    model.compile(
+        optimizer=tf_dp.keras.DPKerasSGDOptimizer(l2_norm_clip=clip, learning_rate=0.1,
+                                                  noise_seed=seed, **noise),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def _batches(steps_per_epoch=None, seed=0, q=Q):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(N, 8)).astype(np.float32)
+    y = rng.integers(0, 2, size=N).astype(np.int32)
+    return tf_dp.data.poisson_batches(x, y, sampling_probability=q, seed=seed,
+                                      steps_per_epoch=steps_per_epoch)
+
+
+def _epsilon(entries):
+    return accounting.compute_epsilon(list(entries), delta=1e-5, accountant="rdp").epsilon
+
+
+def test_decreasing_clip_numpy_values_equal_the_tensorflow_schedule():
+    steps = np.concatenate([np.arange(3000), np.random.default_rng(0).integers(0, 10**9, 3000)])
+    for clip in (tf_dp.keras.DecreasingClip(1.0, 1e7), tf_dp.keras.DecreasingClip(4.0, 1000),
+                 tf_dp.keras.DecreasingClip(3.3, 7.7, floor_fraction=0.3)):
+        expected = clip(tf.constant(steps, tf.int64)).numpy()
+        assert np.array_equal(clip.numpy_values(steps), expected)
+
+
+@pytest.mark.parametrize("noise", [{"noise_stddev": 1.3}, {"noise_multiplier": 1.1}])
+def test_predicted_entries_equal_the_entries_the_ledger_records(noise):
+    model = _model(tf_dp.keras.DecreasingClip(1.0, decay_steps=50.0), **noise)
+    opt = model.optimizer
+    opt.set_sampling(tf_dp.data.Sampling(N, Q))
+    data = _batches()
+    predicted = opt.next_sample_entries(12)
+    assert predicted == [opt.next_sample_entry(i) for i in range(12)]  # the per-step path
+    # run the 12 steps (the same sampling, declared by fit), then read what was recorded
+    model.fit(data, epochs=1, steps_per_epoch=12, verbose=0)
+    recorded = opt.ledger.samples()
+    assert len(recorded) == 12 and len({e.queries[0].l2_sensitivity for e in recorded}) == 12
+    # the compiled step evaluates the schedule in a graph, which may round its float32
+    # division differently from eager TensorFlow and numpy (by one float32 ulp at most)
+    ulp = 2.0**-23
+    for p, r in zip(predicted, recorded):
+        assert (p.sampling.population_size, p.sampling.selection_probability,
+                p.sampling.policy) == (r.sampling.population_size,
+                                       r.sampling.selection_probability, r.sampling.policy)
+        (pq,), (rq,) = p.queries, r.queries
+        assert pq.l2_sensitivity == pytest.approx(rq.l2_sensitivity, rel=2 * ulp, abs=0)
+        assert pq.noise_stddev == pytest.approx(rq.noise_stddev, rel=2 * ulp, abs=0)
+        assert (pq.mechanism, pq.noise_seed) == (rq.mechanism, rq.noise_seed)
+    # and after them: the next window starts where the ledger stopped
+    after = opt.next_sample_entries(3)
+    model.fit(data, epochs=1, steps_per_epoch=3, verbose=0)
+    for p, r in zip(after, opt.ledger.samples()[12:]):
+        assert p.queries[0].l2_sensitivity == pytest.approx(r.queries[0].l2_sensitivity,
+                                                            rel=2 * ulp, abs=0)
+
+
+def test_a_budget_with_a_schedule_predicts_with_tensorflow_once_per_window(monkeypatch):
+    # The schedule is evaluated in numpy and the query's variables read once per window of
+    # LOOK_AHEAD steps, not once or twice per batch.
+    calls = [0]
+    original = query_with_ledger.QueryWithLedger.next_sample_entry
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(query_with_ledger.QueryWithLedger, "next_sample_entry", counted)
+    model = _model(tf_dp.keras.DecreasingClip(1.0, decay_steps=1000))
+    budget = dpcb.PrivacyBudget(target_epsilon=1e6, delta=1e-5, verbose=False)
+    steps = 2 * dpcb.PrivacyBudget.LOOK_AHEAD + 10
+    model.fit(_batches(steps_per_epoch=steps), epochs=1, verbose=0, callbacks=[budget])
+    assert model.optimizer.ledger.num_samples == steps and not budget.stopped
+    windows = -(-steps // dpcb.PrivacyBudget.LOOK_AHEAD)
+    # one per window, plus on_train_begin's check and the first step's own window
+    assert calls[0] <= windows + 3
+
+
+def test_a_schedule_budget_stops_where_the_whole_ledger_says_after_a_distinct_prefix():
+    # A prefix of distinct steps, then DecreasingClip steps (each one distinct): the budget
+    # stops at the step that the accountant, composing the whole ledger from scratch, says
+    # would exceed the target; its reported epsilon is that accountant's.
+    model = _model(tf_dp.keras.DecreasingClip(1.0, decay_steps=50.0), noise_stddev=1.2)
+    prefix = [(SampleEntry(SamplingEvent(N, Q), (SumQueryEvent(1.0, 1.0 + i / 50),)), 7)
+              for i in range(60)]
+    model.optimizer.ledger.restore_runs(prefix)
+    target = _epsilon(prefix) + 0.25
+    budget = dpcb.PrivacyBudget(target_epsilon=target, delta=1e-5, verbose=False)
+    model.fit(_batches(steps_per_epoch=20), epochs=20, verbose=0, callbacks=[budget])
+    runs = model.optimizer.ledger.runs()
+    new = sum(count for _, count in runs) - 420
+    assert budget.stopped and 0 < new < 400
+    assert _epsilon(runs) <= target < _epsilon([*runs, (model.optimizer.next_sample_entry(), 1)])
+    assert budget.epsilon_spent == _epsilon(runs)
+
+
+def test_the_first_check_on_a_long_prefix_composes_it_once_at_few_orders(monkeypatch):
+    # Far from the budget, the first check of a fit evaluates the prefix's distinct steps at
+    # the few orders the order search starts from (it stops at the first order within the
+    # budget), and never hands the whole ledger to the accountant.
+    shapes = []
+    original = rdp._rdp_matrix
+
+    def spy(q, s, orders):
+        shapes.append((q.size, orders.size))
+        return original(q, s, orders)
+
+    monkeypatch.setattr(rdp, "_rdp_matrix", spy)
+    whole = []
+    monkeypatch.setattr(dpcb, "compute_epsilon", lambda *a: whole.append(a) or (0.0, None))
+    model = _model(tf_dp.keras.DecreasingClip(1.0, decay_steps=1000))
+    prefix = [(SampleEntry(SamplingEvent(N, Q), (SumQueryEvent(1.0, 2.0 + i / 1000),)), 50)
+              for i in range(2000)]
+    model.optimizer.ledger.restore_runs(prefix)
+    budget = dpcb.PrivacyBudget(target_epsilon=1e6, delta=1e-5, verbose=False)
+    budget.set_model(model)
+    budget.on_train_begin()
+    budget.on_train_batch_begin(0)
+    assert not budget.stopped and not whole
+    over_prefix = [orders for units, orders in shapes if units >= 2000]
+    assert len(over_prefix) == 1 and over_prefix[0] <= len(rdp._seed_orders(
+        np.unique(rdp.DEFAULT_ORDERS)))
+
+
+def test_composed_epsilon_at_most_decides_like_the_optimum():
+    rng = np.random.default_rng(1)
+    q = rng.uniform(0.01, 0.2, 30)
+    z = rng.uniform(0.7, 3.0, 30)
+    c = rng.integers(1, 200, 30)
+    optimum = rdp.rdp_epsilon(q, z, c, 1e-5)[0]
+    for target in (optimum * 0.5, optimum * 0.999, optimum * 1.001, optimum * 3):
+        acc = rdp.ComposedRdp(1e-5)
+        acc.add(q, z, c)
+        value = acc.epsilon(at_most=target)
+        assert (value <= target) == (optimum <= target)
+        assert value >= optimum * (1 - 1e-9)
+
+
+def test_a_budget_prediction_follows_a_sampling_declared_mid_fit():
+    # A callback listed before the budget declares a costlier sampling after batch B: the
+    # budget's next check must be of a step at the new rate (the window predicted before is
+    # dropped), so it stops where one more step at the new rate would exceed the target.
+    model = _model(tf_dp.keras.DecreasingClip(1.0, decay_steps=40.0))
+    opt = model.optimizer
+    b, q2 = 5, 0.5
+    opt.set_sampling(tf_dp.data.Sampling(N, Q))
+    steps_q1 = [opt.next_sample_entry(i) for i in range(b + 2)]
+    target = _epsilon(steps_q1) * (1 + 1e-6)  # room for step b+1 at the old rate only
+
+    class Declare(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == b:
+                opt.set_sampling(tf_dp.data.Sampling(N, q2))
+
+    x = np.random.default_rng(0).normal(size=(40, 8)).astype(np.float32)
+    data = tf.data.Dataset.from_tensor_slices((x, np.zeros(40, np.int32))).batch(2)
+    budget = dpcb.PrivacyBudget(target_epsilon=target, delta=1e-5, verbose=False)
+    model.fit(data, epochs=1, verbose=0, callbacks=[Declare(), budget])
+    runs = opt.ledger.runs()
+    assert budget.stopped and opt.ledger.num_samples == b + 1
+    assert _epsilon(runs) <= target < _epsilon([*runs, (opt.next_sample_entry(), 1)])
+    assert opt.next_sample_entry().sampling.selection_probability == q2
