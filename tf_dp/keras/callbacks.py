@@ -284,15 +284,21 @@ class PrivacyBudget(keras.callbacks.Callback):
     reads. It is recomputed when the kind of step changes or when the steps recorded since,
     checked at each epoch end, include one of another kind. With clip or noise schedules (each
     step possibly of another kind, e.g. :class:`~tf_dp.keras.schedules.DecreasingClip` with a
-    fixed ``noise_stddev``, where later steps cost less), the next call's steps are predicted
-    from the schedules (``optimizer.next_sample_entry(i)``) and checked at every batch against
-    the kept composition plus those steps, so training goes on exactly until the budget is
-    spent. The RDP of the next ``LOOK_AHEAD`` (64) scheduled steps is evaluated in one call
-    (:meth:`tf_dp.accounting.rdp.ComposedRdp.prefetch`) and looked up by their values (rate,
-    noise over sensitivity) when they are checked and added; a step that runs with other values
-    than predicted (the sampling changed, a restored ledger) is evaluated on its own. Shuffle sampling, tree aggregation and JL steps are accounted from the whole ledger
-    at each check (their epochs and windows span runs). With ``steps_per_execution = s > 1`` Keras runs ``s`` steps between two checks,
-    so training stops once fewer than ``s`` steps are left (the budget is never exceeded).
+    fixed ``noise_stddev``, where later steps cost less), the entries of the next
+    ``LOOK_AHEAD`` (64) steps are predicted in one call (``optimizer.next_sample_entries``:
+    the query's variables read once, schedules with a ``numpy_values`` method evaluated in
+    numpy) and their RDP evaluated in one call
+    (:meth:`tf_dp.accounting.rdp.ComposedRdp.prefetch`); every batch checks the kept
+    composition plus the next call's predicted steps, so training goes on exactly until the
+    budget is spent. The window is predicted again when a sampling is declared, a pass starts,
+    the mechanism is set, or a step is recorded with another entry than predicted (a restored
+    ledger). A check stops its order search at the first order within the budget (the same
+    decision as the optimum), so far from the budget the first check of a ``fit`` evaluates the
+    ledger's distinct steps at a few orders only. Shuffle sampling, tree aggregation and JL
+    steps are accounted from the whole ledger at each check (their epochs and windows span
+    runs). With ``steps_per_execution = s > 1`` Keras runs ``s`` steps between two checks, so
+    training stops once fewer than ``s`` steps are left (the budget is never exceeded).
+    ``epsilon_spent`` is computed from the whole ledger at the end of ``fit``.
 
     If ``fit`` starts with not even one step left, it raises :class:`BudgetExhaustedError` from
     ``on_train_batch_begin`` (no step runs) unless ``raise_if_exhausted=False``, in which case the
