@@ -146,3 +146,33 @@ def test_discretisation_evaluates_the_mechanism_only_where_mass_is_kept(monkeypa
             calls.clear()
             kept = pld.discretize(pld.SubsampledGaussian(256 / 60000, z), direction, 4e-4)
             assert sum(calls) <= 2 * kept.pmf.size
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_distinct_runs_with_counts_match_dp_accounting(seed):
+    # Distinct mechanisms run 1 to 12 times each (several share a count): the same bracket as
+    # above, with k the total number of steps, against dp_accounting composing event by event.
+    rng = np.random.default_rng(seed)
+    mechs = [(m, int(rng.integers(1, 13))) for m, _ in _distinct_steps(seed, 8)]
+    k, delta, h = sum(c for _, c in mechs), 1e-5, 1e-3
+    eps = pld.pld_epsilon(mechs, delta, h=h)
+    acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=h)
+    for m, c in mechs:
+        acc.compose(dp_accounting.PoissonSampledDpEvent(
+            m.q, dp_accounting.GaussianDpEvent(m.noise_multiplier)), c)
+    ref = acc.get_epsilon(delta)
+    assert ref - k * h <= eps <= ref + k * h
+
+
+def test_runs_sharing_a_count_are_composed_once_then_raised(monkeypatch):
+    # k distinct mechanisms run r times each: one balanced composition of the k steps (k - 1
+    # convolutions) then about 2 log2(r) for the power, instead of a self-composition per
+    # mechanism (about k * 2 log2(r) convolutions).
+    k, r = 40, 100
+    mechs = [(pld.SubsampledGaussian(0.01, 1.0 + i / 100), r) for i in range(k)]
+    calls = []
+    compose = pld.DiscretePLD.compose
+    monkeypatch.setattr(pld.DiscretePLD, "compose",
+                        lambda self, other: calls.append(1) or compose(self, other))
+    pld.compose_mechanisms(mechs, "remove", h=1e-3)
+    assert len(calls) <= (k - 1) + 2 * r.bit_length()

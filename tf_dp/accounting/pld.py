@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -58,6 +59,7 @@ __all__ = [
     "compose_mechanisms",
     "pld_epsilon",
     "pld_delta",
+    "compose_both",
     "DIRECTIONS",
 ]
 
@@ -536,8 +538,9 @@ def compose_mechanisms(
 ) -> DiscretePLD:
     """Composes ``[(mechanism, count), ...]`` (``count`` identical steps each) in one direction.
 
-    Identical mechanisms are self-composed once (by repeated squaring) wherever they occur;
-    distinct ones are composed as a balanced binary tree. Example::
+    Identical mechanisms are merged wherever they occur; the distinct mechanisms that share a
+    step count are composed together as a balanced binary tree, and these groups are raised to
+    their counts by repeated squaring, all groups at once. Example::
 
         steps = [(SubsampledGaussian(0.01, 1.0 + i / 1000), 1) for i in range(1000)]
         d = compose_mechanisms(steps, "remove").delta(1.0)
@@ -549,24 +552,61 @@ def compose_mechanisms(
     for _, count in mechanisms:
         if not (isinstance(count, (int, np.integer)) and count >= 1):
             raise ValueError(f"step counts must be integers >= 1, got {count!r}")
-    counts: dict = {}  # identical mechanisms anywhere in the list: one self-composition
+    counts: dict = {}  # identical mechanisms anywhere in the list: one entry, counts summed
     for mech, count in mechanisms:
         counts[mech] = counts.get(mech, 0) + int(count)
-    # Composition is commutative: compose as a balanced binary tree (a stack of partial
-    # compositions of 1, 2, 4, ... mechanisms, merged like a binary counter), so most
-    # convolutions are of short distributions rather than each step with the long running
-    # composition, and only O(log n) partial results are held at a time.
-    stack: list[tuple[int, DiscretePLD]] = []
+    # prod_i P_i^(c_i) = prod_c (prod_{i: c_i = c} P_i)^c: the distinct mechanisms that share a
+    # count are composed together first, then the groups are raised to their counts together,
+    # left to right over the bits of the counts (one squaring of the running result per bit:
+    # Straus's simultaneous exponentiation). A ledger of k distinct values repeated r times
+    # costs one composition of k steps and log2(r) squarings, not k self-compositions.
+    groups: dict = {}
     for mech, c in counts.items():
-        size, part = 1, discretize(mech, direction, h, loss_cap).self_compose(c)
+        groups.setdefault(c, []).append(mech)
+    parts = {
+        c: _tree(discretize(m, direction, h, loss_cap) for m in mechs)
+        for c, mechs in groups.items()
+    }
+    result: Optional[DiscretePLD] = None
+    for bit in reversed(range(max(parts).bit_length())):
+        if result is not None:
+            result = result.compose(result)
+        chosen = [part for c, part in parts.items() if (c >> bit) & 1]
+        if chosen:
+            product = _tree(chosen)
+            result = product if result is None else result.compose(product)
+    return result
+
+
+def _tree(plds: Iterable[DiscretePLD]) -> DiscretePLD:
+    """``plds`` composed as a balanced binary tree: a stack of partial compositions of 1, 2, 4,
+    ... distributions merged like a binary counter, so most convolutions are of short
+    distributions rather than each one with the long running composition, and only O(log n)
+    partial results are held at a time."""
+    stack: list[tuple[int, DiscretePLD]] = []
+    for part in plds:
+        size = 1
         while stack and stack[-1][0] == size:
-            other = stack.pop()[1]
-            size, part = size * 2, other.compose(part)
+            size, part = size * 2, stack.pop()[1].compose(part)
         stack.append((size, part))
     out = stack.pop()[1]
     while stack:
         out = stack.pop()[1].compose(out)
     return out
+
+
+def compose_both(
+    mechanisms: Sequence[tuple[object, int]],
+    h: Optional[float] = None,
+    loss_cap: float = _LOSS_CAP,
+) -> list[DiscretePLD]:
+    """:func:`compose_mechanisms` in both directions (``DIRECTIONS`` order), each in its own
+    thread: the two are independent, and their FFTs and curve evaluations release the GIL, so on
+    two or more cores they overlap."""
+    mechanisms = list(mechanisms)
+    h = _auto_h(mechanisms) if h is None else h
+    with ThreadPoolExecutor(max_workers=len(DIRECTIONS)) as pool:
+        return list(pool.map(lambda d: compose_mechanisms(mechanisms, d, h, loss_cap), DIRECTIONS))
 
 
 def pld_epsilon(
@@ -580,9 +620,7 @@ def pld_epsilon(
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
     mechanisms = list(mechanisms)
     h = _auto_h(mechanisms) if h is None else h
-    return max(
-        compose_mechanisms(mechanisms, d, h, loss_cap).epsilon(delta) for d in DIRECTIONS
-    )
+    return max(c.epsilon(delta) for c in compose_both(mechanisms, h, loss_cap))
 
 
 def pld_delta(
@@ -596,6 +634,4 @@ def pld_delta(
         raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
     mechanisms = list(mechanisms)
     h = _auto_h(mechanisms) if h is None else h
-    return max(
-        compose_mechanisms(mechanisms, d, h, loss_cap).delta(epsilon) for d in DIRECTIONS
-    )
+    return max(c.delta(epsilon) for c in compose_both(mechanisms, h, loss_cap))
