@@ -185,3 +185,25 @@ def test_a_budget_prediction_follows_a_sampling_declared_mid_fit():
     assert budget.stopped and opt.ledger.num_samples == b + 1
     assert _epsilon(runs) <= target < _epsilon([*runs, (opt.next_sample_entry(), 1)])
     assert opt.next_sample_entry().sampling.selection_probability == q2
+
+
+def test_a_schedule_budget_keeps_a_margin_for_the_compiled_rounding():
+    # A scheduled step whose predicted epsilon lands within 1e-6 (relative) under the target is
+    # not taken: the compiled step may round the schedule's float32 arithmetic one ulp away from
+    # the prediction, so the check keeps SCHEDULE_MARGIN below the target.
+    def run(target):
+        model = _model(tf_dp.keras.DecreasingClip(1.0, decay_steps=50.0), noise_stddev=1.2)
+        budget = dpcb.PrivacyBudget(target_epsilon=target, delta=1e-5, verbose=False)
+        model.fit(_batches(steps_per_epoch=20), epochs=5, verbose=0, callbacks=[budget])
+        return model.optimizer
+
+    opt = run(1.4)
+    runs = opt.ledger.runs()
+    taken = sum(count for _, count in runs)
+    assert 0 < taken < 100, taken
+    # the next step would reach epsilon e; a target a hair (2e-7 relative) above e still stops
+    # before it, a target 1e-5 above e lets it run
+    e = _epsilon([*runs, (opt.next_sample_entry(), 1)])
+    assert dpcb.SCHEDULE_MARGIN == 1e-6
+    assert sum(c for _, c in run(e * (1 + 2e-7)).ledger.runs()) == taken
+    assert sum(c for _, c in run(e * (1 + 1e-5)).ledger.runs()) == taken + 1
