@@ -383,7 +383,7 @@ class QueryWithLedger(DPQuery):
         room = self._ledger.has_room(len(specs))
         same_unit = self.unit_as_traced()
         if same_unit is not None:
-            checks += self._check_unit(same_unit)
+            checks += self.unit_checks(same_unit)
             room = tf.logical_and(room, same_unit)
         result, new_state = self._query.get_noised_result(sample_state, global_state)
         # the values of the step (read before the result: an adaptive query updates its clip
@@ -440,10 +440,13 @@ class QueryWithLedger(DPQuery):
             new_state = _state_unless(room, new_state, global_state)
         return result, new_state
 
-    def _check_unit(self, same_unit: tf.Tensor) -> list[Any]:
-        """Outside XLA: an assertion that fails the step when it runs under another unit than
-        it was traced for (the recording depends on it). Under XLA: none (masked and counted)."""
-        if in_xla_context():
+    def unit_checks(self, same_unit: Optional[tf.Tensor] = None) -> list[Any]:
+        """In a graph outside XLA: an assertion that fails the step when it runs under another
+        unit of privacy than it was traced for (:meth:`unit_as_traced`); the step's recording and
+        update depend on it. Eagerly and under XLA: none (there the step is masked and counted)."""
+        if same_unit is None:
+            same_unit = self.unit_as_traced()
+        if same_unit is None or in_xla_context():
             return []
         traced = _describe_unit(*self._declared_unit)
         return [tf.debugging.Assert(same_unit, [
@@ -472,7 +475,7 @@ UNIT_MISMATCH_ADVICE = (
 
 
 def _describe_unit(unit: int, records_per_unit: int) -> str:
-    """``(unit code, k)`` in words, e.g. ``user-level clipping (unit='user', records_per_unit=4)``."""
+    """``(unit code, k)`` in words: ``user-level clipping (unit='user', records_per_unit=4)``."""
     if PRIVACY_UNITS[unit] == "user":
         return f"user-level clipping (unit='user', records_per_unit={records_per_unit})"
     return "example-level clipping (unit='example')"
@@ -480,10 +483,10 @@ def _describe_unit(unit: int, records_per_unit: int) -> str:
 
 def _state_unless(keep: tf.Tensor, new: Any, old: Any) -> Any:
     """The new global state where ``keep``, else the old one (tensor leaves of one dtype)."""
+    tensors = (tf.Tensor, tf.Variable)
+
     def pick(n, o):
-        if n is not o and isinstance(n, (tf.Tensor, tf.Variable)) and isinstance(o, (tf.Tensor, tf.Variable)) and (
-            n.dtype == o.dtype
-        ):
+        if n is not o and isinstance(n, tensors) and isinstance(o, tensors) and n.dtype == o.dtype:
             return tf.where(keep, n, tf.convert_to_tensor(o))
         return n
     try:
