@@ -273,6 +273,12 @@ class DPEngine:
         ``(x, y, sample_weight)``; ``step`` numbers the step for schedules; ``model`` is what
         the clipper is chosen for (``gradient_mode='auto'``); ``check(clipped)``, if given,
         runs before anything is noised or recorded (it may raise).
+
+        Traced in a ``tf.function``, the step clips with the unit of privacy (examples, or users
+        of ``k`` records) declared when it was traced. Run after :meth:`set_sampling` changed the
+        unit or ``k``, it records nothing, releases zeros and :meth:`apply` applies nothing: it
+        fails with ``InvalidArgumentError`` (a graph) or at the next :meth:`flush` (XLA). Build a
+        new ``tf.function`` after such a change.
         """
         self.update_schedules(step)                                          # 1. schedules
         clipper = self.clipper_for(model)
@@ -353,8 +359,10 @@ class DPEngine:
 
     def apply(self, grads: list, variables: list, apply_fn: ApplyFn) -> None:
         """Applies ``grads`` with ``apply_fn`` unless they are not finite (the step stays in
-        the ledger: a conservative record; counted in :attr:`skipped_steps`) or the ledger had
-        no room to record the step inside a compiled call (nothing released or recorded)."""
+        the ledger: a conservative record; counted in :attr:`skipped_steps`), the ledger had
+        no room to record the step inside a compiled call (nothing released or recorded), or the
+        step was traced for another unit of privacy than the one declared when it runs (see
+        :meth:`private_gradients`)."""
         room = self.recorder.has_room(self.global_state)
         finite = tf.reduce_all(tf.stack([
             tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
@@ -373,14 +381,18 @@ class DPEngine:
         ok = tf.logical_and(room, finite)
         if tf.executing_eagerly():
             update() if bool(ok) else withhold()
-        elif _replicas_in_sync() > 1:
-            # the update all-reduces across replicas, which cannot sit inside a conditional: a
-            # withheld step applies zeros instead (nothing about the data)
-            self._skipped.assign_add(tf.cast(tf.logical_and(room, tf.logical_not(finite)),
-                                             tf.int64))
-            apply_fn([_zero_unless(ok, g) for g in grads], variables)
-        else:
-            tf.cond(ok, update, withhold)
+            return
+        # a step traced for another unit of privacy than declared now fails before its update
+        # (outside XLA; under XLA ``room`` is false and the next flush raises)
+        with tf.control_dependencies(self.recorder.unit_checks()):
+            if _replicas_in_sync() > 1:
+                # the update all-reduces across replicas, which cannot sit inside a conditional:
+                # a withheld step applies zeros instead (nothing about the data)
+                self._skipped.assign_add(tf.cast(tf.logical_and(room, tf.logical_not(finite)),
+                                                 tf.int64))
+                apply_fn([_zero_unless(ok, g) for g in grads], variables)
+            else:
+                tf.cond(ok, update, withhold)
 
     # -- between steps (eager) -----------------------------------------------------------------
 

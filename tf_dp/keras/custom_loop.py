@@ -12,6 +12,11 @@ The ledger needs to know how your batches are drawn: pass ``sampling=`` (a
 a new pass over its data, and :meth:`DPTrainStep.flush` after every call of a compiled function
 (it moves the steps recorded inside it into the ledger and reports withheld steps).
 
+Your ``tf.function`` traces the step for the unit of privacy declared at that moment (examples,
+or users of ``k`` records). After declaring another unit or ``k``, wrap the step in a new
+``tf.function``: the old one records and applies nothing and fails (``InvalidArgumentError`` from
+the call, or ``ValueError`` from the next :meth:`DPTrainStep.flush` under ``jit_compile=True``).
+
 Example::
 
     model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(2)])

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from tf_dp.dp_query.dp_query import DPQuery, SumQuerySpec
 from tf_dp.dp_query.validation import check_scalar
+from tf_dp.dp_query.xla import in_xla_context
 from tf_dp.ledger.events import (
     MECHANISMS,
     PRIVACY_UNITS,
@@ -95,10 +96,19 @@ class QueryWithLedger(DPQuery):
             # compiled steps that met a non-finite or negative clip / noise: nothing recorded,
             # nothing released; check_values() raises for them between calls
             self._invalid_steps = ledger_variable(tf.constant(0, tf.int64))
+            # traced steps that ran under another unit of privacy (or k) than they were traced
+            # for: nothing recorded, nothing released; check_values() raises for them, naming
+            # the unit (code, k) the last of them was traced for
+            self._unit_mismatches = ledger_variable(tf.constant(0, tf.int64))
+            self._mismatched_trace = ledger_variable(tf.constant([0, 0], tf.int32))
         self._invalid_reported = 0
         #: counts the eager calls that change what the next step records (set_sampling,
         #: start_pass, set_mechanism): a reader that caches predicted entries compares it
         self.settings_version = 0
+        self._mismatches_reported = 0
+        # (unit code, k or 0) of the sampling declared now, in Python: a step traced now clips
+        # with this unit, and compares it with the recorded variables when it runs
+        self._declared_unit = (0, 0)
         self.set_sampling(population_size, selection_probability, sampling_policy)
 
     @property
@@ -150,6 +160,19 @@ class QueryWithLedger(DPQuery):
         self._unit.assign(unit_code(event.unit))
         self._records_per_unit.assign(event.records_per_unit or 0)
         self.settings_version += 1
+        self._declared_unit = (unit_code(event.unit), event.records_per_unit or 0)
+
+    def unit_as_traced(self) -> Optional[tf.Tensor]:
+        """Inside a traced step: whether the unit of privacy and ``k`` declared when the step runs
+        (the recorded variables) are those declared when it was traced (a bool tensor). A traced
+        step clips with the unit of its trace (``tf_dp.engine.DPEngine``): when they differ the
+        step records and releases nothing (:meth:`has_room` is false) and fails. None eagerly,
+        where every step clips with the sampling declared at that moment."""
+        if tf.executing_eagerly():
+            return None
+        unit, k = self._declared_unit
+        return tf.logical_and(tf.equal(self._unit.read_value(), unit),
+                              tf.equal(self._records_per_unit.read_value(), k))
 
     @property
     def records_per_user(self) -> Optional[int]:
@@ -321,6 +344,9 @@ class QueryWithLedger(DPQuery):
         is false must release nothing."""
         specs = self._query.sum_query_specs(global_state)
         room = self._ledger.has_room(len(specs))
+        same_unit = self.unit_as_traced()
+        if same_unit is not None:
+            room = tf.logical_and(room, same_unit)
         if not _fixed_shape_context():
             return room  # outside compiled steps bad values fail the step (_check_specs)
         return tf.logical_and(room, _valid_values(
@@ -328,8 +354,19 @@ class QueryWithLedger(DPQuery):
 
     def check_values(self) -> None:
         """Raises (eagerly, between compiled calls) if a compiled step met a clip or noise value
-        that is not a finite number >= 0 (e.g. a ``tf.Variable`` clip set to inf): such steps
+        that is not a finite number >= 0 (e.g. a ``tf.Variable`` clip set to inf), or ran under
+        another unit of privacy than it was traced for (:meth:`unit_as_traced`): such steps
         recorded and released nothing."""
+        mismatched = int(self._unit_mismatches.numpy())
+        if mismatched > self._mismatches_reported:
+            self._mismatches_reported = mismatched
+            traced = _describe_unit(*(int(v) for v in self._mismatched_trace.numpy()))
+            raise ValueError(
+                f"{mismatched} traced DP step(s) ran under a sampling of another unit of privacy "
+                f"than the one they were traced for ({traced}; declared now: "
+                f"{_describe_unit(*self._declared_unit)}): those steps recorded and applied "
+                f"nothing. {UNIT_MISMATCH_ADVICE}"
+            )
         bad = int(self._invalid_steps.numpy())
         if bad > self._invalid_reported:
             self._invalid_reported = bad
@@ -350,6 +387,10 @@ class QueryWithLedger(DPQuery):
         specs = self._query.sum_query_specs(global_state)
         checks = _check_specs(specs)
         room = self._ledger.has_room(len(specs))
+        same_unit = self.unit_as_traced()
+        if same_unit is not None:
+            checks += self.unit_checks(same_unit)
+            room = tf.logical_and(room, same_unit)
         result, new_state = self._query.get_noised_result(sample_state, global_state)
         # the values of the step (read before the result: an adaptive query updates its clip
         # there), with the grid of a grid-mode query, known once it has seen the sum's size
@@ -377,7 +418,11 @@ class QueryWithLedger(DPQuery):
             if _fixed_shape_context():  # no assertion stops a compiled step: mask its record
                 keep = _valid_values([(v[0], v[1]) for v in values])
                 self._invalid_steps.assign_add(tf.cast(tf.logical_not(keep), tf.int64))
+                if same_unit is not None:
+                    keep = tf.logical_and(keep, same_unit)
                 room = tf.logical_and(room, keep)
+            if same_unit is not None:  # (outside XLA the assertion above failed the step first)
+                self._count_mismatch(same_unit)
             index = self._ledger.record_sampling(
                 self._population_size, self._selection_probability, self._policy, pass_start,
                 keep=keep, origin=self._origin, unit=self._unit,
@@ -390,12 +435,70 @@ class QueryWithLedger(DPQuery):
                     for sens, std, mech, jl, seed, grid in values
                 ]
                 with tf.control_dependencies(recorded):
-                    self._pass_start.assign(0)
+                    # a step that recorded nothing leaves the pass mark for the next one
+                    self._pass_start.assign(
+                        0 if keep is None else tf.where(keep, 0, self._pass_start.read_value()))
         if not (isinstance(room, tf.Tensor) and tf.get_static_value(room) is True):
             result = tf.nest.map_structure(
                 lambda t: _where(room, t), result
             )
+            # nor does the query's state move on a step that released nothing
+            new_state = _state_unless(room, new_state, global_state)
         return result, new_state
+
+    def unit_checks(self, same_unit: Optional[tf.Tensor] = None) -> list[Any]:
+        """In a graph outside XLA: an assertion that fails the step when it runs under another
+        unit of privacy than it was traced for (:meth:`unit_as_traced`); the step's recording and
+        update depend on it. Eagerly and under XLA: none (there the step is masked and counted)."""
+        if same_unit is None:
+            same_unit = self.unit_as_traced()
+        if same_unit is None or in_xla_context():
+            return []
+        traced = _describe_unit(*self._declared_unit)
+        return [tf.debugging.Assert(same_unit, [
+            (f"tf_dp: this DP step was traced for {traced}, but the sampling declared now is of "
+             "another unit of privacy (unit code 0 example / 1 user, records_per_unit):"),
+            self._unit.read_value(), self._records_per_unit.read_value(),
+            f"; nothing was recorded or applied. {UNIT_MISMATCH_ADVICE}",
+        ])]
+
+    def _count_mismatch(self, same_unit: tf.Tensor) -> None:
+        """Counts a step that ran under another unit than traced (read by check_values)."""
+        other = tf.logical_not(same_unit)
+        self._unit_mismatches.assign_add(tf.cast(other, tf.int64))
+        self._mismatched_trace.assign(
+            tf.where(other, tf.constant(self._declared_unit, tf.int32),
+                     self._mismatched_trace.read_value()))
+
+
+#: What to do when a traced step meets a sampling of another unit of privacy.
+UNIT_MISMATCH_ADVICE = (
+    "A traced step clips with the unit of privacy (example or user, and records_per_unit) "
+    "declared when it was traced: after changing it, build a new tf.function around the DP "
+    "step (tf_dp.keras.DPTrainStep, optimizer.dp_step or the engine's step) and call that; "
+    "fit and train_on_batch retrace by themselves"
+)
+
+
+def _describe_unit(unit: int, records_per_unit: int) -> str:
+    """``(unit code, k)`` in words: ``user-level clipping (unit='user', records_per_unit=4)``."""
+    if PRIVACY_UNITS[unit] == "user":
+        return f"user-level clipping (unit='user', records_per_unit={records_per_unit})"
+    return "example-level clipping (unit='example')"
+
+
+def _state_unless(keep: tf.Tensor, new: Any, old: Any) -> Any:
+    """The new global state where ``keep``, else the old one (tensor leaves of one dtype)."""
+    tensors = (tf.Tensor, tf.Variable)
+
+    def pick(n, o):
+        if n is not o and isinstance(n, tensors) and isinstance(o, tensors) and n.dtype == o.dtype:
+            return tf.where(keep, n, tf.convert_to_tensor(o))
+        return n
+    try:
+        return tf.nest.map_structure(pick, new, old)
+    except (TypeError, ValueError):  # a state whose structure changes: left as it is
+        return new
 
 
 def _plus_grid(sens: Any, spec: SumQuerySpec) -> Any:
