@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -59,7 +58,6 @@ __all__ = [
     "compose_mechanisms",
     "pld_epsilon",
     "pld_delta",
-    "compose_both",
     "DIRECTIONS",
 ]
 
@@ -595,20 +593,6 @@ def _tree(plds: Iterable[DiscretePLD]) -> DiscretePLD:
     return out
 
 
-def compose_both(
-    mechanisms: Sequence[tuple[object, int]],
-    h: Optional[float] = None,
-    loss_cap: float = _LOSS_CAP,
-) -> list[DiscretePLD]:
-    """:func:`compose_mechanisms` in both directions (``DIRECTIONS`` order), each in its own
-    thread: the two are independent, and their FFTs and curve evaluations release the GIL, so on
-    two or more cores they overlap."""
-    mechanisms = list(mechanisms)
-    h = _auto_h(mechanisms) if h is None else h
-    with ThreadPoolExecutor(max_workers=len(DIRECTIONS)) as pool:
-        return list(pool.map(lambda d: compose_mechanisms(mechanisms, d, h, loss_cap), DIRECTIONS))
-
-
 def pld_epsilon(
     mechanisms: Iterable[tuple[object, int]],
     delta: float,
@@ -620,7 +604,9 @@ def pld_epsilon(
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
     mechanisms = list(mechanisms)
     h = _auto_h(mechanisms) if h is None else h
-    return max(c.epsilon(delta) for c in compose_both(mechanisms, h, loss_cap))
+    return max(
+        compose_mechanisms(mechanisms, d, h, loss_cap).epsilon(delta) for d in DIRECTIONS
+    )
 
 
 def pld_delta(
@@ -634,4 +620,6 @@ def pld_delta(
         raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
     mechanisms = list(mechanisms)
     h = _auto_h(mechanisms) if h is None else h
-    return max(c.delta(epsilon) for c in compose_both(mechanisms, h, loss_cap))
+    return max(
+        compose_mechanisms(mechanisms, d, h, loss_cap).delta(epsilon) for d in DIRECTIONS
+    )

@@ -119,7 +119,7 @@ def pld_delta_curve(
     """
     mechanisms = list(mechanisms)
     h = _pld._auto_h(mechanisms) if h is None else h
-    composed = _pld.compose_both(mechanisms, h)
+    composed = [_pld.compose_mechanisms(mechanisms, direction, h) for direction in _pld.DIRECTIONS]
     if epsilons is None:
         top = max(float(c.losses[-1]) if c.pmf.size else 0.0 for c in composed)
         top = max(top, h)
