@@ -304,7 +304,13 @@ class DiscretePLD:
             raise ValueError("cannot compose PLDs with different grid spacings")
         n = self.pmf.size + other.pmf.size - 1
         size = 1 << (n - 1).bit_length()
-        conv = np.fft.irfft(np.fft.rfft(self.pmf, size) * np.fft.rfft(other.pmf, size), size)[:n]
+        spectrum = np.fft.rfft(self.pmf, size)
+        if other is self:  # a squaring: one forward transform
+            spectrum *= spectrum
+        else:
+            spectrum *= np.fft.rfft(other.pmf, size)
+        conv = np.fft.irfft(spectrum, size)[:n]
+        del spectrum
         # FFT round-off bound (absolute, per entry) ~ eps_mach * log2(size) * total mass; the
         # entries that round to negative values are dropped and this allowance is added to +inf.
         # FFT round-off is ~1e-16 of the largest entry, so in both tails the computed values are
