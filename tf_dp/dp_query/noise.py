@@ -178,8 +178,9 @@ def stateless_gaussian_noise(seed: Any, n: int, dtype: tf.DType = tf.float32) ->
     shape ``[2]``, e.g. from ``tf.random.experimental.stateless_fold_in``), so no generator state
     is read or advanced: the same seed gives the same values in any process, eagerly, in a
     ``tf.function`` and under XLA (which reads the same words as the lazy float32 transform,
-    its values differing only by XLA's rounding of ``log`` and ``cos``). For public randomness that must be reproducible (JL directions), never for DP
-    noise, which comes from a generator keyed from OS entropy.
+    its values differing only by XLA's rounding of ``log`` and ``cos``). For public randomness
+    that must be reproducible (JL directions), never for DP noise, which comes from a generator
+    keyed from OS entropy.
 
     Example::
 
@@ -240,7 +241,7 @@ class _ReservedWords:
         words = cls.__new__(cls)
         words._generator, words._chunks, words._direct = None, chunks, False
         key_high = tf.random.stateless_uniform(
-            [2], seed=seed, minval=None, maxval=None, dtype=tf.uint64
+            [2], seed=seed, minval=None, maxval=None, dtype=tf.uint64, alg="philox"
         )
         words._key = key_high[:1]
         words._counter = tf.stack([tf.constant(0, tf.uint64), key_high[1]])

@@ -224,20 +224,22 @@ def step_seed(seed: int, stream: int, step: Any) -> tf.Tensor:
     """The stateless seed (``int64 [2]``) of a clipper's public randomness at ``step``.
 
     A function of ``(seed, stream, step)`` and, under ``tf.distribute`` with several replicas,
-    of the replica id (each replica draws its own). For ``tf.random.stateless_*`` ops and
+    of the replica id (each replica draws its own). For ``tf.random.stateless_*`` ops with
+    ``alg="philox"`` (``"auto_select"`` picks another algorithm under XLA) and
     :func:`tf_dp.dp_query.noise.stateless_gaussian_noise`: the draws of a seeded run are the same
     in every process, eagerly, in a ``tf.function`` and under XLA.
 
     Example::
 
         ids = tf.random.stateless_uniform(
-            [8], step_seed(7, MICROBATCH_STREAM, 3), minval=0, maxval=4, dtype=tf.int32)
+            [8], step_seed(7, MICROBATCH_STREAM, 3), minval=0, maxval=4, dtype=tf.int32,
+            alg="philox")
     """
     fold = tf.random.experimental.stateless_fold_in
-    key = fold(tf.constant([seed, stream], tf.int64), tf.cast(step, tf.int64))
+    key = fold(tf.constant([seed, stream], tf.int64), tf.cast(step, tf.int64), alg="philox")
     ctx = tf.distribute.get_replica_context() if tf.distribute.has_strategy() else None
     if ctx is not None and ctx.num_replicas_in_sync > 1:
-        key = fold(key, tf.cast(ctx.replica_id_in_sync_group, tf.int64))
+        key = fold(key, tf.cast(ctx.replica_id_in_sync_group, tf.int64), alg="philox")
     return key
 
 

@@ -86,7 +86,8 @@ class MicrobatchClipper(base.GradientClipper):
         if self._seed is not None and step is not None:
             seed = base.step_seed(self._seed, base.MICROBATCH_STREAM, step)
             return tf.random.stateless_uniform(
-                [batch_size], seed, minval=0, maxval=self.num_microbatches, dtype=tf.int32
+                [batch_size], seed, minval=0, maxval=self.num_microbatches, dtype=tf.int32,
+                alg="philox",
             )
         if self._generator is None:
             self._generator = make_generator(self._seed)
