@@ -58,8 +58,8 @@ def test_jl_directions_are_a_function_of_seed_and_step_and_fresh_at_every_step()
         [np.concatenate([t.numpy() for t in v]) for v in clipper.draw_directions(variables, step)])
     first = draw(JLClipper(jl_projections=2, seed=7), 3)
     assert np.array_equal(first, draw(JLClipper(jl_projections=2, seed=7), 3))
-    compiled = tf.function(lambda s: JLClipper(jl_projections=2, seed=7).draw_directions(
-        variables, s), jit_compile=True)
+    clipper = JLClipper(jl_projections=2, seed=7)
+    compiled = tf.function(lambda s: clipper.draw_directions(variables, s), jit_compile=True)
     xla = np.concatenate([np.concatenate([t.numpy() for t in v]) for v in compiled(3)])
     np.testing.assert_allclose(xla, first, atol=1e-5)  # XLA rounds log and cos its own way
     v = {s: draw(JLClipper(jl_projections=2, seed=7), s).reshape(2, d) for s in range(4)}
@@ -82,8 +82,8 @@ def test_microbatch_assignment_is_a_function_of_seed_and_step_and_uniform():
     b, m = 6000, 4
     ids = {s: MicrobatchClipper(m, seed=7).assignment(b, s).numpy() for s in range(3)}
     assert np.array_equal(ids[0], MicrobatchClipper(m, seed=7).assignment(b, 0).numpy())
-    compiled = tf.function(lambda s: MicrobatchClipper(m, seed=7).assignment(b, s),
-                           jit_compile=True)
+    clipper = MicrobatchClipper(m, seed=7)
+    compiled = tf.function(lambda s: clipper.assignment(b, s), jit_compile=True)
     assert np.array_equal(compiled(tf.constant(2, tf.int64)).numpy(), ids[2])
     for s in range(3):
         counts = np.bincount(ids[s], minlength=m)

@@ -4,10 +4,9 @@ Every example of the batch is assigned to one of ``num_microbatches`` (``M``) mi
 *independently and uniformly at random*: from an OS-entropy-keyed Philox generator, or, with a
 ``seed`` and the step's number (what the DP optimizers pass with ``noise_seed``), from a
 stateless draw keyed by ``(seed, step, replica)`` (:func:`tf_dp.gradients.base.step_seed`), the
-same in every process. Each
-microbatch's gradient is the mean gradient of its examples of non-zero weight (an empty microbatch
-contributes zero); it is clipped by the query's rule and the clipped microbatch gradients are
-summed.
+same in every process. Each microbatch's gradient is the mean gradient of its examples of
+non-zero weight (an empty microbatch contributes zero); it is clipped by the query's rule and the
+clipped microbatch gradients are summed.
 
 Why random, not consecutive slices: with consecutive slices, adding one example to the batch
 shifts every later example into the next microbatch, so *every* later microbatch changes and the
@@ -76,6 +75,8 @@ class MicrobatchClipper(base.GradientClipper):
             num_microbatches < 1
         ):
             raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         self.num_microbatches = num_microbatches
         self._seed = seed
         self._generator: Optional[tf.random.Generator] = None
