@@ -47,6 +47,7 @@ E2E = {
     "test_notebooks",
     "test_readme",
     "test_research_quick",
+    "test_seeded_runs",
     "test_tutorial_mnist",
 }
 

@@ -170,6 +170,46 @@ def gaussian_noise(
     return _lazy_chunk(_ReservedWords(generator, 2 * ((n + 1) // 2), 1), 0, n, stddev)
 
 
+def stateless_gaussian_noise(seed: Any, n: int, dtype: tf.DType = tf.float32) -> tf.Tensor:
+    """``n`` i.i.d. standard normals (a flat ``[n]`` tensor) that are a function of ``seed`` alone.
+
+    The sampler of :func:`gaussian_noise` (Box-Muller on Philox words, the same tails and
+    chunks) on words read from a key and counter derived from ``seed`` (an integer tensor of
+    shape ``[2]``, e.g. from ``tf.random.experimental.stateless_fold_in``), so no generator state
+    is read or advanced: the same seed gives the same values in any process, eagerly, in a
+    ``tf.function`` and under XLA (which reads the same words as the lazy float32 transform,
+    its values differing only by XLA's rounding of ``log`` and ``cos``). For public randomness
+    that must be reproducible (JL directions), never for DP noise, which comes from a generator
+    keyed from OS entropy.
+
+    Example::
+
+        z = stateless_gaussian_noise(tf.constant([7, 0], tf.int64), 1000)   # [1000], float32
+    """
+    dtype = tf.as_dtype(dtype)
+    if dtype not in (tf.float32, tf.float64):
+        raise TypeError(f"dtype must be float32 or float64, got {dtype.name}")
+    n = int(n)
+    sizes = _chunk_sizes(n)
+    words = _ReservedWords.from_seed(seed, len(sizes))
+    parts = []
+    for j, m in enumerate(sizes):
+        half = (m + 1) // 2
+        if dtype != tf.float32 or n < LAZY_MIN_SIZE:
+            bits = tf.stack([words.draw(j, slot, half) for slot in (0, 2, 1)])  # hi, lo, angle
+            parts.append(_first(box_muller(bits, dtype), m))
+        elif _in_xla_context():
+            # static shapes: every low word drawn, and the k-th pair with hi < 2^24 reads the
+            # k-th one, as the lazy transform does (the others' low words do not matter)
+            hi, angle, low = (words.draw(j, slot, half) for slot in (0, 1, 2))
+            rank = tf.cumsum(tf.cast(hi < tf.constant(1 << 24, tf.uint32), tf.int32),
+                             exclusive=True)
+            parts.append(_first(box_muller(tf.stack([hi, tf.gather(low, rank), angle])), m))
+        else:
+            parts.append(_lazy_chunk(words, j, m, None))
+    return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
+
+
 class _ReservedWords:
     """Philox words for one :func:`gaussian_noise` call, from counter ranges reserved at once.
 
@@ -193,6 +233,19 @@ class _ReservedWords:
             state = generator.skip(words)
             self._counter = tf.bitcast(state[:2], tf.uint64)
             self._key = tf.bitcast(state[2:3], tf.uint64)
+
+    @classmethod
+    def from_seed(cls, seed: Any, chunks: int) -> "_ReservedWords":
+        """Words at a Philox key and counter drawn from the stateless ``seed`` (shape ``[2]``):
+        plane ``p`` reads from counter ``(0, h + p)``, ``h`` random (no generator involved)."""
+        words = cls.__new__(cls)
+        words._generator, words._chunks, words._direct = None, chunks, False
+        key_high = tf.random.stateless_uniform(
+            [2], seed=seed, minval=None, maxval=None, dtype=tf.uint64, alg="philox"
+        )
+        words._key = key_high[:1]
+        words._counter = tf.stack([tf.constant(0, tf.uint64), key_high[1]])
+        return words
 
     def draw(self, chunk: int, slot: int, count: Any) -> tf.Tensor:
         """``count`` words for ``slot`` (0: high words, 1: angles, 2: low words) of ``chunk``."""

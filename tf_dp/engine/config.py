@@ -41,7 +41,9 @@ class PrivacyConfig:
       query: an explicit :class:`tf_dp.dp_query.DPQuery` instead of clip and noise.
       noise_mode: None (``'continuous'``), ``'continuous'`` or ``'grid'`` (built queries only).
       num_microbatches: None (per-example clipping) or the number of microbatches.
-      noise_seed: tests and debugging only (a known seed voids the guarantee).
+      noise_seed: tests and debugging only (a known seed voids the guarantee). Seeds the noise
+        and the public randomness of the gradient modes (microbatch assignment, JL directions,
+        keyed by the seed and the step), so that a run repeats bit for bit in another process.
     """
 
     l2_norm_clip: Any = None
@@ -77,6 +79,7 @@ class PrivacyConfig:
                     f"dp_sum_query must be a tf_dp DPQuery, got {type(self.query).__name__}"
                 )
         validation.check_count("num_microbatches", self.num_microbatches)
+        validation.check_seed("noise_seed", self.noise_seed)
         for name, value in (("l2_norm_clip", clip), ("noise_multiplier", z), ("noise_stddev", std)):
             object.__setattr__(self, name, validation.number_or_schedule(value))
 

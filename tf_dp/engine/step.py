@@ -187,7 +187,7 @@ class DPEngine:
             options = {"jl_projections": speed.jl_projections, "jl_method": speed.jl_method}
         strategy = make_clipper(
             speed.gradient_mode, model=model, num_microbatches=self.privacy.num_microbatches,
-            **options,
+            seed=self.privacy.noise_seed, **options,
         )
         if speed.max_physical_batch_size is not None:
             strategy = PhysicalBatches(strategy, speed.max_physical_batch_size)
@@ -286,6 +286,10 @@ class DPEngine:
             clipper = for_users(clipper, self.sampling.records_per_unit)
         params = self.recorder.derive_sample_params(self.global_state)
         extra = {"model": model} if getattr(clipper, "needs_model", False) else {}
+        if getattr(clipper, "needs_step", False):
+            # keys a seeded clipper's public randomness: a number that no other step of this
+            # engine had (a withheld step does not move ``step``, but it is counted)
+            extra["step"] = tf.cast(step, tf.int64) + self._skipped
         clipped = clipper.clipped_sum(loss_fn, data, variables, self.recorder, params, **extra)
         if check is not None:
             check(clipped)

@@ -64,6 +64,15 @@ def check_count(name: str, value: Any, minimum: int = 1, optional: bool = True) 
         raise ValueError(f"{name} must be {none}an integer >= {minimum}, got {value!r}")
 
 
+def check_seed(name: str, value: Any) -> None:
+    """None or an integer with ``|value| <= 2**53`` (the ledger records seeds exactly in a
+    float64 column)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or abs(value) > 2**53:
+        raise ValueError(f"{name} must be None or an integer with |{name}| <= 2**53, got {value!r}")
+
+
 def is_schedule(value: Any) -> bool:
     """Whether ``value`` is a schedule: a callable ``step -> value`` (not a class)."""
     return callable(value) and not isinstance(value, type)

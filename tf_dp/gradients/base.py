@@ -214,6 +214,35 @@ def real_records(sample_weight: Any, batch: Any) -> tf.Tensor:
     return real
 
 
+#: Constants folded into ``noise_seed`` for each kind of public randomness a clipper draws, so
+#: that no two kinds (nor the DP noise, from its own generator) share a stream.
+MICROBATCH_STREAM = 0x6D62  # "mb"
+JL_STREAM = 0x6A6C  # "jl"
+
+
+def step_seed(seed: int, stream: int, step: Any) -> tf.Tensor:
+    """The stateless seed (``int64 [2]``) of a clipper's public randomness at ``step``.
+
+    A function of ``(seed, stream, step)`` and, under ``tf.distribute`` with several replicas,
+    of the replica id (each replica draws its own). For ``tf.random.stateless_*`` ops with
+    ``alg="philox"`` (``"auto_select"`` picks another algorithm under XLA) and
+    :func:`tf_dp.dp_query.noise.stateless_gaussian_noise`: the draws of a seeded run are the same
+    in every process, eagerly, in a ``tf.function`` and under XLA.
+
+    Example::
+
+        ids = tf.random.stateless_uniform(
+            [8], step_seed(7, MICROBATCH_STREAM, 3), minval=0, maxval=4, dtype=tf.int32,
+            alg="philox")
+    """
+    fold = tf.random.experimental.stateless_fold_in
+    key = fold(tf.constant([seed, stream], tf.int64), tf.cast(step, tf.int64), alg="philox")
+    ctx = tf.distribute.get_replica_context() if tf.distribute.has_strategy() else None
+    if ctx is not None and ctx.num_replicas_in_sync > 1:
+        key = fold(key, tf.cast(ctx.replica_id_in_sync_group, tf.int64), alg="philox")
+    return key
+
+
 def global_norms(squared_norms: Sequence[tf.Tensor]) -> tf.Tensor:
     return tf.sqrt(tf.add_n([tf.cast(s, tf.float32) for s in squared_norms]))
 
@@ -235,6 +264,9 @@ class GradientClipper(abc.ABC):
     exact: bool = True
     #: strategies that read the model's layers (ghost) take it as ``clipped_sum(..., model=)``
     needs_model: bool = False
+    #: clippers that draw public randomness (microbatch assignment, JL directions) take the
+    #: step's number as ``clipped_sum(..., step=)``: with a seed, their draws are keyed by it
+    needs_step: bool = False
 
     @abc.abstractmethod
     def clipped_sum(

@@ -5,8 +5,12 @@ Differentially Private-SGD via JL Projections" (2020; section and lemma numbers 
 that version, published in 2021 as "Fast and Memory Efficient Differentially Private-SGD via JL
 Projections", NeurIPS 2021), Algorithm 1:
 
-1. draw ``r`` directions ``v_1..v_r ~ N(0, I_d)`` over all trainable variables (from a Philox
-   generator keyed from OS entropy, like the noise: :func:`tf_dp.dp_query.make_generator`);
+1. draw ``r`` directions ``v_1..v_r ~ N(0, I_d)`` over all trainable variables, fresh at every
+   step and independent of the data: from a Philox generator keyed from OS entropy, like the
+   noise (:func:`tf_dp.dp_query.make_generator`); or, with a ``seed`` and the step's number
+   (what the DP optimizers pass with ``noise_seed``), from a stateless draw keyed by ``(seed,
+   step, replica)`` with a constant of their own folded in, never the noise's key
+   (:func:`tf_dp.gradients.base.step_seed`), so that a seeded run repeats in another process;
 2. compute the projections ``p_ij = <grad L_i, v_j>`` of every per-example gradient, i.e. the
    Jacobian-vector products ``J v_j`` of the per-example loss vector ``F = (L_1, ..., L_B)``;
 3. estimate each norm as ``M_i = sqrt(mean_j p_ij^2)`` (Proposition 2.1: ``r M_i^2 / ||g_i||^2`` is
@@ -80,7 +84,7 @@ from tf_dp.dp_query.dp_query import DPQuery
 from tf_dp.dp_query.gaussian_query import GaussianSumQuery
 from tf_dp.dp_query.nested_query import NestedQuery
 from tf_dp.dp_query.no_privacy_query import NoPrivacySumQuery
-from tf_dp.dp_query.noise import gaussian_noise, make_generator
+from tf_dp.dp_query.noise import gaussian_noise, make_generator, stateless_gaussian_noise
 from tf_dp.dp_query.normalized_query import NormalizedQuery
 from tf_dp.gradients import base
 
@@ -336,7 +340,10 @@ class JLClipper(base.GradientClipper):
         (privacy closer to exact clipping) and costs more.
       method: ``"auto"`` (default), ``"forward"`` (``ForwardAccumulator``) or ``"double_vjp"``.
       seed: tests and debugging only. ``None`` keys the directions' Philox generator from OS
-        entropy; a known seed makes the directions, hence the clipping, predictable.
+        entropy; a known seed makes the directions, hence the clipping, predictable. With the
+        step's number (``clipped_sum(..., step=)``) the directions are a function of ``(seed,
+        step)`` (and the replica under ``tf.distribute``); without one they come from a Philox
+        generator seeded with ``seed``.
       noise_after_sum: draw the DP noise only after the clipped sum exists
         (``ClippedGradients.noise_after_sum``). ``None`` (default): on the double-vjp route only.
         Its peak (two backward passes, the directions held) is where an early draw of the noise
@@ -354,6 +361,7 @@ class JLClipper(base.GradientClipper):
 
     name = "jl"
     exact = False
+    needs_step = True
 
     def __init__(
         self,
@@ -393,17 +401,25 @@ class JLClipper(base.GradientClipper):
 
     # -- directions ------------------------------------------------------------------------------
 
-    def draw_directions(self, tf_vars: Sequence[tf.Variable]) -> list[list[tf.Tensor]]:
+    def draw_directions(
+        self, tf_vars: Sequence[tf.Variable], step: Any = None
+    ) -> list[list[tf.Tensor]]:
         """``r`` standard Gaussian directions over all variables: ``[j][k]`` has var k's shape.
 
         One draw of ``r * d`` normals from the project's sampler
         (:func:`tf_dp.dp_query.noise.gaussian_noise`: Box-Muller on the Philox words, tails to
-        9.49 standard deviations), split per variable.
+        9.49 standard deviations), split per variable; keyed by ``(seed, step)`` when both are
+        given (:func:`tf_dp.dp_query.noise.stateless_gaussian_noise`).
         """
         r = self.jl_projections
         shapes = [v.shape.as_list() for v in tf_vars]
         sizes = [int(np.prod(shape)) for shape in shapes]
-        flat = tf.reshape(gaussian_noise(self.generator, r * sum(sizes)), [r, sum(sizes)])
+        if self._seed is not None and step is not None:
+            key = base.step_seed(self._seed, base.JL_STREAM, step)
+            flat = stateless_gaussian_noise(key, r * sum(sizes))
+        else:
+            flat = gaussian_noise(self.generator, r * sum(sizes))
+        flat = tf.reshape(flat, [r, sum(sizes)])
         parts = tf.split(flat, sizes, axis=1)
         stacked = [
             tf.cast(tf.reshape(part, [r] + shape), v.dtype)
@@ -510,12 +526,14 @@ class JLClipper(base.GradientClipper):
 
     # -- the clipper ----------------------------------------------------------------------------
 
-    def clipped_sum(self, loss_fn, data, variables, query, params) -> base.ClippedGradients:
+    def clipped_sum(
+        self, loss_fn, data, variables, query, params, step: Any = None
+    ) -> base.ClippedGradients:
         check_query(query)
         tf_vars = base.as_tf_variables(variables)
         data = base.fill_padding_rows(data)
         method = self._resolve(loss_fn, data, tf_vars)
-        directions = self.draw_directions(tf_vars)
+        directions = self.draw_directions(tf_vars, step)
         route = self._forward if method == "forward" else self._double_vjp
         losses, y_pred, p, tape = route(loss_fn, data, tf_vars, directions)
         p = tf.cast(p, tf.float32)

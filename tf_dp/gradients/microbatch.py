@@ -1,10 +1,12 @@
 """Microbatched gradients: clip the mean gradient of each microbatch instead of each example.
 
 Every example of the batch is assigned to one of ``num_microbatches`` (``M``) microbatches
-*independently and uniformly at random* (from an OS-entropy-keyed Philox generator). Each
-microbatch's gradient is the mean gradient of its examples of non-zero weight (an empty microbatch
-contributes zero); it is clipped by the query's rule and the clipped microbatch gradients are
-summed.
+*independently and uniformly at random*: from an OS-entropy-keyed Philox generator, or, with a
+``seed`` and the step's number (what the DP optimizers pass with ``noise_seed``), from a
+stateless draw keyed by ``(seed, step, replica)`` (:func:`tf_dp.gradients.base.step_seed`), the
+same in every process. Each microbatch's gradient is the mean gradient of its examples of
+non-zero weight (an empty microbatch contributes zero); it is clipped by the query's rule and the
+clipped microbatch gradients are summed.
 
 Why random, not consecutive slices: with consecutive slices, adding one example to the batch
 shifts every later example into the next microbatch, so *every* later microbatch changes and the
@@ -46,7 +48,10 @@ class MicrobatchClipper(base.GradientClipper):
 
     Args:
       num_microbatches: ``M`` >= 1.
-      seed: fixes the random assignment of examples to microbatches: tests and debugging only.
+      seed: tests and debugging only. With the step's number (``clipped_sum(..., step=)``) the
+        assignment is a function of ``(seed, step)`` (and the replica under ``tf.distribute``);
+        without a step it comes from a Philox generator seeded with ``seed``. ``None``: a
+        generator keyed from OS entropy.
 
     Example::
 
@@ -54,6 +59,7 @@ class MicrobatchClipper(base.GradientClipper):
     """
 
     name = "microbatch"
+    needs_step = True
 
     def supports(self, model):
         reason = base.vectorized_map_blocker(model)
@@ -69,13 +75,21 @@ class MicrobatchClipper(base.GradientClipper):
             num_microbatches < 1
         ):
             raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         self.num_microbatches = num_microbatches
         self._seed = seed
         self._generator: Optional[tf.random.Generator] = None
 
-    def assignment(self, batch_size: Any) -> tf.Tensor:
+    def assignment(self, batch_size: Any, step: Any = None) -> tf.Tensor:
         """Draws the microbatch of each of ``batch_size`` examples: int32 ``[batch_size]`` in
-        ``[0, M)``, independent and uniform."""
+        ``[0, M)``, independent and uniform (keyed by ``(seed, step)`` when both are given)."""
+        if self._seed is not None and step is not None:
+            seed = base.step_seed(self._seed, base.MICROBATCH_STREAM, step)
+            return tf.random.stateless_uniform(
+                [batch_size], seed, minval=0, maxval=self.num_microbatches, dtype=tf.int32,
+                alg="philox",
+            )
         if self._generator is None:
             self._generator = make_generator(self._seed)
         return self._generator.uniform(
@@ -141,12 +155,14 @@ class MicrobatchClipper(base.GradientClipper):
         )
         return per_mb, y_pred, losses, counts
 
-    def clipped_sum(self, loss_fn, data, variables, query, params) -> base.ClippedGradients:
+    def clipped_sum(
+        self, loss_fn, data, variables, query, params, step: Any = None
+    ) -> base.ClippedGradients:
         data = base.fill_padding_rows(data)  # finite predictions and losses for metrics
         x, y, sw = data
         m = self.num_microbatches
         b = base.batch_size_of(x)
-        ids = self.assignment(b)
+        ids = self.assignment(b, step)
         index, position = self.layout(ids)
         if sw is not None:
             weight = tf.cast(tf.reshape(sw, [b]), tf.float32)

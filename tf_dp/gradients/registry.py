@@ -23,13 +23,20 @@ from tf_dp.gradients.microbatch import MicrobatchClipper
 from tf_dp.gradients.vectorized import VectorizedClipper
 
 
-def _jl(jl_projections: int = 1, jl_method: str = "auto", **_: Any) -> JLClipper:
-    return JLClipper(jl_projections=jl_projections, method=jl_method)
+def _jl(
+    jl_projections: int = 1, jl_method: str = "auto", seed: Optional[int] = None, **_: Any
+) -> JLClipper:
+    return JLClipper(jl_projections=jl_projections, method=jl_method, seed=seed)
 
+
+#: built-in modes whose clipper draws public randomness: ``make_clipper`` hands them ``seed``
+_SEEDED = ("microbatch", "jl")
 
 _FACTORIES: dict[str, Callable[..., GradientClipper]] = {
     "vectorized": lambda **_: VectorizedClipper(),
-    "microbatch": lambda num_microbatches=1, **_: MicrobatchClipper(num_microbatches),
+    "microbatch": lambda num_microbatches=1, seed=None, **_: MicrobatchClipper(
+        num_microbatches, seed=seed
+    ),
     "ghost": lambda **options: GhostClipper(**options),
     "jl": _jl,
 }
@@ -50,9 +57,14 @@ def make_clipper(
     gradient_mode: str,
     model: Optional[Any] = None,
     num_microbatches: Optional[int] = None,
+    seed: Optional[int] = None,
     **options: Any,
 ) -> GradientClipper:
     """Builds the gradient clipper for ``gradient_mode``.
+
+    ``seed`` (tests and debugging; the DP optimizers pass ``noise_seed``) keys the public
+    randomness of the ``microbatch`` and ``jl`` clippers (assignment, directions) by the seed
+    and the step's number; other modes draw none.
 
     ``"auto"``: with ``num_microbatches`` set, ``microbatch``. Otherwise ``ghost`` when at least
     one layer holding trainable variables has a ghost norm rule, or when ``tf.vectorized_map``
@@ -72,7 +84,7 @@ def make_clipper(
     """
     if gradient_mode == "auto":
         if num_microbatches is not None:
-            return MicrobatchClipper(num_microbatches)
+            return MicrobatchClipper(num_microbatches, seed=seed)
         vectorized = VectorizedClipper()
         if model is not None:
             ghost = _FACTORIES["ghost"](**options)
@@ -84,7 +96,7 @@ def make_clipper(
     if gradient_mode == "microbatch":
         if num_microbatches is None:
             raise ValueError("gradient_mode='microbatch' needs num_microbatches (an integer >= 1)")
-        return MicrobatchClipper(num_microbatches)
+        return MicrobatchClipper(num_microbatches, seed=seed)
     if gradient_mode == "vectorized":
         if num_microbatches is not None:
             raise ValueError(
@@ -92,5 +104,7 @@ def make_clipper(
             )
         return VectorizedClipper()
     if gradient_mode in _FACTORIES:
+        if gradient_mode in _SEEDED:
+            options["seed"] = seed
         return _FACTORIES[gradient_mode](**options)
     raise ValueError(f"gradient_mode must be one of {gradient_modes()}, got {gradient_mode!r}")
