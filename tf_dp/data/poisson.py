@@ -359,8 +359,8 @@ def poisson_batches(
                 mask = tf.reshape(real, [-1] + [1] * (len(t.shape) - 1))
                 return tf.where(mask, got, tf.zeros_like(got))
 
-            w = tf.ones([rows], tf.float32) if sw_t is None else sw_t
-            bw = tf.where(real, tf.gather(w, idx), 0.0)
+            w = tf.ones_like(idx, tf.float32) if sw_t is None else tf.gather(sw_t, idx)
+            bw = tf.where(real, w, 0.0)
             return (tf.nest.map_structure(take, x_t), tf.nest.map_structure(take, y_t), bw)
 
         n_units = all_users.num_users

@@ -230,7 +230,7 @@ def sample_user_rows(
     # ranks within each user by a fresh uniform key: sorted by owner, then by the key
     by = np.lexsort((rng.random(len(positions)), owner))
     positions = positions[by]
-    counts = np.diff(index.starts)[users]
+    counts = index.starts[users + 1] - index.starts[users]
     rank = np.arange(len(positions), dtype=np.int64) - (np.cumsum(counts) - counts)[owner]
     keep = rank < k
     num_slots = max(int(max_users), len(users))
