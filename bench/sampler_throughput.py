@@ -5,6 +5,18 @@ Usage::
     python -m bench.sampler_throughput --records 10000000 --q 1e-3 --formats tfrecord,arrayrecord \
         --rounds 3 --batches 10
 
+User-level sampling alone (no files, no model)::
+
+    python -m bench.sampler_throughput --users 1000000,10000000 --q 1e-4,1e-3 --batches 20
+
+``--users`` switches to this case: for each number of users ``U`` (2 records each, an in-memory
+``ArraySource`` of 4-byte records, ``max_records_per_user=2``) and each rate ``q``, the
+time to pull one batch from ``tf_dp.data.poisson_sample`` and from ``tf_dp.data.poisson_batches``
+(3 batches drawn untimed first), as the total time of ``--batches`` pulls in a row divided by
+their number (the samplers prefetch 2 batches in the background, so this is their throughput): the
+per-step cost of drawing the users and their records, which is what grows (or not) with ``U``. Reported with the time to build the sampler
+(grouping the records by user, once).
+
 Builds (once; reused when present) ``--records`` small records in ``--dir`` (default
 ``/tmp/tf_dp_sampler_bench``): 4 TFRecord files (``tf.io.TFRecordWriter``) and 4 ArrayRecord
 files (``group_size:1``). A record is 16 raw bytes: its index (int64) and a label (int64). The
@@ -173,10 +185,52 @@ def memory_subprocess(fmt: str, n: int, directory: str, q: float, batches: int) 
     return None
 
 
+def bench_users(n_users: int, q: float, batches: int) -> dict[str, float]:
+    """Mean ms per user-level batch of ``poisson_sample`` and ``poisson_batches`` (throughput)."""
+    from tf_dp.data import ArraySource, poisson_batches, poisson_sample
+
+    ids = np.repeat(np.arange(n_users, dtype=np.int64), 2)
+    x = np.zeros((len(ids), 1), np.float32)
+    y = np.zeros(len(ids), np.int32)
+    out = {}
+    for name in ("source", "arrays"):
+        args = dict(sampling_probability=q, steps_per_epoch=batches + 3, seed=0, user_ids=ids,
+                    max_records_per_user=2)
+        t0 = time.perf_counter()
+        if name == "source":
+            pb = poisson_sample(ArraySource(x, y), **args)
+        else:
+            pb = poisson_batches(x, y, **args)
+        it = iter(pb.dataset)
+        for _ in range(3):
+            next(it)
+        out[f"{name}_build_s"] = time.perf_counter() - t0
+        times, _ = time_batches(it, batches)
+        out[f"{name}_ms"] = 1e3 * sum(times) / len(times)
+    return out
+
+
+def main_users(users: list[int], qs: list[float], batches: int) -> None:
+    print(f"user-level sampler, 2 records per user, k = 2; mean of {batches} batches in a row; "
+          f"load average before: {os.getloadavg()[0]:.2f}")
+    print("| users | q | mean users / batch | poisson_sample ms / batch | poisson_batches ms / batch "
+          "| build s (sample / batches) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for n_users in users:
+        for q in qs:
+            r = bench_users(n_users, q, batches)
+            print(f"| {n_users:.0e} | {q:g} | {n_users * q:.0f} | {r['source_ms']:.2f} | "
+                  f"{r['arrays_ms']:.2f} | {r['source_build_s']:.1f} / {r['arrays_build_s']:.1f} |",
+                  flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--records", type=int, default=10_000_000)
-    p.add_argument("--q", type=float, default=1e-3)
+    p.add_argument("--q", default="1e-3", help="rate; with --users a comma-separated list")
+    p.add_argument("--users", default=None,
+                   help="comma-separated numbers of users: times the user-level sampler only")
     p.add_argument("--batches", type=int, default=10, help="batches (and CNN steps) per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--formats", default="tfrecord,arrayrecord")
@@ -184,6 +238,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--dir", default="/tmp/tf_dp_sampler_bench")
     p.add_argument("--_probe_memory", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.users:
+        main_users([int(float(u)) for u in args.users.split(",")],
+                   [float(q) for q in args.q.split(",")], args.batches)
+        return
+    args.q = float(args.q)
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     if args._probe_memory:
         paths = build_files(args.dir, args.records, args._probe_memory)

@@ -49,8 +49,9 @@ def _cluster(tmp_path, mode, sigma, phase="train"):
     return [json.loads(o.read_text()) for o in outs]
 
 
-def _reference(reports):
-    """The same model trained in one process on the union of the workers' batches."""
+def _reference(reports, sampling=None):
+    """The same model trained in one process on the union of the workers' batches (declared
+    with ``sampling``, default example-level ``(N, Q)``)."""
     keras.utils.set_random_seed(0)
     model = tf_dp.keras.make_private(keras.Sequential([
         keras.Input((12,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)]))
@@ -69,7 +70,7 @@ def _reference(reports):
         lambda: iter(union),
         output_signature=(tf.TensorSpec([None, 12], tf.float32), tf.TensorSpec([None], tf.int32),
                           tf.TensorSpec([None], tf.float32)))
-    model.optimizer.set_sampling(N, Q, "poisson")
+    model.optimizer.set_sampling(sampling or tf_dp.data.Sampling(N, Q, "poisson"))
     model.fit(dataset, epochs=1, steps_per_epoch=STEPS, verbose=0, shuffle=False)
     return [v.numpy() for v in model.trainable_variables]
 
@@ -88,7 +89,7 @@ def test_two_workers_train_on_the_union_of_their_poisson_samples(tmp_path):
         assert r["seen"][probe:probe + len(r["second_pass"])] == r["second_pass"]
         assert r["iterations"] == STEPS
         # one sampling event per global step, with the global population and rate
-        assert r["ledger"] == [[N, Q, "poisson", C32, 0.0]] * STEPS
+        assert r["ledger"] == [[N, Q, "poisson", C32, 0.0, "example", None]] * STEPS
         assert all(np.isfinite(r["loss"]))
     # every worker ends with the same weights ...
     for a, b in zip(reports[0]["after"], reports[1]["after"]):
@@ -96,6 +97,38 @@ def test_two_workers_train_on_the_union_of_their_poisson_samples(tmp_path):
     # ... those of one process training on the union of the workers' samples
     assert any(np.asarray(r["seen"][-1][2]).sum() > 0 for r in reports)
     for got, want in zip(reports[0]["after"], _reference(reports)):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_two_workers_sample_users_by_shard_and_train_on_their_union(tmp_path):
+    """User-level: each worker samples its own users (position modulo 2); the step trains on the
+    union of the workers' user slots, and every worker records the whole population of users."""
+    reports = _cluster(tmp_path, "ghost", sigma=0.0, phase="users")
+    users, k, q = 40, 2, 4 * Q  # as in helpers/multi_worker_run.py
+    user_of = np.random.default_rng(5).integers(0, users, N)
+    x = np.random.default_rng(0).normal(size=(N, 12)).astype("float32")
+    keys = np.unique(user_of)
+    assert len(keys) == users
+    owners = []
+    for w, r in enumerate(reports):
+        assert r["iterations"] == STEPS
+        assert r["ledger"] == [[users, q, "poisson", C32, 0.0, "user", k]] * STEPS
+        mine = set()
+        for bx, _, bw in r["seen"][-STEPS:]:  # the pass fit trained on
+            bx, bw = np.asarray(bx), np.asarray(bw)
+            assert len(bw) % k == 0
+            for slot_x, slot_w in zip(bx.reshape(-1, k, 12), bw.reshape(-1, k)):
+                rows = [int(np.flatnonzero((x == v).all(axis=1))[0]) for v in slot_x[slot_w > 0]]
+                assert len({int(user_of[i]) for i in rows}) <= 1  # one user per slot
+                mine |= {int(user_of[i]) for i in rows}
+        # worker w samples only the users at positions w, w + 2, ... of the sorted ids
+        assert all(int(np.searchsorted(keys, u)) % 2 == w for u in mine)
+        owners.append(mine)
+    assert not owners[0] & owners[1] and owners[0] | owners[1]
+    for a, b in zip(reports[0]["after"], reports[1]["after"]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    claim = tf_dp.data.Sampling(users, q, "poisson", unit="user", records_per_unit=k)
+    for got, want in zip(reports[0]["after"], _reference(reports, claim)):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
 
 

@@ -126,13 +126,11 @@ def test_user_sampling_counts_follow_binomial_and_at_most_k_records():
     user_ids = user_ids[perm]
     n, k, q, steps = len(user_ids), 3, 0.2, 400
     index = UserIndex.from_user_ids(user_ids, n)
-    sample = tf.function(lambda c: sample_user_rows(
-        tf.constant(index.order), tf.constant(index.starts), tf.constant(q, tf.float64), k, 8,
-        tf.stack([tf.constant(12345, tf.int64), c])))
+    gen = np.random.Generator(np.random.Philox(12345))
     user_steps = np.zeros(30, int)
     record_steps = np.zeros(n, int)
     for step in range(steps):
-        rows = sample(tf.constant(step, tf.int64)).numpy()
+        rows = sample_user_rows(index, q, k, 8, gen)
         assert len(rows) % k == 0
         slots = rows.reshape(-1, k)
         seen = set()

@@ -127,7 +127,7 @@ def test_fit_on_tfrecord_files_with_user_ids_records_users_and_k(tmp_path):
          "max_records_per_user must be an integer >= 1"),
         ({"max_records_per_user": 2}, "max_records_per_user is only used with user_ids"),
         ({"user_ids": np.zeros(N, np.int64), "max_records_per_user": 2, "num_shards": 2},
-         "num_shards must be 1 with user_ids"),
+         r"num_shards must be <= the number of users \(1\) with user_ids, got 2"),
     ],
 )
 def test_bad_user_arguments_fail_before_any_read(kwargs, match):

@@ -1,7 +1,8 @@
 """One worker of a 2-worker MultiWorkerMirroredStrategy cluster on localhost; prints a JSON report.
 
-Usage: multi_worker_run.py INDEX PORT0,PORT1 OUT.json [MODE SIGMA]. Each worker trains the same
-private model with ``fit`` on its own shard's seeded Poisson batches; the report holds the
+Usage: multi_worker_run.py INDEX PORT0,PORT1 OUT.json [MODE SIGMA [PHASE]]. Each worker trains the
+same private model with ``fit`` on its own shard's seeded Poisson batches (PHASE ``users``: of
+users, ``USERS`` users with ``K`` records at most per batch, sharded by user); the report holds the
 sampler's first two passes drawn outside fit, the batches fit drew, the weights before and after,
 and the ledger.
 """
@@ -31,6 +32,8 @@ import keras  # noqa: E402
 import tf_dp  # noqa: E402
 
 N, Q, STEPS, CLIP, SEED = 200, 0.05, 3, 0.3, 11
+USERS, K = 40, 2  # phase "users": user of record i = USER_OF[i], at most K records per user
+USER_OF = np.random.default_rng(5).integers(0, USERS, N)
 
 
 def data():
@@ -39,9 +42,10 @@ def data():
 
 
 def batches(x, y):
+    users = dict(user_ids=USER_OF, max_records_per_user=K) if phase == "users" else {}
     return tf_dp.data.poisson_batches(
-        x, y, sampling_probability=Q, steps_per_epoch=STEPS, seed=SEED + index, num_shards=2,
-        shard_index=index)
+        x, y, sampling_probability=Q * 4 if users else Q, steps_per_epoch=STEPS,
+        seed=SEED + index, num_shards=2, shard_index=index, **users)
 
 
 def build():
@@ -137,7 +141,8 @@ def main():
         "loss": history.history["loss"],
         "iterations": int(model.optimizer.iterations.numpy()),
         "ledger": [[e.sampling.population_size, e.sampling.selection_probability,
-                    e.sampling.policy, e.queries[0].l2_sensitivity, e.queries[0].noise_stddev]
+                    e.sampling.policy, e.queries[0].l2_sensitivity, e.queries[0].noise_stddev,
+                    e.sampling.unit, e.sampling.records_per_unit]
                    for e in entries],
     }
     with open(out_path, "w") as f:

@@ -12,7 +12,9 @@ in-memory arrays as a ``tf.data.Dataset`` and tells a private model's ``fit`` th
 
 With ``user_ids=...`` and ``max_records_per_user=k`` the sampled units are users (user-level DP:
 Poisson sampling of users, at most ``k`` records per sampled user, each user's summed gradient
-clipped; see :mod:`tf_dp.data.users`)::
+clipped; see :mod:`tf_dp.data.users`). Each step's users are drawn on the host as
+``Binomial(n_users, q)`` users and a uniform subset of that size
+(:func:`tf_dp.data.sample_user_rows`), in work proportional to the sample::
 
     batches = tf_dp.data.poisson_batches(x, y, sampling_probability=64 / n_users,
                                          user_ids=user_of_record, max_records_per_user=4)
@@ -225,7 +227,9 @@ def poisson_batches(
         most ``max_records_per_user`` of its examples, chosen uniformly at random; the DP step
         clips the sum of each user's gradients to ``C`` (see :mod:`tf_dp.data.users`).
         ``steps_per_epoch`` and ``max_batch_size`` then count users (a batch has
-        ``max_batch_size * k`` rows). Not combined with ``num_shards > 1``.
+        ``max_batch_size * k`` rows). With ``num_shards > 1`` worker ``w`` samples the users
+        whose position in the :class:`~tf_dp.data.UserIndex` is ``w`` modulo ``num_shards``,
+        with all their records, and every worker declares the total number of users and ``q``.
       max_records_per_user: ``k`` >= 1, required with ``user_ids``.
 
     Returns:
@@ -263,7 +267,7 @@ def poisson_batches(
         raise ValueError("x must hold at least one example")
     from tf_dp.data.users import user_index_for
 
-    users, k = user_index_for(user_ids, max_records_per_user, n, num_shards)
+    all_users, k = user_index_for(user_ids, max_records_per_user, n)
     num_shards = _check_positive_int("num_shards", num_shards)
     if isinstance(shard_index, bool) or not isinstance(shard_index, (int, np.integer)) or not (
         0 <= shard_index < num_shards
@@ -274,6 +278,7 @@ def poisson_batches(
     shard_index = int(shard_index)
     if num_shards > n:
         raise ValueError(f"num_shards must be <= the number of examples ({n}), got {num_shards}")
+    users = None if all_users is None else all_users.shard(num_shards, shard_index)
     if sample_weight is not None:
         sample_weight = np.asarray(sample_weight, dtype=np.float32).reshape(-1)
         if sample_weight.shape[0] != n:
@@ -285,7 +290,7 @@ def poisson_batches(
     if steps_per_epoch is None:
         steps_per_epoch = max(1, int(round(1.0 / q)))
     steps_per_epoch = _check_positive_int("steps_per_epoch", steps_per_epoch)
-    shard_rows = np.arange(shard_index, n, num_shards)
+    shard_rows = np.arange(shard_index, n, num_shards) if users is None else users.order
     if max_batch_size is None:
         units = len(shard_rows) if users is None else users.num_users
         max_batch_size = default_max_batch_size(units, q, overflow_probability)
@@ -298,7 +303,7 @@ def poisson_batches(
         key = int(seed) & ((1 << 63) - 1)
         key = (key + 0x9E3779B97F4A7C15 * shard_index) & ((1 << 63) - 1)  # a key per shard
 
-    if num_shards > 1:
+    if num_shards > 1:  # this worker's examples (its users' records) only
         x = tf.nest.map_structure(lambda t: t[shard_rows], x)
         y = tf.nest.map_structure(lambda t: t[shard_rows], y)
         if sample_weight is not None:
@@ -332,15 +337,20 @@ def poisson_batches(
         return bx, by, bw
 
     if users is not None:
-        from tf_dp.data.users import sample_user_rows
+        from tf_dp.data.users import UserIndex, sample_user_rows
 
-        order_t = tf.constant(users.order)
-        starts_t = tf.constant(users.starts)
+        if num_shards > 1:  # x holds this shard's records, in the shard index's order
+            users = UserIndex(np.arange(rows, dtype=np.int64), users.starts, users.user_keys)
+
+        def draw_rows(counter: np.ndarray) -> np.ndarray:
+            # A Philox key per step: (OS-entropy key, per-step random counter from the dataset).
+            words = np.array([key, int(counter) & ((1 << 64) - 1)], dtype=np.uint64)
+            rng = np.random.Generator(np.random.Philox(key=words))
+            return sample_user_rows(users, q, k, max_batch_size, rng)
 
         def sample(counter: tf.Tensor):  # noqa: F811 (the user-level sampler)
-            rows_ = sample_user_rows(
-                order_t, starts_t, q64, k, max_batch_size, tf.stack([key_t, counter])
-            )
+            rows_ = tf.numpy_function(draw_rows, [counter], tf.int64, stateful=False)
+            rows_.set_shape([None])
             real = rows_ >= 0
             idx = tf.maximum(rows_, 0)
 
@@ -349,11 +359,11 @@ def poisson_batches(
                 mask = tf.reshape(real, [-1] + [1] * (len(t.shape) - 1))
                 return tf.where(mask, got, tf.zeros_like(got))
 
-            w = tf.ones([n], tf.float32) if sw_t is None else sw_t
-            bw = tf.where(real, tf.gather(w, idx), 0.0)
+            w = tf.ones_like(idx, tf.float32) if sw_t is None else tf.gather(sw_t, idx)
+            bw = tf.where(real, w, 0.0)
             return (tf.nest.map_structure(take, x_t), tf.nest.map_structure(take, y_t), bw)
 
-        n_units = users.num_users
+        n_units = all_users.num_users
     else:
         n_units = n
     # Fresh random counters on every pass over the dataset (Keras re-iterates it each epoch).

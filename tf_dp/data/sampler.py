@@ -15,11 +15,12 @@ sampling: a given set ``S`` of ``s`` records comes out with probability
 every other record out, independently. The rate used is ``p = q (1 - 2^-40)``: a relative margin
 of about ``1e-12`` below the recorded ``q``, far above the float64 rounding of numpy's binomial
 sampler, so that the inclusion probability ``p`` is never above ``q`` (with ``q = 1`` every record
-is taken). Memory: the source's own index plus a few batches; the data is never copied.
+is taken). :func:`tf_dp.data.inclusion.poisson_subset` is this draw. Memory: the source's own
+index plus a few batches; the data is never copied.
 
 With ``user_ids=`` and ``max_records_per_user=k`` the sampled units are users (user-level DP, see
-:mod:`tf_dp.data.users`): every step draws one uniform per user and keeps each user with
-probability ``q`` (:func:`tf_dp.data.sample_user_rows`, the function
+:mod:`tf_dp.data.users`): every step draws the sampled users the same way (``Binomial(n_users,
+p)`` users, then a uniform subset of that size; :func:`tf_dp.data.sample_user_rows`, the function
 :func:`tf_dp.data.poisson_batches` uses), then reads only the at most ``k`` drawn records of each
 sampled user. The batch has the user-level slot layout (``max_batch_size`` user slots of ``k``
 rows, padding rows of zeros with weight 0) and ``.sampling`` says ``unit="user"``, ``k`` and the
@@ -52,10 +53,8 @@ from tf_dp.data.poisson import (
     _check_probability,
     default_max_batch_size,
 )
+from tf_dp.data.inclusion import poisson_subset
 from tf_dp.data.users import sample_user_rows, user_index_for
-
-#: Relative margin of the binomial draw's rate below the recorded ``q``.
-RATE_MARGIN = 2.0**-40
 
 
 def _spec(leaf: np.ndarray) -> tf.TensorSpec:
@@ -119,7 +118,9 @@ def poisson_sample(
       overflow_probability: per-step probability that the default ``max_batch_size`` is exceeded.
       num_shards, shard_index: multi-worker training, as for :func:`tf_dp.data.poisson_batches`:
         worker ``shard_index`` samples, at rate ``q``, the records whose index is ``shard_index``
-        modulo ``num_shards``; the union over workers is one Poisson sample of all ``n`` records.
+        modulo ``num_shards`` (with ``user_ids``: the users whose position in the
+        :class:`~tf_dp.data.UserIndex` is, with all their records); the union over workers is
+        one Poisson sample of all ``n`` records (users).
       prefetch: batches read ahead of the training step (>= 1).
       user_ids: for user-level DP: one integer or string id per record of the source (an array
         of ``len(source)`` ids; a memmap is fine, it is read once to group the records). Users
@@ -128,7 +129,6 @@ def poisson_sample(
         (:func:`tf_dp.data.sample_user_rows`, as :func:`tf_dp.data.poisson_batches` does); only
         those records are read. ``steps_per_epoch`` and ``max_batch_size`` then count users (a
         batch has ``max_batch_size * k`` rows in slots of ``k``, padding rows of weight 0).
-        Not combined with ``num_shards > 1``.
       max_records_per_user: ``k`` >= 1, required with ``user_ids``.
 
     Returns:
@@ -171,7 +171,8 @@ def poisson_sample(
     if num_shards > n:
         raise ValueError(f"num_shards must be <= the number of records ({n}), got {num_shards}")
     prefetch = _check_positive_int("prefetch", prefetch)
-    users, k_user = user_index_for(user_ids, max_records_per_user, n, num_shards)
+    all_users, k_user = user_index_for(user_ids, max_records_per_user, n)
+    users = None if all_users is None else all_users.shard(num_shards, shard_index)
     rows = len(range(shard_index, n, num_shards))
     if steps_per_epoch is None:
         steps_per_epoch = max(1, int(round(1.0 / q)))
@@ -187,8 +188,6 @@ def poisson_sample(
             raise TypeError(f"seed must be None or an integer, got {type(seed).__name__}")
         key = [int(seed) & ((1 << 64) - 1), shard_index]  # a stream per shard
     rng = np.random.Generator(np.random.Philox(key))
-    p = q * (1.0 - RATE_MARGIN)
-
     def check_length() -> None:
         if len(source) != n:
             raise ValueError(
@@ -198,9 +197,7 @@ def poisson_sample(
 
     def draw() -> np.ndarray:
         check_length()
-        k = rows if q == 1.0 else int(rng.binomial(rows, p))
-        local = np.sort(rng.choice(rows, size=k, replace=False, shuffle=False))
-        return shard_index + num_shards * local
+        return shard_index + num_shards * poisson_subset(rng, rows, q)
 
     def read(indices: np.ndarray) -> tuple:
         """``(x, y, sample_weight)`` of the records at ``indices``, one row each, unpadded."""
@@ -216,22 +213,18 @@ def poisson_sample(
         weight = np.ones(k, np.float32) if len(parts) == 2 else parts[2].astype(np.float32)
         return parts[0], parts[1], weight.reshape(k)
 
-    first = read(np.array([shard_index], np.int64))  # the element spec, from one record
+    first = read(np.array([shard_index if users is None else users.order[0]], np.int64))  # the element spec, from one record
     signature = tf.nest.map_structure(_spec, first)
 
     def to_batch(indices: np.ndarray) -> tuple:
         return tf.nest.map_structure(lambda a: _pad(a, max_batch_size), read(indices))
 
     if users is not None:
-        user_rows = tf.function(sample_user_rows)
-        order, starts = tf.constant(users.order), tf.constant(users.starts)
-        q64 = tf.constant(q, tf.float64)
         empty = tf.nest.map_structure(lambda a: a[:0], first)
 
         def draw() -> np.ndarray:  # noqa: F811 (user-level: record indices, -1 for padding)
             check_length()
-            seed = tf.constant(rng.integers(0, 1 << 63, size=2, dtype=np.int64))
-            return user_rows(order, starts, q64, k_user, max_batch_size, seed).numpy()
+            return sample_user_rows(users, q, k_user, max_batch_size, rng)
 
         def to_batch(slots: np.ndarray) -> tuple:  # noqa: F811 (the records in their slots)
             real = slots >= 0
@@ -251,7 +244,7 @@ def poisson_sample(
         dataset = dataset.with_options(options)
     return PoissonBatches(
         dataset=dataset,
-        tf_dp_sampling=(n if users is None else users.num_users, q),
+        tf_dp_sampling=(n if all_users is None else all_users.num_users, q),
         steps_per_epoch=steps_per_epoch,
         max_batch_size=max_batch_size,
         num_shards=num_shards,

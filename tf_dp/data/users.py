@@ -7,7 +7,9 @@ removing one user with every record they have). tf_dp's user-level DP-SGD step:
 1. **Sampling.** At every step each of the ``n_users`` users is included independently with
    probability ``q`` (Poisson sampling of users). From each sampled user, at most ``k`` of their
    records are drawn uniformly at random without replacement (all of them when they have ``k``
-   or fewer).
+   or fewer). The users are drawn as ``Binomial(n_users, q)`` users, then a uniform subset of
+   that size (:func:`tf_dp.data.inclusion.poisson_subset`, the same distribution as one coin
+   per user), so a step's work grows with the sampled users' records, not with ``n_users``.
 2. **Clipping.** The sum of a sampled user's per-record gradients is clipped to ``C`` (one
    clipped vector per user, in every gradient mode), and the clipped user sums are added.
 3. **Noise and denominator.** Gaussian noise of standard deviation ``sigma C`` is added to the
@@ -30,6 +32,14 @@ hence every gradient factor of theirs, is zero). The slot of a row is its positi
 needs no extra element; under ``tf.distribute`` batches are padded to a multiple of
 ``replicas * k`` rows so that each replica gets whole slots.
 
+Multi-worker training (``num_shards=W``, ``shard_index=w``): worker ``w`` samples, at rate
+``q``, the users whose position in the :class:`UserIndex` is ``w`` modulo ``W``
+(:meth:`UserIndex.shard`), with all their records. The shards partition the users, so a user is
+sampled by at most one worker per step, the union of the workers' samples is one Poisson sample
+of all users at rate ``q``, and a sampled user still contributes at most ``k`` records. Every
+worker records the total number of users and ``q``; the denominator is the global
+``q * n_users``.
+
 Any source that can fetch records by index uses the same function: :func:`sample_user_rows` turns
 a :class:`UserIndex` into the record indices of one batch (``-1`` for padding), and the source
 gathers those records. :func:`tf_dp.data.poisson_batches` does this for in-memory arrays, and
@@ -46,9 +56,8 @@ import dataclasses
 from typing import Any, Optional
 
 import numpy as np
-import tensorflow as tf
 
-from tf_dp.data.inclusion import included
+from tf_dp.data.inclusion import poisson_subset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +120,33 @@ class UserIndex:
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         return cls(order=order, starts=starts, user_keys=keys)
 
+    def shard(self, num_shards: int, shard_index: int) -> "UserIndex":
+        """The users ``u`` with ``u % num_shards == shard_index`` (``u``: the user's position in
+        this index) and all their records, for multi-worker sampling: the shards partition the
+        users, and each user's records live on one shard. ``order`` keeps the record indices of
+        the whole data set.
+
+        Raises ValueError naming ``num_shards`` when it exceeds the number of users (a shard
+        would have none).
+
+        Example::
+
+            index.shard(2, 1).user_keys   # the ids of users 1, 3, 5, ...
+        """
+        if num_shards > self.num_users:
+            raise ValueError(
+                f"num_shards must be <= the number of users ({self.num_users}) with user_ids, "
+                f"got {num_shards}"
+            )
+        if num_shards == 1:
+            return self
+        users = np.arange(shard_index, self.num_users, num_shards, dtype=np.int64)
+        positions, _ = _records_of(self.starts, users)
+        counts = np.diff(self.starts)[users]
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        return UserIndex(order=self.order[positions], starts=starts,
+                         user_keys=self.user_keys[users])
+
 
 def check_records_per_user(k: Any) -> int:
     """``k`` as an int if it is an integer >= 1; ValueError naming ``max_records_per_user``."""
@@ -120,13 +156,12 @@ def check_records_per_user(k: Any) -> int:
 
 
 def user_index_for(
-    user_ids: Any, max_records_per_user: Any, num_records: int, num_shards: int = 1
+    user_ids: Any, max_records_per_user: Any, num_records: int
 ) -> tuple[Optional[UserIndex], Optional[int]]:
     """A sampler's user arguments checked: ``(UserIndex, k)``, or ``(None, None)`` without ids.
 
     Raises ValueError naming the argument: ``max_records_per_user`` missing, not an integer >= 1,
-    or given without ``user_ids``; ``user_ids`` of the wrong dtype, shape or length; ``num_shards``
-    other than 1 with ``user_ids`` (user-level sampling is not sharded).
+    or given without ``user_ids``; ``user_ids`` of the wrong dtype, shape or length.
 
     Example::
 
@@ -142,68 +177,63 @@ def user_index_for(
             "one sampled user contributes to a batch), got None"
         )
     k = check_records_per_user(max_records_per_user)
-    index = UserIndex.from_user_ids(user_ids, num_records)
-    if num_shards != 1:
-        raise ValueError(
-            f"num_shards must be 1 with user_ids (user-level sampling is not sharded), got "
-            f"{num_shards!r}"
-        )
-    return index, k
+    return UserIndex.from_user_ids(user_ids, num_records), k
+
+
+def _records_of(starts: np.ndarray, users: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(positions, owner)``: the positions in ``order`` of ``users``' records, user after
+    user, and for each the position of its user in ``users`` (``O(records)`` work)."""
+    first = starts[users]
+    counts = starts[users + 1] - first
+    owner = np.repeat(np.arange(len(users), dtype=np.int64), counts)
+    before = np.cumsum(counts) - counts  # records of the earlier users
+    positions = np.arange(len(owner), dtype=np.int64) + (first - before)[owner]
+    return positions, owner
 
 
 def sample_user_rows(
-    order: tf.Tensor,
-    starts: tf.Tensor,
-    q: tf.Tensor,
+    index: UserIndex,
+    q: float,
     k: int,
     max_users: int,
-    seed: tf.Tensor,
-) -> tf.Tensor:
-    """The record indices of one user-level batch (graph-safe: for ``tf.data`` maps).
+    rng: np.random.Generator,
+) -> np.ndarray:
+    """The record indices of one user-level batch: Poisson-sampled users, at most ``k`` records
+    each, in slots of ``k`` rows.
 
-    Every user joins independently with probability ``q`` (:func:`tf_dp.data.inclusion.included`
-    on a float64 uniform, as for examples); a sampled user's records are ranked by fresh uniform
-    keys and the ``k`` first are kept (a uniformly random subset of ``min(k, c)`` of its ``c``
-    records). Sampled user ``j`` (in user order) fills slot ``j``: rows ``j k .. j k + k - 1``.
+    Every user of ``index`` joins independently with probability ``q``
+    (:func:`tf_dp.data.inclusion.poisson_subset`, the draw the example-level
+    :func:`tf_dp.data.poisson_sample` uses: ``Binomial(n_users, q)`` users, then a uniform subset
+    of that size); a sampled user's records are ranked by fresh uniform keys and the ``k`` first
+    are kept (a uniformly random subset of ``min(k, c)`` of its ``c`` records). Sampled user
+    ``j`` (in user order) fills slot ``j``: rows ``j k .. j k + k - 1``. The work is proportional
+    to the sampled users' records, not to the number of users.
 
     Args:
-      order, starts: a :class:`UserIndex`'s arrays as int64 tensors.
-      q: float64 scalar, the per-user inclusion probability.
+      index: the users to sample from (a :class:`UserIndex`, or one shard of it,
+        :meth:`UserIndex.shard`).
+      q: the per-user inclusion probability, in (0, 1].
       k: the most records per sampled user.
       max_users: slots per batch; a batch with more sampled users gets one slot per user.
-      seed: int64 ``[2]``, the Philox key of this step (``stateless_uniform`` seed).
+      rng: the generator to draw from (its state advances).
 
     Returns:
       int64 ``[max(max_users, users sampled) * k]``: record indices, ``-1`` for padding rows.
 
     Example::
 
-        rows = sample_user_rows(tf.constant(index.order), tf.constant(index.starts),
-                                tf.constant(0.01, tf.float64), 4, 32, tf.constant([1, 2], tf.int64))
+        index = UserIndex.from_user_ids(user_of_record, len(user_of_record))
+        rows = sample_user_rows(index, 0.01, 4, 32, np.random.default_rng())
     """
-
-    n_users = tf.shape(starts, out_type=tf.int64)[0] - 1
-    u = tf.random.stateless_uniform([n_users], seed=seed, dtype=tf.float64)
-    users = tf.reshape(tf.where(included(u, q)), [-1])  # sampled users, in user order
-    first = tf.gather(starts, users)
-    counts = tf.gather(starts, users + 1) - first
-    positions = tf.ragged.range(first, first + counts)  # each sampled user's records
-    flat = positions.flat_values
-    slot = positions.value_rowids()
-    # ranks within each user by a fresh uniform key: slot + v sorts by user, then by v
-    v = tf.random.stateless_uniform(
-        tf.shape(flat), seed=tf.random.experimental.stateless_fold_in(seed, 1), dtype=tf.float64
-    )
-    by = tf.argsort(tf.cast(slot, tf.float64) + v, stable=True)
-    sorted_flat = tf.gather(flat, by)
-    sorted_slot = tf.gather(slot, by)
-    rank = tf.range(tf.size(sorted_flat, out_type=tf.int64)) - tf.gather(
-        tf.cumsum(counts, exclusive=True), sorted_slot
-    )
+    users = poisson_subset(rng, index.num_users, q)
+    positions, owner = _records_of(index.starts, users)
+    # ranks within each user by a fresh uniform key: sorted by owner, then by the key
+    by = np.lexsort((rng.random(len(positions)), owner))
+    positions = positions[by]
+    counts = index.starts[users + 1] - index.starts[users]
+    rank = np.arange(len(positions), dtype=np.int64) - (np.cumsum(counts) - counts)[owner]
     keep = rank < k
-    records = tf.gather(order, tf.boolean_mask(sorted_flat, keep))
-    target = tf.boolean_mask(sorted_slot * k + rank, keep)
-    num_slots = tf.maximum(tf.cast(max_users, tf.int64), tf.size(users, out_type=tf.int64))
-    return tf.tensor_scatter_nd_update(
-        tf.fill([num_slots * k], tf.constant(-1, tf.int64)), target[:, None], records
-    )
+    num_slots = max(int(max_users), len(users))
+    rows = np.full(num_slots * k, -1, np.int64)
+    rows[owner[keep] * k + rank[keep]] = index.order[positions[keep]]
+    return rows

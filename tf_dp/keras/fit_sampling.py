@@ -107,8 +107,9 @@ def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, d
         if class_weight is not None:
             dataset = _with_class_weight(dataset, class_weight)
         if workers > 1:  # one element per worker and global step (see multi_worker.py)
+            k = getattr(x, "records_per_user", None) or 1  # rows per unit (user slot)
             dataset = multi_worker.distribute_poisson_batches(
-                model.distribute_strategy, dataset, x.max_batch_size
+                model.distribute_strategy, dataset, x.max_batch_size * k, k
             )
         if not isinstance(claim, Sampling):  # else a tf_dp sampler's own claim (policy, unit, k)
             claim = Sampling(int(n), float(q), "poisson", origin="sampled")

@@ -40,24 +40,29 @@ def num_workers(strategy: Any) -> int:
     return max(1, len(spec.get("worker", [])) + len(spec.get("chief", [])))
 
 
-def distribute_poisson_batches(strategy: Any, dataset: tf.data.Dataset, max_batch_size: int):
+def distribute_poisson_batches(
+    strategy: Any, dataset: tf.data.Dataset, max_batch_size: int, unit_rows: int = 1
+):
     """This worker's Poisson batches as one global step's share, split between local replicas.
 
     Every element of ``dataset`` is this worker's whole sample of a step, padded to
-    ``max_batch_size`` rows. With ``L`` local replicas it is cut into ``L`` consecutive pieces
-    (``max_batch_size`` must then be a multiple of ``L``), which
+    ``max_batch_size`` rows (user-level: user slots of ``unit_rows`` rows each). With ``L``
+    local replicas it is cut into ``L`` consecutive pieces (``max_batch_size`` must then be a
+    multiple of ``L * unit_rows``, so that each piece holds whole slots), which
     ``distribute_datasets_from_function`` deals to the local replicas in turn: one element per
-    global step, whatever the number of workers.
+    global step, whatever the number of workers. A worker that sampled no unit at a step still
+    gives its all-padding batch (weight 0 everywhere), which adds nothing to the sum.
     """
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
         local = context.num_replicas_in_sync // max(1, context.num_input_pipelines)
         if local <= 1:
             return dataset
-        if max_batch_size % local:
+        if max_batch_size % (local * unit_rows):
             raise ValueError(
-                f"poisson_batches(max_batch_size={max_batch_size}) must be a multiple of the "
-                f"{local} replicas of each worker, so that each replica gets an equal piece"
+                f"poisson_batches(max_batch_size={max_batch_size // unit_rows}) must be a "
+                f"multiple of the {local} replicas of each worker, so that each replica gets an "
+                "equal piece"
             )
         return dataset.rebatch(max_batch_size // local, drop_remainder=True)
 
