@@ -305,6 +305,57 @@ def compress(entries: Sequence[SampleEntry]) -> list[tuple[SampleEntry, int]]:
     return out
 
 
+class EntryCodes:
+    """Numbers distinct :class:`SampleEntry` values in order of first appearance, hashing each
+    distinct *object* once (objects are looked up by identity first), so that a long sequence of
+    runs that reuses a few entry objects costs one dict lookup per run.
+
+    Example::
+
+        codes = EntryCodes()
+        [codes.code(e) for e, _ in runs]   # equal entries get equal codes
+        codes.entries                      # the distinct entries, in order of first appearance
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[SampleEntry] = []
+        self._by_value: dict[SampleEntry, int] = {}
+        # id -> (code, entry): the entry is kept alive, so its id is never reused meanwhile
+        self._by_id: dict[int, tuple[int, SampleEntry]] = {}
+
+    def code(self, entry: SampleEntry) -> int:
+        """The code of ``entry`` (a new one for a value not seen before)."""
+        hit = self._by_id.get(id(entry))
+        if hit is not None:
+            return hit[0]
+        code = self._by_value.get(entry)
+        if code is None:
+            code = self._by_value[entry] = len(self.entries)
+            self.entries.append(entry)
+        self._by_id[id(entry)] = (code, entry)
+        return code
+
+
+def distinct_runs(runs: Sequence[tuple[SampleEntry, int]]) -> list[tuple[SampleEntry, int]]:
+    """The distinct entries of ``runs`` with their total step counts, ``[(entry, steps), ...]`` in
+    order of first appearance (what an order-independent reader needs), in one dict lookup per
+    run.
+
+    Example::
+
+        distinct_runs([(a, 2), (b, 1), (a, 3)])   # [(a, 5), (b, 1)]
+    """
+    codes = EntryCodes()
+    totals: list[int] = []
+    for entry, count in runs:
+        c = codes.code(entry)
+        if c == len(totals):
+            totals.append(count)
+        else:
+            totals[c] += count
+    return list(zip(codes.entries, totals))
+
+
 def runs_are_prefix(
     a: Sequence[tuple[SampleEntry, int]], b: Sequence[tuple[SampleEntry, int]]
 ) -> bool:

@@ -60,7 +60,7 @@ import stat
 import tempfile
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent, compress
+from tf_dp.ledger.events import EntryCodes, SampleEntry, SamplingEvent, SumQueryEvent, compress
 
 FORMAT_NAME = "tf_dp.privacy_ledger"
 FORMAT_VERSION = 3
@@ -467,6 +467,8 @@ def as_runs(source: Any) -> list[tuple[SampleEntry, int]]:
             f"(SampleEntry, count) runs, got {type(source).__name__}"
         )
     runs: list[tuple[SampleEntry, int]] = []
+    codes = EntryCodes()  # consecutive runs are compared by code: one dict lookup per item
+    last = -1
     for item in source:
         if isinstance(item, SampleEntry):
             entry, count = item, 1
@@ -479,10 +481,12 @@ def as_runs(source: Any) -> list[tuple[SampleEntry, int]]:
                 "ledger entries must be SampleEntry or (SampleEntry, count) runs, got "
                 f"{type(item).__name__}"
             )
-        if runs and runs[-1][0] == entry:
-            runs[-1] = (entry, runs[-1][1] + count)
+        code = codes.code(entry)
+        if code == last:
+            runs[-1] = (runs[-1][0], runs[-1][1] + count)
         else:
-            runs.append((entry, count))
+            runs.append((codes.entries[code], count))
+            last = code
     return runs
 
 
