@@ -64,12 +64,19 @@ from tf_dp.ledger.events import EntryCodes, SampleEntry, SamplingEvent, SumQuery
 
 FORMAT_NAME = "tf_dp.privacy_ledger"
 FORMAT_VERSION = 3
+#: The indexed form: a file of :data:`INDEXED_MIN_RUNS` runs or more lists each distinct entry
+#: once (``"entries"``, objects as in ``"runs"`` without ``"count"``) and the runs as two
+#: arrays, ``"codes"`` (the index of each run's entry) and ``"counts"``, in place of ``"runs"``.
+INDEXED_VERSION = 4
+#: Run count from which files are written in the indexed form (shorter files keep versions 1-3,
+#: byte for byte).
+INDEXED_MIN_RUNS = 10_000
 #: Versions this reader understands. Version 2 adds the sampling key ``pass_start``, which an
 #: accountant must not ignore (it would under-count epochs), so files that use it say version 2
 #: and readers that predate it reject them; files without it are still written as version 1.
 #: Version 3 adds ``origin``, ``unit`` and ``records_per_unit`` (what a statement must not
 #: misreport: a checked claim, a user-level guarantee); files that use them say version 3.
-READ_VERSIONS = (1, 2, 3)
+READ_VERSIONS = (1, 2, 3, 4)
 
 
 class LedgerFileError(ValueError):
@@ -164,12 +171,48 @@ def entries_to_payload(
     return runs_to_payload(compress(entries), metadata)
 
 
+def _indexed_payload(
+    runs: list[tuple[SampleEntry, int]], metadata: Optional[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """The version 4 payload of ``runs``: each distinct entry once, runs as entry codes."""
+    codes = EntryCodes()
+    run_codes: list[int] = []
+    counts: list[int] = []
+    last = -1
+    for entry, count in runs:
+        code = codes.code(entry)
+        if code == last:
+            counts[-1] += count
+        else:
+            run_codes.append(code)
+            counts.append(count)
+            last = code
+    return {
+        "format": FORMAT_NAME,
+        "version": INDEXED_VERSION,
+        "num_samples": sum(counts),
+        "entries": [
+            {"sampling": _sampling_payload(e.sampling),
+             "queries": [_query_payload(q) for q in e.queries]}
+            for e in codes.entries
+        ],
+        "codes": run_codes,
+        "counts": counts,
+        "metadata": dict(metadata or {}),
+    }
+
+
 def runs_to_payload(
     runs: Sequence[tuple[SampleEntry, int]], metadata: Optional[Mapping[str, Any]] = None
 ) -> dict[str, Any]:
     """Builds the JSON payload (with checksum) for runs ``[(entry, count), ...]``; the same
-    payload as :func:`entries_to_payload` gives for the expanded steps."""
+    payload as :func:`entries_to_payload` gives for the expanded steps. From
+    :data:`INDEXED_MIN_RUNS` runs on, the version 4 (indexed) form."""
     runs = list(runs)
+    if len(runs) >= INDEXED_MIN_RUNS:
+        payload = _indexed_payload(runs, metadata)
+        payload["sha256"] = hashlib.sha256(_canonical(payload)).hexdigest()
+        return payload
     payload: dict[str, Any] = {
         "format": FORMAT_NAME,
         "version": _file_version(runs),
@@ -245,6 +288,47 @@ def parse_runs(runs: Any) -> tuple[list[tuple[SampleEntry, int]], int]:
     return out, total
 
 
+def _parse_indexed(payload: Mapping[str, Any]) -> tuple[list[tuple[SampleEntry, int]], int]:
+    """Validates the ``entries``, ``codes`` and ``counts`` of a version 4 payload: each distinct
+    entry is validated once, the arrays with one pass each."""
+    entries, codes, counts = (payload.get(k) for k in ("entries", "codes", "counts"))
+    if not all(isinstance(v, list) for v in (entries, codes, counts)) or len(codes) != len(counts):
+        raise LedgerFileError(
+            "malformed ledger event: a version 4 file needs lists 'entries', 'codes' and "
+            "'counts', the last two of equal length"
+        )
+    if not all(isinstance(e, dict) for e in entries):
+        raise LedgerFileError("malformed ledger event: 'entries' must hold JSON objects")
+    # each entry validated as a run of one step (consecutive equal entries are merged there:
+    # keep them apart)
+    distinct = [parse_runs([dict(e, count=1)])[0][0][0] for e in entries]
+    if set(map(type, codes)) - {int} or (codes and not 0 <= min(codes) <= max(codes) < len(
+            distinct)):
+        raise LedgerFileError(
+            f"malformed ledger event: codes must be integers in [0, {len(distinct)})"
+        )
+    if set(map(type, counts)) - {int} or (counts and not 1 <= min(counts) <= max(counts)
+                                          <= MAX_FILE_SAMPLES):
+        raise LedgerFileError(
+            f"run count must be an integer in [1, {MAX_FILE_SAMPLES:.0e}]"
+        )
+    total = sum(counts)
+    if total > MAX_FILE_SAMPLES:
+        raise LedgerFileError(f"a ledger file holds at most {MAX_FILE_SAMPLES:.0e} steps")
+    canonical = EntryCodes()  # equal entries listed twice share one code
+    remap = [canonical.code(e) for e in distinct]
+    out: list[tuple[SampleEntry, int]] = []
+    last = -1
+    for code, count in zip(codes, counts):
+        code = remap[code]
+        if code == last:
+            out[-1] = (out[-1][0], out[-1][1] + count)
+        else:
+            out.append((canonical.entries[code], count))
+            last = code
+    return out, total
+
+
 def runs_to_entries(runs: Any) -> list[SampleEntry]:
     """Validates run-length-encoded JSON runs (see :func:`runs_payload`) and expands them (at
     most :data:`MAX_LISTED_SAMPLES` steps)."""
@@ -283,7 +367,10 @@ def payload_to_runs(payload: Any) -> list[tuple[SampleEntry, int]]:
         raise LedgerFileError(
             "ledger checksum mismatch: the file was corrupted or edited after it was written"
         )
-    runs, total = parse_runs(payload.get("runs"))
+    if payload["version"] == INDEXED_VERSION:
+        runs, total = _parse_indexed(payload)
+    else:
+        runs, total = parse_runs(payload.get("runs"))
     if total != payload.get("num_samples"):
         raise LedgerFileError(
             f"ledger says num_samples={payload.get('num_samples')!r} but holds {total}"
@@ -382,7 +469,11 @@ def write_ledger_runs(
     runs = list(runs)
     if not overwrite:
         _check_not_shorter(path, sum(count for _, count in runs))
-    data = json.dumps(runs_to_payload(runs, metadata), indent=1, allow_nan=False)
+    payload = runs_to_payload(runs, metadata)
+    # the indexed form holds long arrays: written compactly (one line per number would not be
+    # readable either)
+    indent = None if payload["version"] == INDEXED_VERSION else 1
+    data = json.dumps(payload, indent=indent, allow_nan=False)
     directory = os.path.dirname(os.path.abspath(path))
     mode = _file_mode(path)
     fd, tmp = tempfile.mkstemp(prefix=".ledger-", suffix=".tmp", dir=directory)
