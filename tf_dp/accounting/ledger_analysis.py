@@ -266,15 +266,16 @@ def shuffle_epoch_runs(runs: Sequence[tuple[SampleEntry, int]]) -> list[tuple[Sa
 
 def composable_units(
     runs: Sequence[tuple[SampleEntry, int]],
+    distinct: Optional[Sequence[tuple[SampleEntry, int]]] = None,
 ) -> tuple[list[_Unit], bool, set]:
     """Reduces runs of identical entries to independently composable units (each with ``q``,
     ``z``, ``count``; shuffle epochs and tree windows already counted); returns ``(units,
     any_non_private, policies)``. Used by every reader of runs (accountants, dp_events,
-    ``PrivacyBudget``)."""
+    ``PrivacyBudget``). ``distinct``: ``distinct_runs(runs)``, if the caller has it."""
     units: list[_Unit] = []
     non_private = False
     policies = set()
-    distinct = distinct_runs(runs)
+    distinct = distinct_runs(runs) if distinct is None else distinct
     if not any(e.sampling.policy == "shuffle" or e.tree_step is not None for e, _ in distinct):
         # Only Poisson steps (each its own subsampled mechanism, whatever its neighbours):
         # composition does not depend on their order, so equal entries compose with their
@@ -424,8 +425,10 @@ def compute_epsilon(
 
 
 def _epsilon_of_runs(runs, steps, delta, accountant, orders=None, discretization=None):
-    distinct = distinct_runs(runs)  # what the order-independent notes read
-    result = _seeded(_epsilon(runs, steps, delta, accountant, orders, discretization), distinct)
+    distinct = distinct_runs(runs)  # what the order-independent readers need
+    result = _seeded(
+        _epsilon(runs, steps, delta, accountant, orders, discretization, distinct), distinct
+    )
     note = " ".join(t for t in (_noise_mode_note(distinct), sampling_claims(distinct)) if t)
     if note:
         result = dataclasses.replace(result, assumptions=f"{result.assumptions} {note}")
@@ -476,8 +479,9 @@ def _noise_mode_note(runs: Sequence[tuple[SampleEntry, int]]) -> str:
     return " ".join(parts)
 
 
-def _epsilon(runs, steps, delta, accountant, orders, discretization) -> PrivacyResult:
-    units, non_private, policies = composable_units(runs)
+def _epsilon(runs, steps, delta, accountant, orders, discretization, distinct=None
+             ) -> PrivacyResult:
+    units, non_private, policies = composable_units(runs, distinct)
     has_jl = any(u.r is not None for u in units)
     certified = accountant != "gdp" or all(u.q >= 1.0 for u in units)
     assumptions = _assumptions(accountant, policies, has_jl)
@@ -529,7 +533,8 @@ def compute_delta(
     runs = as_runs(ledger)
     distinct = distinct_runs(runs)
     result = _seeded(
-        _delta(runs, sum(c for _, c in runs), epsilon, accountant, orders, discretization),
+        _delta(runs, sum(c for _, c in runs), epsilon, accountant, orders, discretization,
+               distinct),
         distinct,
     )
     note = sampling_claims(distinct)
@@ -538,8 +543,9 @@ def compute_delta(
     return result
 
 
-def _delta(runs, steps, epsilon, accountant, orders, discretization) -> PrivacyResult:
-    units, non_private, policies = composable_units(runs)
+def _delta(runs, steps, epsilon, accountant, orders, discretization, distinct=None
+           ) -> PrivacyResult:
+    units, non_private, policies = composable_units(runs, distinct)
     has_jl = any(u.r is not None for u in units)
     certified = accountant != "gdp" or all(u.q >= 1.0 for u in units)
 

@@ -60,7 +60,14 @@ import stat
 import tempfile
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from tf_dp.ledger.events import EntryCodes, SampleEntry, SamplingEvent, SumQueryEvent, compress
+from tf_dp.ledger.events import (
+    EntryCodes,
+    SampleEntry,
+    SamplingEvent,
+    SumQueryEvent,
+    compress,
+    without_gc,
+)
 
 FORMAT_NAME = "tf_dp.privacy_ledger"
 FORMAT_VERSION = 3
@@ -171,6 +178,7 @@ def entries_to_payload(
     return runs_to_payload(compress(entries), metadata)
 
 
+@without_gc
 def _indexed_payload(
     runs: list[tuple[SampleEntry, int]], metadata: Optional[Mapping[str, Any]]
 ) -> dict[str, Any]:
@@ -288,6 +296,7 @@ def parse_runs(runs: Any) -> tuple[list[tuple[SampleEntry, int]], int]:
     return out, total
 
 
+@without_gc
 def _parse_indexed(payload: Mapping[str, Any]) -> tuple[list[tuple[SampleEntry, int]], int]:
     """Validates the ``entries``, ``codes`` and ``counts`` of a version 4 payload: each distinct
     entry is validated once, the arrays with one pass each."""
@@ -493,6 +502,7 @@ def write_ledger_runs(
         raise
 
 
+@without_gc
 def _read_payload(path: str | os.PathLike) -> Any:
     try:
         with open(path) as f:
@@ -541,6 +551,7 @@ def _is_run(item: Any) -> bool:
     )
 
 
+@without_gc
 def as_runs(source: Any) -> list[tuple[SampleEntry, int]]:
     """Normalises a ledger source to runs ``[(entry, count), ...]`` without listing steps: a
     path (read with :func:`read_ledger_runs`), a ``PrivacyLedger`` (anything with ``runs()``;

@@ -53,6 +53,7 @@ from tf_dp.ledger.events import (
     SumQueryEvent,
     compress,
     runs_are_prefix,
+    without_gc,
 )
 from tf_dp.ledger.journal import LedgerJournal, encode_runs
 from tf_dp.ledger.ledger_file import (
@@ -812,6 +813,7 @@ class PrivacyLedger(tf.Module):
             ]
         )
 
+    @without_gc
     def _runs_from(self, start: int) -> list[tuple[SampleEntry, int]]:
         """Runs of the steps from index ``start`` on (after a flush), read a piece of steps at a
         time: memory O(piece + runs), never a copy of the whole tables; work O(steps from
@@ -886,6 +888,7 @@ class PrivacyLedger(tf.Module):
         """
         self.restore_runs(compress(list(entries)))
 
+    @without_gc
     def restore_runs(self, runs: Sequence[tuple[SampleEntry, int]]) -> None:
         """:meth:`restore_entries` from runs ``[(entry, count), ...]`` (as :meth:`runs` or
         :func:`~tf_dp.ledger.read_ledger_runs` give them), without listing the steps.
