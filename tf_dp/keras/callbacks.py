@@ -210,12 +210,26 @@ class _ComposedCurve:
         return q, z, [u.count for u in units] + ([1] if non_private else [])
 
     def update(self, ledger) -> None:
-        """Adds the steps recorded since the last update (starts over if the ledger shrank)."""
-        n = ledger.num_samples
-        if n < self.steps:
+        """Adds the steps recorded since the last update (starts over if the ledger shrank).
+        One read of the new steps (``runs_from``: usually one small ``tf.function`` call)."""
+        if not self.composable:  # only the step count is kept
+            n = ledger.num_samples
+            if n >= self.steps:
+                self.steps = n
+                return
             self.reset()
-        if n > self.steps and self.composable:
+            if not self.composable:
+                self.steps = n
+                return
+        try:
             runs = ledger.runs_from(self.steps)
+        except ValueError:
+            if ledger.num_samples >= self.steps:
+                raise  # not a shorter ledger: malformed tables
+            self.reset()
+            runs = ledger.runs_from(0)
+        n = self.steps + sum(count for _, count in runs)
+        if n > self.steps and self.composable:
             self.unseen.append((self.steps, runs))
             added = self.units_of(runs)
             if added is None:

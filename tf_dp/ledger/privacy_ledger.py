@@ -523,6 +523,7 @@ def _step_tables(
 
 
 _CHUNK_ROWS = 1 << 16  # steps per chunk when tables are written or read in pieces
+_TAIL_ROWS = 64  # most new steps a keeping-up reader turns into entries one by one
 
 
 def _drop_steps(
@@ -798,11 +799,44 @@ class PrivacyLedger(tf.Module):
         if isinstance(start, bool) or not isinstance(start, (int, np.integer)):
             raise TypeError(f"start must be an int step index, got {type(start).__name__}")
         if tf.executing_eagerly():
+            tail = self._read_tail(int(start))
+            if tail is not None:
+                return tail
             self.flush()
         n = int(self._samples.count.numpy())
         if not 0 <= start <= n:
             raise ValueError(f"start must be in [0, num_samples={n}], got {start}")
         return self._runs_from(int(start))
+
+    def _read_tail(self, start: int) -> Optional[list[tuple[SampleEntry, int]]]:
+        """:meth:`runs_from` for a reader that keeps up (``start`` is where the previous read
+        ended, a few steps ago): the counters and then the new rows (the query row before them
+        included, to check the tables were not replaced), about eight small eager reads. None
+        (the caller reads the usual way) whenever that would not be the whole answer: rows
+        still staged or dropped (a flush is due), a journal to append to, tables replaced, or
+        more than ``_TAIL_ROWS`` new steps."""
+        hint_step, hint_row = getattr(self, "_runs_cursor", (0, 0))
+        if self._journal is not None or start != hint_step or start == 0:
+            return None
+        buffers = (self._samples, self._queries)
+        if any(int(b.staged_count.numpy()) or int(b.overflow.numpy()) for b in buffers):
+            return None
+        n, m = (int(b.count.numpy()) for b in buffers)
+        if not (start <= n <= start + _TAIL_ROWS and 0 < hint_row <= m):
+            return None
+        if n == start and m == hint_row:
+            return []
+        queries = _read_rows(self._queries.data, hint_row - 1, m)
+        index = queries[:, 0]
+        if not index[0] < start or (index.size > 1 and (
+            index[1] < start or index[-1] >= n or np.any(np.diff(index) < 0)
+            or np.any(index != np.round(index))
+        )):
+            return None  # tables replaced, or malformed: the usual reader sorts it out
+        self._runs_cursor = (n, m)
+        queries = queries[1:]
+        queries[:, 0] -= start
+        return compress(_to_entries(_read_rows(self._samples.data, start, n), queries))
 
     def _index_column(self, first: int, stop: int) -> np.ndarray:
         """Sample-index column of query rows ``first:stop``, read in pieces."""
