@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
