@@ -30,7 +30,14 @@ declared and tf_dp did not check), ``unit`` (``"user"`` for user-level DP, with
 ``records_per_unit``, the most records one sampled user contributes; absent: ``"example"``). Files
 of versions 1 and 2 predate these keys: tf_dp did not record who drew their batches, so they
 read as ``declared`` and example-level, and their statements say the sampling was not checked.
-A file with any of these keys says version 3. A reader that predates a
+A file with any of these keys says version 3.
+
+Version 4 (the indexed form, written for :data:`INDEXED_MIN_RUNS` runs or more, e.g. a cyclic
+clip schedule's 1e6 runs over 1e4 values) holds, in place of ``"runs"``, ``"entries"`` (each
+distinct entry once: objects as in ``"runs"`` without ``"count"``), ``"codes"`` (for each run, the
+index of its entry) and ``"counts"`` (its step count), so files and reading cost O(distinct
+entries) of events and two integer arrays; it is written without indentation. A reader that
+predates a
 mechanism rejects the file as a malformed
 event naming the mechanism, never misreads it.
 
