@@ -303,10 +303,12 @@ def parse_runs(runs: Any) -> tuple[list[tuple[SampleEntry, int]], int]:
     return out, total
 
 
-@without_gc
-def _parse_indexed(payload: Mapping[str, Any]) -> tuple[list[tuple[SampleEntry, int]], int]:
-    """Validates the ``entries``, ``codes`` and ``counts`` of a version 4 payload: each distinct
-    entry is validated once, the arrays with one pass each."""
+def _indexed_arrays(payload: Mapping[str, Any]) -> tuple[list[SampleEntry], Any, Any, int]:
+    """Validates the ``entries``, ``codes`` and ``counts`` of a version 4 payload (each distinct
+    entry once, the arrays with a few passes each); returns ``(distinct entries, codes, counts,
+    total steps)``, codes and counts as int64 arrays, consecutive equal entries merged."""
+    import numpy as np
+
     entries, codes, counts = (payload.get(k) for k in ("entries", "codes", "counts"))
     if not all(isinstance(v, list) for v in (entries, codes, counts)) or len(codes) != len(counts):
         raise LedgerFileError(
@@ -315,8 +317,7 @@ def _parse_indexed(payload: Mapping[str, Any]) -> tuple[list[tuple[SampleEntry, 
         )
     if not all(isinstance(e, dict) for e in entries):
         raise LedgerFileError("malformed ledger event: 'entries' must hold JSON objects")
-    # each entry validated as a run of one step (consecutive equal entries are merged there:
-    # keep them apart)
+    # each entry validated as a run of one step
     distinct = [parse_runs([dict(e, count=1)])[0][0][0] for e in entries]
     if set(map(type, codes)) - {int} or (codes and not 0 <= min(codes) <= max(codes) < len(
             distinct)):
@@ -332,17 +333,45 @@ def _parse_indexed(payload: Mapping[str, Any]) -> tuple[list[tuple[SampleEntry, 
     if total > MAX_FILE_SAMPLES:
         raise LedgerFileError(f"a ledger file holds at most {MAX_FILE_SAMPLES:.0e} steps")
     canonical = EntryCodes()  # equal entries listed twice share one code
-    remap = [canonical.code(e) for e in distinct]
-    out: list[tuple[SampleEntry, int]] = []
-    last = -1
-    for code, count in zip(codes, counts):
-        code = remap[code]
-        if code == last:
-            out[-1] = (out[-1][0], out[-1][1] + count)
-        else:
-            out.append((canonical.entries[code], count))
-            last = code
-    return out, total
+    remap = np.array([canonical.code(e) for e in distinct] or [0], np.int64)
+    code_array = remap[np.array(codes, np.int64)]
+    count_array = np.array(counts, np.int64)
+    if code_array.size:
+        keep = np.flatnonzero(np.r_[True, code_array[1:] != code_array[:-1]])
+        code_array, count_array = code_array[keep], np.add.reduceat(count_array, keep)
+    return canonical.entries, code_array, count_array, total
+
+
+@without_gc
+def _parse_indexed(payload: Mapping[str, Any]) -> tuple[list[tuple[SampleEntry, int]], int]:
+    """The runs of a version 4 payload, validated, and their total step count."""
+    entries, codes, counts, total = _indexed_arrays(payload)
+    return list(zip(map(entries.__getitem__, codes.tolist()), counts.tolist())), total
+
+
+def read_ledger_codes(path: str | os.PathLike) -> tuple[list[SampleEntry], Any, Any]:
+    """Reads and validates a ledger file as ``(entries, codes, counts)``: its distinct entries
+    and, for each run, the index of its entry and its step count (int64 arrays), without
+    building one object per run (``PrivacyLedger.load`` restores from it).
+
+    Example::
+
+        entries, codes, counts = read_ledger_codes("run.ledger.json")
+        steps = int(counts.sum())
+    """
+    import numpy as np
+
+    payload = _read_payload(path)
+    if isinstance(payload, dict) and payload.get("version") == INDEXED_VERSION and not isinstance(
+            payload.get("version"), bool):
+        _check_payload(payload)
+        entries, codes, counts, total = _indexed_arrays(payload)
+        _check_total(payload, total)
+        return entries, codes, counts
+    codes_of = EntryCodes()
+    runs = payload_to_runs(payload)
+    codes = np.fromiter(map(codes_of.code, (e for e, _ in runs)), np.int64, len(runs))
+    return codes_of.entries, codes, np.array([c for _, c in runs], np.int64)
 
 
 def runs_to_entries(runs: Any) -> list[SampleEntry]:
@@ -365,6 +394,24 @@ def _check_listable(total: int) -> None:
 def payload_to_runs(payload: Any) -> list[tuple[SampleEntry, int]]:
     """Validates a parsed payload; returns its runs ``[(entry, count), ...]`` without expanding
     them (consecutive identical runs merged, as :func:`~tf_dp.ledger.events.compress` gives)."""
+    _check_payload(payload)
+    if payload["version"] == INDEXED_VERSION:
+        runs, total = _parse_indexed(payload)
+    else:
+        runs, total = parse_runs(payload.get("runs"))
+    _check_total(payload, total)
+    return runs
+
+
+def _check_total(payload: Mapping[str, Any], total: int) -> None:
+    if total != payload.get("num_samples"):
+        raise LedgerFileError(
+            f"ledger says num_samples={payload.get('num_samples')!r} but holds {total}"
+        )
+
+
+def _check_payload(payload: Any) -> None:
+    """Format, version and checksum of a parsed payload (the events are checked after)."""
     if not isinstance(payload, dict):
         raise LedgerFileError("ledger file must hold a JSON object")
     if payload.get("format") != FORMAT_NAME:
@@ -383,15 +430,6 @@ def payload_to_runs(payload: Any) -> list[tuple[SampleEntry, int]]:
         raise LedgerFileError(
             "ledger checksum mismatch: the file was corrupted or edited after it was written"
         )
-    if payload["version"] == INDEXED_VERSION:
-        runs, total = _parse_indexed(payload)
-    else:
-        runs, total = parse_runs(payload.get("runs"))
-    if total != payload.get("num_samples"):
-        raise LedgerFileError(
-            f"ledger says num_samples={payload.get('num_samples')!r} but holds {total}"
-        )
-    return runs
 
 
 def payload_to_entries(payload: Any) -> list[SampleEntry]:
@@ -594,7 +632,9 @@ def as_runs(source: Any) -> list[tuple[SampleEntry, int]]:
         if code == last:
             runs[-1] = (runs[-1][0], runs[-1][1] + count)
         else:
-            runs.append((codes.entries[code], count))
+            canonical = codes.entries[code]
+            # a (canonical entry, count) tuple is kept as it is: no second copy of long lists
+            runs.append(item if canonical is entry and type(item) is tuple else (canonical, count))
             last = code
     return runs
 

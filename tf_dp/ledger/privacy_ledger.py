@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from operator import itemgetter
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -59,7 +60,7 @@ from tf_dp.ledger.journal import LedgerJournal, encode_runs
 from tf_dp.ledger.ledger_file import (
     LedgerFileError,
     as_runs,
-    read_ledger_runs,
+    read_ledger_codes,
     write_ledger_runs,
 )
 
@@ -904,14 +905,14 @@ class PrivacyLedger(tf.Module):
     def load(cls, path: str | os.PathLike, name: str = "privacy_ledger") -> "PrivacyLedger":
         """Reads a ledger file (rejecting corrupted files) into a new ledger."""
         try:
-            runs = read_ledger_runs(path)
+            entries, codes, counts = read_ledger_codes(path)  # no object per run
         except UnicodeDecodeError as e:  # binary garbage: not a ledger file either
             raise LedgerFileError(
                 f"ledger file {os.fspath(path)!r} is not valid UTF-8 JSON ({e.reason} at byte "
                 f"{e.start})"
             ) from None
         ledger = cls(name=name)
-        ledger.restore_runs(runs)
+        ledger._write_coded(entries, codes, counts)
         return ledger
 
     def restore_entries(self, entries: Sequence[SampleEntry]) -> None:
@@ -944,13 +945,22 @@ class PrivacyLedger(tf.Module):
                     "Detach the journal first (ledger.detach_journal()) if they did not touch "
                     "this run's data"
                 )
-        # Every distinct entry converts (fail before any change); steps are entry codes, and
-        # the tables are built in place from them, a piece of steps at a time (no full-length
-        # host copy, no per-step Python work).
         codes = EntryCodes()
-        run_codes = np.array([codes.code(e) for e, _ in runs], np.int64)
-        rows = _entry_rows(codes.entries)
-        counts = np.array([c for _, c in runs], np.int64)
+        run_codes = np.fromiter(map(codes.code, map(itemgetter(0), runs)), np.int64, len(runs))
+        counts = np.fromiter(map(itemgetter(1), runs), np.int64, len(runs))
+        self._write_coded(codes.entries, run_codes, counts)
+        if self._journal is not None:
+            self._journal_queries = sum(len(e.queries) * c for e, c in journaled)
+            self._sync_journal()
+
+    def _write_coded(
+        self, entries: Sequence[SampleEntry], run_codes: np.ndarray, counts: np.ndarray
+    ) -> None:
+        """Replaces the tables with runs given as codes (indices into the distinct ``entries``)
+        and step counts. Every entry converts first (nothing changes if one cannot); the tables
+        are then built in place, a piece of steps at a time (no full-length host copy, no
+        per-step Python work)."""
+        rows = _entry_rows(entries)
         ends = np.cumsum(counts)
         n_samples = int(ends[-1]) if len(ends) else 0
         n_queries = int(np.dot(rows[2][run_codes], counts)) if len(ends) else 0
@@ -968,9 +978,6 @@ class PrivacyLedger(tf.Module):
             query_row += queries.shape[0]
         self._samples.set_count(n_samples)
         self._queries.set_count(n_queries)
-        if self._journal is not None:
-            self._journal_queries = sum(len(e.queries) * c for e, c in journaled)
-            self._sync_journal()
 
     def tables(self) -> tuple[np.ndarray, np.ndarray]:
         """The raw sample and query tables (float64), e.g. to store them in a weights file."""
