@@ -259,11 +259,13 @@ class _ComposedCurve:
         return self.composable and self.units_of(upcoming) is not None
 
     def epsilon_with(self, ledger, upcoming: Sequence[tuple[SampleEntry, int]],
-                     at_most: Optional[float] = None) -> Optional[float]:
+                     at_most: Optional[float] = None, update: bool = True) -> Optional[float]:
         """Epsilon of the ledger followed by ``upcoming`` runs, or None (not composable). With
         ``at_most``, the first epsilon found ``<= at_most`` when there is one (enough to decide
-        a budget: :meth:`tf_dp.accounting.rdp.ComposedRdp.epsilon`)."""
-        self.update(ledger)
+        a budget: :meth:`tf_dp.accounting.rdp.ComposedRdp.epsilon`). ``update=False`` skips
+        reading the ledger (the caller has just called :meth:`update`)."""
+        if update:
+            self.update(ledger)
         if not self.composable:
             return None
         added = self.units_of(upcoming)
@@ -366,12 +368,14 @@ class PrivacyBudget(keras.callbacks.Callback):
     def _epsilon(self, entries: Sequence[Any]) -> float:
         return compute_epsilon(entries, self.delta, self.accountant)[0]
 
-    def _fits(self, ledger, upcoming: Sequence[tuple[SampleEntry, int]]) -> bool:
+    def _fits(self, ledger, upcoming: Sequence[tuple[SampleEntry, int]],
+              update: bool = True) -> bool:
         """Whether the ledger followed by ``upcoming`` runs stays within the budget: from the
         composed curve kept up to date incrementally when the steps compose independently
         (its order search stops at the first order within the budget), else from the whole
-        ledger."""
-        eps = self._composed.epsilon_with(ledger, upcoming, at_most=self.target_epsilon)
+        ledger. ``update=False``: the composition was brought up to date in this hook call."""
+        eps = self._composed.epsilon_with(ledger, upcoming, at_most=self.target_epsilon,
+                                          update=update)
         if eps is None:
             eps = self._epsilon([*ledger.runs(), *upcoming])
         return eps <= self.target_epsilon
@@ -438,7 +442,8 @@ class PrivacyBudget(keras.callbacks.Callback):
         if upcoming is None:
             return None
         ledger = optimizer.ledger
-        fits = self._fits(ledger, [(e, 1) for e in upcoming])
+        # _predicted brought the composition up to date: no second read of the ledger
+        fits = self._fits(ledger, [(e, 1) for e in upcoming], update=False)
         self._plan_kind = upcoming[0]
         self._plan_base = self._composed.steps
         self._plan_headroom = needed if fits else 0
