@@ -6,7 +6,9 @@ Run: ``python bench/accounting_time.py [--steps 100000] [--q 0.01] [--sigma 1.0]
 (identical steps, then 1e4 distinct steps repeated 100 times) through ``restore_runs``,
 ``runs``, ``save``, ``load`` and each accountant's epsilon, with dp_accounting's RDP accountant on
 the same ledger (``ledger_to_dp_event``) side by side, and the growth of the peak RSS.
-``--accountants rdp,gdp,pld`` picks the accountants. The peak RSS growth is
+``--accountants rdp,gdp,pld`` picks the accountants. ``--ledger --cyclic`` times instead
+1e6 steps cycling over the same 1e4 distinct values (``v0 .. v9999, v0 .. v9999, ...``: 1e6
+runs of one step, as a cyclic clip or noise schedule records them). The peak RSS growth is
 ``ru_maxrss`` (the kernel's peak resident set size of this process) minus its value after
 TensorFlow is imported: the most memory the ledger work ever held at once, both cases included.
 
@@ -45,12 +47,13 @@ def main() -> None:
     ap.add_argument("--delta", type=float, default=1e-5)
     ap.add_argument("--ledger", action="store_true")
     ap.add_argument("--accountants", default="rdp,gdp")
+    ap.add_argument("--cyclic", action="store_true")
     ap.add_argument("--distinct", type=int, default=0)
     ap.add_argument("--dpa-steps", type=int, default=100)
     ap.add_argument("--budget", action="store_true")
     a = ap.parse_args()
     if a.ledger:
-        return ledger_scale(a.delta, a.accountants.split(","))
+        return ledger_scale(a.delta, a.accountants.split(","), a.cyclic)
     if a.distinct:
         return distinct_steps(a.distinct, a.dpa_steps, a.delta)
     if a.budget:
@@ -81,7 +84,7 @@ def _timed(label: str, fn):
     return out
 
 
-def ledger_scale(delta: float, accountants: list[str]) -> None:
+def ledger_scale(delta: float, accountants: list[str], cyclic: bool = False) -> None:
     import tempfile
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -96,12 +99,14 @@ def ledger_scale(delta: float, accountants: list[str]) -> None:
     except ImportError:  # optional extra
         dp_accounting = None
     base = SamplingEvent(60000, 256 / 60000)
+    values = [SampleEntry(base, (SumQueryEvent(1.0, 1.0 + i * 1e-4),)) for i in range(10**4)]
     cases = {
         "1e6 identical steps": [(SampleEntry(base, (SumQueryEvent(1.0, 1.1),)), 10**6)],
-        "1e4 distinct x 100": [
-            (SampleEntry(base, (SumQueryEvent(1.0, 1.0 + i * 1e-4),)), 100) for i in range(10**4)
-        ],
+        "1e4 distinct x 100": [(v, 100) for v in values],
     }
+    if cyclic:
+        cases = {"1e4 distinct, cyclic (1e6 runs of 1)": [(values[j % 10**4], 1)
+                                                          for j in range(10**6)]}
     start_rss = _peak_rss_mb()
     for name, runs in cases.items():
         print(f"{name} (delta={delta}):")

@@ -364,10 +364,10 @@ def test_privacy_budget_with_a_schedule_reads_only_the_new_steps(digits, monkeyp
     to_runs, read = privacy_ledger._tables_to_runs, privacy_ledger._read_rows
     counting = [False]
 
-    def spy_runs(samples, queries):
+    def spy_runs(samples, queries, *rest):
         if counting[0]:
             rows.append(len(samples))
-        return to_runs(samples, queries)
+        return to_runs(samples, queries, *rest)
 
     def spy_read(table, start, stop):
         if counting[0]:

@@ -161,9 +161,9 @@ def test_corrupted_files_are_rejected(tmp_path):
     _assert_rejected(recounted, "checksum")
 
     version = tmp_path / "version.json"
-    p = dict(payload, version=4)
+    p = dict(payload, version=5)
     _write_payload(version, p)
-    _assert_rejected(version, "unsupported ledger version 4")
+    _assert_rejected(version, "unsupported ledger version 5")
 
     other = tmp_path / "other.json"
     _write_payload(other, dict(payload, format="something_else"))

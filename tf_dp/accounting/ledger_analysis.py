@@ -53,6 +53,7 @@ from tf_dp.ledger.events import (
     SampleEntry,
     SamplingEvent,
     SumQueryEvent,
+    distinct_runs,
 )
 from tf_dp.ledger.ledger_file import as_entries, as_runs
 
@@ -265,14 +266,21 @@ def shuffle_epoch_runs(runs: Sequence[tuple[SampleEntry, int]]) -> list[tuple[Sa
 
 def composable_units(
     runs: Sequence[tuple[SampleEntry, int]],
+    distinct: Optional[Sequence[tuple[SampleEntry, int]]] = None,
 ) -> tuple[list[_Unit], bool, set]:
     """Reduces runs of identical entries to independently composable units (each with ``q``,
     ``z``, ``count``; shuffle epochs and tree windows already counted); returns ``(units,
     any_non_private, policies)``. Used by every reader of runs (accountants, dp_events,
-    ``PrivacyBudget``)."""
+    ``PrivacyBudget``). ``distinct``: ``distinct_runs(runs)``, if the caller has it."""
     units: list[_Unit] = []
     non_private = False
     policies = set()
+    distinct = distinct_runs(runs) if distinct is None else distinct
+    if not any(e.sampling.policy == "shuffle" or e.tree_step is not None for e, _ in distinct):
+        # Only Poisson steps (each its own subsampled mechanism, whatever its neighbours):
+        # composition does not depend on their order, so equal entries compose with their
+        # total count. Shuffle epochs and tree windows depend on the order: read in order.
+        runs = distinct
     # Tree aggregation (Kairouz et al. 2021): each tree / epoch window is a full-batch Gaussian
     # mechanism (tf_dp.accounting.tree); Poisson-sampled tree steps are refused there.
     shuffle_units = shuffle_epoch_runs(runs)  # (entry, epochs) of the shuffle runs
@@ -382,7 +390,8 @@ def _gdp_mu(units: list[_Unit]) -> float:
 
 
 def _seeded(result: PrivacyResult, runs: Sequence[tuple[SampleEntry, int]]) -> PrivacyResult:
-    """Marks a result whose run drew its noise from an explicit seed: no guarantee holds."""
+    """Marks a result whose run drew its noise from an explicit seed: no guarantee holds
+    (``runs`` in any order, e.g. :func:`~tf_dp.ledger.events.distinct_runs`)."""
     seeds = tuple(sorted({s for e, _ in runs for s in e.noise_seeds}))
     if not seeds:
         return result
@@ -416,8 +425,11 @@ def compute_epsilon(
 
 
 def _epsilon_of_runs(runs, steps, delta, accountant, orders=None, discretization=None):
-    result = _seeded(_epsilon(runs, steps, delta, accountant, orders, discretization), runs)
-    note = " ".join(t for t in (_noise_mode_note(runs), sampling_claims(runs)) if t)
+    distinct = distinct_runs(runs)  # what the order-independent readers need
+    result = _seeded(
+        _epsilon(runs, steps, delta, accountant, orders, discretization, distinct), distinct
+    )
+    note = " ".join(t for t in (_noise_mode_note(distinct), sampling_claims(distinct)) if t)
     if note:
         result = dataclasses.replace(result, assumptions=f"{result.assumptions} {note}")
     return result
@@ -434,8 +446,9 @@ def sampling_claims(runs: Sequence[tuple[SampleEntry, int]]) -> str:
         sampling_claims(tf_dp.ledger.read_ledger_runs("run.ledger.json"))
     """
     seen: list[str] = []
-    for entry, _ in runs:
-        text = entry.sampling.describe()
+    samplings = {id(e.sampling): e.sampling for e, _ in distinct_runs(runs)}  # in order
+    for sampling in samplings.values():
+        text = sampling.describe()
         if text not in seen:
             seen.append(text)
     if not seen:
@@ -466,8 +479,9 @@ def _noise_mode_note(runs: Sequence[tuple[SampleEntry, int]]) -> str:
     return " ".join(parts)
 
 
-def _epsilon(runs, steps, delta, accountant, orders, discretization) -> PrivacyResult:
-    units, non_private, policies = composable_units(runs)
+def _epsilon(runs, steps, delta, accountant, orders, discretization, distinct=None
+             ) -> PrivacyResult:
+    units, non_private, policies = composable_units(runs, distinct)
     has_jl = any(u.r is not None for u in units)
     certified = accountant != "gdp" or all(u.q >= 1.0 for u in units)
     assumptions = _assumptions(accountant, policies, has_jl)
@@ -517,17 +531,21 @@ def compute_delta(
     if not (isinstance(epsilon, (int, float)) and epsilon >= 0 and not math.isnan(epsilon)):
         raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
     runs = as_runs(ledger)
+    distinct = distinct_runs(runs)
     result = _seeded(
-        _delta(runs, sum(c for _, c in runs), epsilon, accountant, orders, discretization), runs
+        _delta(runs, sum(c for _, c in runs), epsilon, accountant, orders, discretization,
+               distinct),
+        distinct,
     )
-    note = sampling_claims(runs)
+    note = sampling_claims(distinct)
     if note:
         result = dataclasses.replace(result, assumptions=f"{result.assumptions} {note}")
     return result
 
 
-def _delta(runs, steps, epsilon, accountant, orders, discretization) -> PrivacyResult:
-    units, non_private, policies = composable_units(runs)
+def _delta(runs, steps, epsilon, accountant, orders, discretization, distinct=None
+           ) -> PrivacyResult:
+    units, non_private, policies = composable_units(runs, distinct)
     has_jl = any(u.r is not None for u in units)
     certified = accountant != "gdp" or all(u.q >= 1.0 for u in units)
 

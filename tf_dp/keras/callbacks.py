@@ -210,12 +210,26 @@ class _ComposedCurve:
         return q, z, [u.count for u in units] + ([1] if non_private else [])
 
     def update(self, ledger) -> None:
-        """Adds the steps recorded since the last update (starts over if the ledger shrank)."""
-        n = ledger.num_samples
-        if n < self.steps:
+        """Adds the steps recorded since the last update (starts over if the ledger shrank).
+        One read of the new steps (``runs_from``: usually one small ``tf.function`` call)."""
+        if not self.composable:  # only the step count is kept
+            n = ledger.num_samples
+            if n >= self.steps:
+                self.steps = n
+                return
             self.reset()
-        if n > self.steps and self.composable:
+            if not self.composable:
+                self.steps = n
+                return
+        try:
             runs = ledger.runs_from(self.steps)
+        except ValueError:
+            if ledger.num_samples >= self.steps:
+                raise  # not a shorter ledger: malformed tables
+            self.reset()
+            runs = ledger.runs_from(0)
+        n = self.steps + sum(count for _, count in runs)
+        if n > self.steps and self.composable:
             self.unseen.append((self.steps, runs))
             added = self.units_of(runs)
             if added is None:
@@ -245,11 +259,13 @@ class _ComposedCurve:
         return self.composable and self.units_of(upcoming) is not None
 
     def epsilon_with(self, ledger, upcoming: Sequence[tuple[SampleEntry, int]],
-                     at_most: Optional[float] = None) -> Optional[float]:
+                     at_most: Optional[float] = None, update: bool = True) -> Optional[float]:
         """Epsilon of the ledger followed by ``upcoming`` runs, or None (not composable). With
         ``at_most``, the first epsilon found ``<= at_most`` when there is one (enough to decide
-        a budget: :meth:`tf_dp.accounting.rdp.ComposedRdp.epsilon`)."""
-        self.update(ledger)
+        a budget: :meth:`tf_dp.accounting.rdp.ComposedRdp.epsilon`). ``update=False`` skips
+        reading the ledger (the caller has just called :meth:`update`)."""
+        if update:
+            self.update(ledger)
         if not self.composable:
             return None
         added = self.units_of(upcoming)
@@ -358,13 +374,14 @@ class PrivacyBudget(keras.callbacks.Callback):
         return compute_epsilon(entries, self.delta, self.accountant)[0]
 
     def _fits(self, ledger, upcoming: Sequence[tuple[SampleEntry, int]],
-              margin: float = 0.0) -> bool:
+              margin: float = 0.0, update: bool = True) -> bool:
         """Whether the ledger followed by ``upcoming`` runs stays within the budget less a
         relative ``margin``: from the composed curve kept up to date incrementally when the
         steps compose independently (its order search stops at the first order within the
-        budget), else from the whole ledger."""
+        budget), else from the whole ledger. ``update=False``: the composition was brought up to
+        date in this hook call."""
         target = self.target_epsilon * (1.0 - margin)
-        eps = self._composed.epsilon_with(ledger, upcoming, at_most=target)
+        eps = self._composed.epsilon_with(ledger, upcoming, at_most=target, update=update)
         if eps is None:
             eps = self._epsilon([*ledger.runs(), *upcoming])
         return eps <= target
@@ -433,7 +450,9 @@ class PrivacyBudget(keras.callbacks.Callback):
         ledger = optimizer.ledger
         # The compiled step may round a schedule's float32 arithmetic one ulp (relative 6e-8)
         # away from the prediction: the check keeps a relative margin well above that.
-        fits = self._fits(ledger, [(e, 1) for e in upcoming], margin=SCHEDULE_MARGIN)
+        # _predicted brought the composition up to date: no second read of the ledger.
+        fits = self._fits(ledger, [(e, 1) for e in upcoming], margin=SCHEDULE_MARGIN,
+                          update=False)
         self._plan_kind = upcoming[0]
         self._plan_base = self._composed.steps
         self._plan_headroom = needed if fits else 0

@@ -30,7 +30,14 @@ declared and tf_dp did not check), ``unit`` (``"user"`` for user-level DP, with
 ``records_per_unit``, the most records one sampled user contributes; absent: ``"example"``). Files
 of versions 1 and 2 predate these keys: tf_dp did not record who drew their batches, so they
 read as ``declared`` and example-level, and their statements say the sampling was not checked.
-A file with any of these keys says version 3. A reader that predates a
+A file with any of these keys says version 3.
+
+Version 4 (the indexed form, written for :data:`INDEXED_MIN_RUNS` runs or more, e.g. a cyclic
+clip schedule's 1e6 runs over 1e4 values) holds, in place of ``"runs"``, ``"entries"`` (each
+distinct entry once: objects as in ``"runs"`` without ``"count"``), ``"codes"`` (for each run, the
+index of its entry) and ``"counts"`` (its step count), so files and reading cost O(distinct
+entries) of events and two integer arrays; it is written without indentation. A reader that
+predates a
 mechanism rejects the file as a malformed
 event naming the mechanism, never misreads it.
 
@@ -60,16 +67,30 @@ import stat
 import tempfile
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent, compress
+from tf_dp.ledger.events import (
+    EntryCodes,
+    SampleEntry,
+    SamplingEvent,
+    SumQueryEvent,
+    compress,
+    without_gc,
+)
 
 FORMAT_NAME = "tf_dp.privacy_ledger"
 FORMAT_VERSION = 3
+#: The indexed form: a file of :data:`INDEXED_MIN_RUNS` runs or more lists each distinct entry
+#: once (``"entries"``, objects as in ``"runs"`` without ``"count"``) and the runs as two
+#: arrays, ``"codes"`` (the index of each run's entry) and ``"counts"``, in place of ``"runs"``.
+INDEXED_VERSION = 4
+#: Run count from which files are written in the indexed form (shorter files keep versions 1-3,
+#: byte for byte).
+INDEXED_MIN_RUNS = 10_000
 #: Versions this reader understands. Version 2 adds the sampling key ``pass_start``, which an
 #: accountant must not ignore (it would under-count epochs), so files that use it say version 2
 #: and readers that predate it reject them; files without it are still written as version 1.
 #: Version 3 adds ``origin``, ``unit`` and ``records_per_unit`` (what a statement must not
 #: misreport: a checked claim, a user-level guarantee); files that use them say version 3.
-READ_VERSIONS = (1, 2, 3)
+READ_VERSIONS = (1, 2, 3, 4)
 
 
 class LedgerFileError(ValueError):
@@ -164,12 +185,49 @@ def entries_to_payload(
     return runs_to_payload(compress(entries), metadata)
 
 
+@without_gc
+def _indexed_payload(
+    runs: list[tuple[SampleEntry, int]], metadata: Optional[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """The version 4 payload of ``runs``: each distinct entry once, runs as entry codes."""
+    codes = EntryCodes()
+    run_codes: list[int] = []
+    counts: list[int] = []
+    last = -1
+    for entry, count in runs:
+        code = codes.code(entry)
+        if code == last:
+            counts[-1] += count
+        else:
+            run_codes.append(code)
+            counts.append(count)
+            last = code
+    return {
+        "format": FORMAT_NAME,
+        "version": INDEXED_VERSION,
+        "num_samples": sum(counts),
+        "entries": [
+            {"sampling": _sampling_payload(e.sampling),
+             "queries": [_query_payload(q) for q in e.queries]}
+            for e in codes.entries
+        ],
+        "codes": run_codes,
+        "counts": counts,
+        "metadata": dict(metadata or {}),
+    }
+
+
 def runs_to_payload(
     runs: Sequence[tuple[SampleEntry, int]], metadata: Optional[Mapping[str, Any]] = None
 ) -> dict[str, Any]:
     """Builds the JSON payload (with checksum) for runs ``[(entry, count), ...]``; the same
-    payload as :func:`entries_to_payload` gives for the expanded steps."""
+    payload as :func:`entries_to_payload` gives for the expanded steps. From
+    :data:`INDEXED_MIN_RUNS` runs on, the version 4 (indexed) form."""
     runs = list(runs)
+    if len(runs) >= INDEXED_MIN_RUNS:
+        payload = _indexed_payload(runs, metadata)
+        payload["sha256"] = hashlib.sha256(_canonical(payload)).hexdigest()
+        return payload
     payload: dict[str, Any] = {
         "format": FORMAT_NAME,
         "version": _file_version(runs),
@@ -245,6 +303,77 @@ def parse_runs(runs: Any) -> tuple[list[tuple[SampleEntry, int]], int]:
     return out, total
 
 
+def _indexed_arrays(payload: Mapping[str, Any]) -> tuple[list[SampleEntry], Any, Any, int]:
+    """Validates the ``entries``, ``codes`` and ``counts`` of a version 4 payload (each distinct
+    entry once, the arrays with a few passes each); returns ``(distinct entries, codes, counts,
+    total steps)``, codes and counts as int64 arrays, consecutive equal entries merged."""
+    import numpy as np
+
+    entries, codes, counts = (payload.get(k) for k in ("entries", "codes", "counts"))
+    if not all(isinstance(v, list) for v in (entries, codes, counts)) or len(codes) != len(counts):
+        raise LedgerFileError(
+            "malformed ledger event: a version 4 file needs lists 'entries', 'codes' and "
+            "'counts', the last two of equal length"
+        )
+    if not all(isinstance(e, dict) for e in entries):
+        raise LedgerFileError("malformed ledger event: 'entries' must hold JSON objects")
+    # each entry validated as a run of one step
+    distinct = [parse_runs([dict(e, count=1)])[0][0][0] for e in entries]
+    if set(map(type, codes)) - {int} or (codes and not 0 <= min(codes) <= max(codes) < len(
+            distinct)):
+        raise LedgerFileError(
+            f"malformed ledger event: codes must be integers in [0, {len(distinct)})"
+        )
+    if set(map(type, counts)) - {int} or (counts and not 1 <= min(counts) <= max(counts)
+                                          <= MAX_FILE_SAMPLES):
+        raise LedgerFileError(
+            f"run count must be an integer in [1, {MAX_FILE_SAMPLES:.0e}]"
+        )
+    total = sum(counts)
+    if total > MAX_FILE_SAMPLES:
+        raise LedgerFileError(f"a ledger file holds at most {MAX_FILE_SAMPLES:.0e} steps")
+    canonical = EntryCodes()  # equal entries listed twice share one code
+    remap = np.array([canonical.code(e) for e in distinct] or [0], np.int64)
+    code_array = remap[np.array(codes, np.int64)]
+    count_array = np.array(counts, np.int64)
+    if code_array.size:
+        keep = np.flatnonzero(np.r_[True, code_array[1:] != code_array[:-1]])
+        code_array, count_array = code_array[keep], np.add.reduceat(count_array, keep)
+    return canonical.entries, code_array, count_array, total
+
+
+@without_gc
+def _parse_indexed(payload: Mapping[str, Any]) -> tuple[list[tuple[SampleEntry, int]], int]:
+    """The runs of a version 4 payload, validated, and their total step count."""
+    entries, codes, counts, total = _indexed_arrays(payload)
+    return list(zip(map(entries.__getitem__, codes.tolist()), counts.tolist())), total
+
+
+def read_ledger_codes(path: str | os.PathLike) -> tuple[list[SampleEntry], Any, Any]:
+    """Reads and validates a ledger file as ``(entries, codes, counts)``: its distinct entries
+    and, for each run, the index of its entry and its step count (int64 arrays), without
+    building one object per run (``PrivacyLedger.load`` restores from it).
+
+    Example::
+
+        entries, codes, counts = read_ledger_codes("run.ledger.json")
+        steps = int(counts.sum())
+    """
+    import numpy as np
+
+    payload = _read_payload(path)
+    if isinstance(payload, dict) and payload.get("version") == INDEXED_VERSION and not isinstance(
+            payload.get("version"), bool):
+        _check_payload(payload)
+        entries, codes, counts, total = _indexed_arrays(payload)
+        _check_total(payload, total)
+        return entries, codes, counts
+    codes_of = EntryCodes()
+    runs = payload_to_runs(payload)
+    codes = np.fromiter(map(codes_of.code, (e for e, _ in runs)), np.int64, len(runs))
+    return codes_of.entries, codes, np.array([c for _, c in runs], np.int64)
+
+
 def runs_to_entries(runs: Any) -> list[SampleEntry]:
     """Validates run-length-encoded JSON runs (see :func:`runs_payload`) and expands them (at
     most :data:`MAX_LISTED_SAMPLES` steps)."""
@@ -265,6 +394,24 @@ def _check_listable(total: int) -> None:
 def payload_to_runs(payload: Any) -> list[tuple[SampleEntry, int]]:
     """Validates a parsed payload; returns its runs ``[(entry, count), ...]`` without expanding
     them (consecutive identical runs merged, as :func:`~tf_dp.ledger.events.compress` gives)."""
+    _check_payload(payload)
+    if payload["version"] == INDEXED_VERSION:
+        runs, total = _parse_indexed(payload)
+    else:
+        runs, total = parse_runs(payload.get("runs"))
+    _check_total(payload, total)
+    return runs
+
+
+def _check_total(payload: Mapping[str, Any], total: int) -> None:
+    if total != payload.get("num_samples"):
+        raise LedgerFileError(
+            f"ledger says num_samples={payload.get('num_samples')!r} but holds {total}"
+        )
+
+
+def _check_payload(payload: Any) -> None:
+    """Format, version and checksum of a parsed payload (the events are checked after)."""
     if not isinstance(payload, dict):
         raise LedgerFileError("ledger file must hold a JSON object")
     if payload.get("format") != FORMAT_NAME:
@@ -283,12 +430,6 @@ def payload_to_runs(payload: Any) -> list[tuple[SampleEntry, int]]:
         raise LedgerFileError(
             "ledger checksum mismatch: the file was corrupted or edited after it was written"
         )
-    runs, total = parse_runs(payload.get("runs"))
-    if total != payload.get("num_samples"):
-        raise LedgerFileError(
-            f"ledger says num_samples={payload.get('num_samples')!r} but holds {total}"
-        )
-    return runs
 
 
 def payload_to_entries(payload: Any) -> list[SampleEntry]:
@@ -382,7 +523,11 @@ def write_ledger_runs(
     runs = list(runs)
     if not overwrite:
         _check_not_shorter(path, sum(count for _, count in runs))
-    data = json.dumps(runs_to_payload(runs, metadata), indent=1, allow_nan=False)
+    payload = runs_to_payload(runs, metadata)
+    # the indexed form holds long arrays: written compactly (one line per number would not be
+    # readable either)
+    indent = None if payload["version"] == INDEXED_VERSION else 1
+    data = json.dumps(payload, indent=indent, allow_nan=False)
     directory = os.path.dirname(os.path.abspath(path))
     mode = _file_mode(path)
     fd, tmp = tempfile.mkstemp(prefix=".ledger-", suffix=".tmp", dir=directory)
@@ -402,6 +547,7 @@ def write_ledger_runs(
         raise
 
 
+@without_gc
 def _read_payload(path: str | os.PathLike) -> Any:
     try:
         with open(path) as f:
@@ -450,6 +596,7 @@ def _is_run(item: Any) -> bool:
     )
 
 
+@without_gc
 def as_runs(source: Any) -> list[tuple[SampleEntry, int]]:
     """Normalises a ledger source to runs ``[(entry, count), ...]`` without listing steps: a
     path (read with :func:`read_ledger_runs`), a ``PrivacyLedger`` (anything with ``runs()``;
@@ -467,6 +614,8 @@ def as_runs(source: Any) -> list[tuple[SampleEntry, int]]:
             f"(SampleEntry, count) runs, got {type(source).__name__}"
         )
     runs: list[tuple[SampleEntry, int]] = []
+    codes = EntryCodes()  # consecutive runs are compared by code: one dict lookup per item
+    last = -1
     for item in source:
         if isinstance(item, SampleEntry):
             entry, count = item, 1
@@ -479,10 +628,14 @@ def as_runs(source: Any) -> list[tuple[SampleEntry, int]]:
                 "ledger entries must be SampleEntry or (SampleEntry, count) runs, got "
                 f"{type(item).__name__}"
             )
-        if runs and runs[-1][0] == entry:
-            runs[-1] = (entry, runs[-1][1] + count)
+        code = codes.code(entry)
+        if code == last:
+            runs[-1] = (runs[-1][0], runs[-1][1] + count)
         else:
-            runs.append((entry, count))
+            canonical = codes.entries[code]
+            # a (canonical entry, count) tuple is kept as it is: no second copy of long lists
+            runs.append(item if canonical is entry and type(item) is tuple else (canonical, count))
+            last = code
     return runs
 
 

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from operator import itemgetter
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -49,15 +50,17 @@ from tf_dp.ledger.events import (
     SAMPLING_POLICIES,
     SampleEntry,
     SamplingEvent,
+    EntryCodes,
     SumQueryEvent,
     compress,
     runs_are_prefix,
+    without_gc,
 )
 from tf_dp.ledger.journal import LedgerJournal, encode_runs
 from tf_dp.ledger.ledger_file import (
     LedgerFileError,
     as_runs,
-    read_ledger_runs,
+    read_ledger_codes,
     write_ledger_runs,
 )
 
@@ -378,9 +381,52 @@ def _same(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.all((a == b) | (np.isnan(a) & np.isnan(b)), axis=1)
 
 
-def _tables_to_runs(samples: np.ndarray, queries: np.ndarray) -> list[tuple[SampleEntry, int]]:
+class _RowEntries:
+    """The :class:`SampleEntry` of each distinct table row (a sample row and its query rows), each
+    built and validated once, with the codes of :class:`EntryCodes` (equal entries, e.g. rows that
+    differ only in a column an entry ignores, share a code). One instance shared by the pieces of
+    one read makes equal steps the same object throughout."""
+
+    def __init__(self) -> None:
+        self.codes = EntryCodes()
+        self._by_row: dict[bytes, int] = {}
+
+    def run_codes(self, samples: np.ndarray, queries: np.ndarray) -> np.ndarray:
+        """The code of each sample row with its query rows (index column renumbered ``0, 1,
+        ...``, ordered): rows are grouped by their bytes with ``np.unique`` (vectorised), and only
+        the distinct ones are turned into entries."""
+        n = samples.shape[0]
+        index = queries[:, 0].astype(np.int64)
+        per = np.bincount(index, minlength=n)
+        first_row = np.cumsum(per) - per
+        out = np.empty(n, np.int64)
+        for p in np.unique(per).tolist():
+            steps = np.flatnonzero(per == p)
+            rows = first_row[steps][:, None] + np.arange(p)
+            key = np.ascontiguousarray(
+                np.concatenate([samples[steps], queries[rows, 1:].reshape(len(steps), -1)], axis=1)
+            )
+            key = key.view(np.dtype((np.void, key.dtype.itemsize * key.shape[1]))).ravel()
+            uniq, where, inverse = np.unique(key, return_index=True, return_inverse=True)
+            codes = np.empty(len(uniq), np.int64)
+            for u, (k, i) in enumerate(zip(uniq.tolist(), where.tolist())):
+                code = self._by_row.get(k)
+                if code is None:
+                    step_queries = queries[rows[i]].copy()
+                    step_queries[:, 0] = 0
+                    (entry,) = _to_entries(samples[steps[i] : steps[i] + 1], step_queries)
+                    code = self._by_row[k] = self.codes.code(entry)
+                codes[u] = code
+            out[steps] = codes[inverse.ravel()]
+        return out
+
+
+def _tables_to_runs(
+    samples: np.ndarray, queries: np.ndarray, rows: Optional[_RowEntries] = None
+) -> list[tuple[SampleEntry, int]]:
     """The tables as runs ``[(entry, count), ...]`` (what ``compress(_to_entries(...))`` gives),
-    in time O(rows) of vectorised numpy and O(runs) of Python.
+    in time O(rows) of vectorised numpy, O(runs) of list building and O(distinct rows) of
+    entry building (``rows``: the entries of the rows seen so far, shared between pieces).
 
     A step starts a new run unless its sample row equals the previous step's and it has as many
     query rows as the previous step, each equal (apart from the sample-index column) to the
@@ -403,8 +449,7 @@ def _tables_to_runs(samples: np.ndarray, queries: np.ndarray) -> list[tuple[Samp
     starts[1:] |= per[1:] != per[:-1]
     if len(queries):
         shift = per[index.astype(np.int64)]  # a step's query r pairs with row r - shift
-        rows = np.arange(len(queries))
-        prev = rows - shift
+        prev = np.arange(len(queries)) - shift
         ok = prev >= 0
         prev = np.where(ok, prev, 0)
         equal = ok.copy()
@@ -419,29 +464,29 @@ def _tables_to_runs(samples: np.ndarray, queries: np.ndarray) -> list[tuple[Samp
     sub_queries = queries[starts[index.astype(np.int64)]]  # the query rows of run starts
     if len(sub_queries):  # renumber the kept steps 0, 1, ...
         sub_queries[:, 0] = np.searchsorted(first, sub_queries[:, 0])
-    entries = _to_entries(samples[first], sub_queries)
-    out: list[tuple[SampleEntry, int]] = []
-    for entry, count in zip(entries, counts.tolist()):
-        # rows that differ only in ignored columns (e.g. pass_start of a Poisson draw) are
-        # equal entries: merge them as compress() would
-        if out and out[-1][0] == entry:
-            out[-1] = (entry, out[-1][1] + count)
-        else:
-            out.append((entry, count))
-    return out
+    rows = _RowEntries() if rows is None else rows
+    codes = rows.run_codes(samples[first], sub_queries)
+    # rows that differ only in ignored columns (e.g. pass_start of a Poisson draw) are equal
+    # entries (one code): merge them as compress() would
+    keep = np.ones(len(codes), bool)
+    keep[1:] = codes[1:] != codes[:-1]
+    kept = np.flatnonzero(keep)
+    totals = np.add.reduceat(counts, kept)
+    entries = rows.codes.entries
+    return [(entries[c], t) for c, t in zip(codes[kept].tolist(), totals.tolist())]
 
 
-def _runs_to_tables(runs: Sequence[tuple[SampleEntry, int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Runs as the ledger's sample and query tables, built with ``np.repeat`` (no per-step
-    Python work)."""
-    counts = np.array([c for _, c in runs], np.int64)
+def _entry_rows(entries: Sequence[SampleEntry]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Table rows of distinct entries: ``(sample_rows [entries, cols], query_rows [queries,
+    cols - 1] without the index column, queries_per_entry)``; raises ValueError (naming the
+    field) for an entry that has no table form."""
     sample_rows = np.array(
         [
             [e.sampling.population_size, e.sampling.selection_probability,
              policy_code(e.sampling.policy), float(e.sampling.pass_start),
              origin_code(e.sampling.origin), unit_code(e.sampling.unit),
              e.sampling.records_per_unit or 0]
-            for e, _ in runs
+            for e in entries
         ],
         np.float64,
     ).reshape(-1, _SAMPLE_COLS)
@@ -451,49 +496,35 @@ def _runs_to_tables(runs: Sequence[tuple[SampleEntry, int]]) -> tuple[np.ndarray
              q.jl_projections or q.tree_step or 0,
              float("nan") if q.noise_seed is None else float(q.noise_seed),
              float("nan") if q.noise_grid is None else float(q.noise_grid)]
-            for e, _ in runs
+            for e in entries
             for q in e.queries
         ],
         np.float64,
     ).reshape(-1, _QUERY_COLS - 1)
-    samples = np.repeat(sample_rows, counts, axis=0)
-    per_run = np.array([len(e.queries) for e, _ in runs], np.int64)
-    run_of_step = np.repeat(np.arange(len(runs)), counts)
-    per_step = per_run[run_of_step]
+    return sample_rows, query_rows, np.array([len(e.queries) for e in entries], np.int64)
+
+
+def _step_tables(
+    rows: tuple[np.ndarray, np.ndarray, np.ndarray], step_codes: np.ndarray, first_step: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """The sample and query tables of steps ``first_step, first_step + 1, ...`` whose entries are
+    ``step_codes`` (indices into the entries of ``rows``, from :func:`_entry_rows`), built with
+    numpy indexing (no per-step Python work)."""
+    sample_rows, query_rows, per_entry = rows
+    per_step = per_entry[step_codes]
     total = int(per_step.sum())
-    step = np.repeat(np.arange(len(samples)), per_step)
+    step = np.repeat(np.arange(len(step_codes)), per_step)
     first_row_of_step = np.cumsum(per_step) - per_step
     position = np.arange(total) - first_row_of_step[step]
-    run_first_row = np.cumsum(per_run) - per_run
-    template = run_first_row[run_of_step[step]] + position
+    entry_first_row = np.cumsum(per_entry) - per_entry
     queries = np.empty([total, _QUERY_COLS], np.float64)
-    queries[:, 0] = step
-    queries[:, 1:] = query_rows[template]
-    return samples, queries
+    queries[:, 0] = step + first_step
+    queries[:, 1:] = query_rows[entry_first_row[step_codes[step]] + position]
+    return sample_rows[step_codes], queries
 
 
 _CHUNK_ROWS = 1 << 16  # steps per chunk when tables are written or read in pieces
-
-
-def _split_runs(
-    runs: Sequence[tuple[SampleEntry, int]], chunk: Optional[int] = None
-) -> Iterator[tuple[int, list[tuple[SampleEntry, int]]]]:
-    """``(first_step, runs)`` pieces of ``runs`` holding at most ``chunk`` (default
-    ``_CHUNK_ROWS``) steps each (a run that crosses a boundary is split), in order."""
-    chunk = _CHUNK_ROWS if chunk is None else chunk
-    piece: list[tuple[SampleEntry, int]] = []
-    first = size = 0
-    for entry, count in runs:
-        while count:
-            take = min(count, chunk - size)
-            piece.append((entry, take))
-            size += take
-            count -= take
-            if size == chunk:
-                yield first, piece
-                first, piece, size = first + size, [], 0
-    if piece:
-        yield first, piece
+_TAIL_ROWS = 64  # most new steps a keeping-up reader turns into entries one by one
 
 
 def _drop_steps(
@@ -769,11 +800,44 @@ class PrivacyLedger(tf.Module):
         if isinstance(start, bool) or not isinstance(start, (int, np.integer)):
             raise TypeError(f"start must be an int step index, got {type(start).__name__}")
         if tf.executing_eagerly():
+            tail = self._read_tail(int(start))
+            if tail is not None:
+                return tail
             self.flush()
         n = int(self._samples.count.numpy())
         if not 0 <= start <= n:
             raise ValueError(f"start must be in [0, num_samples={n}], got {start}")
         return self._runs_from(int(start))
+
+    def _read_tail(self, start: int) -> Optional[list[tuple[SampleEntry, int]]]:
+        """:meth:`runs_from` for a reader that keeps up (``start`` is where the previous read
+        ended, a few steps ago): the counters and then the new rows (the query row before them
+        included, to check the tables were not replaced), about eight small eager reads. None
+        (the caller reads the usual way) whenever that would not be the whole answer: rows
+        still staged or dropped (a flush is due), a journal to append to, tables replaced, or
+        more than ``_TAIL_ROWS`` new steps."""
+        hint_step, hint_row = getattr(self, "_runs_cursor", (0, 0))
+        if self._journal is not None or start != hint_step or start == 0:
+            return None
+        buffers = (self._samples, self._queries)
+        if any(int(b.staged_count.numpy()) or int(b.overflow.numpy()) for b in buffers):
+            return None
+        n, m = (int(b.count.numpy()) for b in buffers)
+        if not (start <= n <= start + _TAIL_ROWS and 0 < hint_row <= m):
+            return None
+        if n == start and m == hint_row:
+            return []
+        queries = _read_rows(self._queries.data, hint_row - 1, m)
+        index = queries[:, 0]
+        if not index[0] < start or (index.size > 1 and (
+            index[1] < start or index[-1] >= n or np.any(np.diff(index) < 0)
+            or np.any(index != np.round(index))
+        )):
+            return None  # tables replaced, or malformed: the usual reader sorts it out
+        self._runs_cursor = (n, m)
+        queries = queries[1:]
+        queries[:, 0] -= start
+        return compress(_to_entries(_read_rows(self._samples.data, start, n), queries))
 
     def _index_column(self, first: int, stop: int) -> np.ndarray:
         """Sample-index column of query rows ``first:stop``, read in pieces."""
@@ -784,6 +848,7 @@ class PrivacyLedger(tf.Module):
             ]
         )
 
+    @without_gc
     def _runs_from(self, start: int) -> list[tuple[SampleEntry, int]]:
         """Runs of the steps from index ``start`` on (after a flush), read a piece of steps at a
         time: memory O(piece + runs), never a copy of the whole tables; work O(steps from
@@ -810,16 +875,17 @@ class PrivacyLedger(tf.Module):
             return _drop_steps(runs, start)
         self._runs_cursor = (n, m)  # every query row is of a step before n
         out: list[tuple[SampleEntry, int]] = []
+        rows = _RowEntries()  # shared by the pieces: equal steps are one entry object
         for s0 in range(start, n, _CHUNK_ROWS):
             s1 = min(s0 + _CHUNK_ROWS, n)
             q0, q1 = np.searchsorted(index, [s0, s1]) + q_start
             queries = _read_rows(self._queries.data, int(q0), int(q1))
             queries[:, 0] -= s0
-            for entry, count in _tables_to_runs(_read_rows(self._samples.data, s0, s1), queries):
-                if out and out[-1][0] == entry:  # a run crossing a piece boundary
-                    out[-1] = (entry, out[-1][1] + count)
-                else:
-                    out.append((entry, count))
+            piece = _tables_to_runs(_read_rows(self._samples.data, s0, s1), queries, rows)
+            if out and piece and out[-1][0] is piece[0][0]:  # a run crossing the boundary
+                out[-1] = (out[-1][0], out[-1][1] + piece[0][1])
+                piece = piece[1:]
+            out.extend(piece)
         return out
 
     def save(
@@ -839,14 +905,14 @@ class PrivacyLedger(tf.Module):
     def load(cls, path: str | os.PathLike, name: str = "privacy_ledger") -> "PrivacyLedger":
         """Reads a ledger file (rejecting corrupted files) into a new ledger."""
         try:
-            runs = read_ledger_runs(path)
+            entries, codes, counts = read_ledger_codes(path)  # no object per run
         except UnicodeDecodeError as e:  # binary garbage: not a ledger file either
             raise LedgerFileError(
                 f"ledger file {os.fspath(path)!r} is not valid UTF-8 JSON ({e.reason} at byte "
                 f"{e.start})"
             ) from None
         ledger = cls(name=name)
-        ledger.restore_runs(runs)
+        ledger._write_coded(entries, codes, counts)
         return ledger
 
     def restore_entries(self, entries: Sequence[SampleEntry]) -> None:
@@ -857,6 +923,7 @@ class PrivacyLedger(tf.Module):
         """
         self.restore_runs(compress(list(entries)))
 
+    @without_gc
     def restore_runs(self, runs: Sequence[tuple[SampleEntry, int]]) -> None:
         """:meth:`restore_entries` from runs ``[(entry, count), ...]`` (as :meth:`runs` or
         :func:`~tf_dp.ledger.read_ledger_runs` give them), without listing the steps.
@@ -878,25 +945,39 @@ class PrivacyLedger(tf.Module):
                     "Detach the journal first (ledger.detach_journal()) if they did not touch "
                     "this run's data"
                 )
-        _runs_to_tables([(entry, 1) for entry, _ in runs])  # every run converts: fail before
-        # any change. The tables are built in place, a piece of steps at a time (no full-length
-        # host copy).
-        n_samples = sum(c for _, c in runs)
-        n_queries = sum(len(e.queries) * c for e, c in runs)
+        codes = EntryCodes()
+        run_codes = np.fromiter(map(codes.code, map(itemgetter(0), runs)), np.int64, len(runs))
+        counts = np.fromiter(map(itemgetter(1), runs), np.int64, len(runs))
+        self._write_coded(codes.entries, run_codes, counts)
+        if self._journal is not None:
+            self._journal_queries = sum(len(e.queries) * c for e, c in journaled)
+            self._sync_journal()
+
+    def _write_coded(
+        self, entries: Sequence[SampleEntry], run_codes: np.ndarray, counts: np.ndarray
+    ) -> None:
+        """Replaces the tables with runs given as codes (indices into the distinct ``entries``)
+        and step counts. Every entry converts first (nothing changes if one cannot); the tables
+        are then built in place, a piece of steps at a time (no full-length host copy, no
+        per-step Python work)."""
+        rows = _entry_rows(entries)
+        ends = np.cumsum(counts)
+        n_samples = int(ends[-1]) if len(ends) else 0
+        n_queries = int(np.dot(rows[2][run_codes], counts)) if len(ends) else 0
         self._samples.allocate(n_samples)
         self._queries.allocate(n_queries)
         query_row = 0
-        for first, piece in _split_runs(runs):
-            samples, queries = _runs_to_tables(piece)
-            queries[:, 0] += first
-            self._samples.write(first, samples)
+        for s0 in range(0, n_samples, _CHUNK_ROWS):
+            s1 = min(s0 + _CHUNK_ROWS, n_samples)
+            r0, r1 = np.searchsorted(ends, [s0, s1 - 1], side="right")
+            r1 += 1
+            taken = np.minimum(ends[r0:r1], s1) - np.maximum(ends[r0:r1] - counts[r0:r1], s0)
+            samples, queries = _step_tables(rows, np.repeat(run_codes[r0:r1], taken), s0)
+            self._samples.write(s0, samples)
             self._queries.write(query_row, queries)
             query_row += queries.shape[0]
         self._samples.set_count(n_samples)
         self._queries.set_count(n_queries)
-        if self._journal is not None:
-            self._journal_queries = sum(len(e.queries) * c for e, c in journaled)
-            self._sync_journal()
 
     def tables(self) -> tuple[np.ndarray, np.ndarray]:
         """The raw sample and query tables (float64), e.g. to store them in a weights file."""
