@@ -11,6 +11,7 @@ import math
 import dp_accounting
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tf_dp
 from tf_dp.accounting import compute_epsilon, rdp
@@ -208,3 +209,53 @@ def test_runs_from_a_reader_that_keeps_up_reads_only_the_new_rows(monkeypatch):
         got += [e for e, c in new for _ in range(c)]
         seen += sum(c for _, c in new)
     assert got == expected and seen == ledger.num_samples == 30
+
+
+def _reads_of(graph, variable) -> list:
+    """The ops of ``graph`` that read ``variable``'s value (not just its shape)."""
+    captured = {id(t) for v, t in graph.captures if v is variable.handle}
+    return [op for op in graph.get_operations()
+            if op.type == "ReadVariableOp" and any(id(i) in captured for i in op.inputs)]
+
+
+def test_recording_a_step_never_reads_the_table_it_appends_to():
+    # In a graph, a read of the table that is alive while the row is scattered in makes
+    # TensorFlow copy the whole table: every step would cost O(rows recorded so far).
+    ledger = tf_dp.PrivacyLedger()
+
+    @tf.function
+    def record():
+        ledger.record_sampling(100, 0.1, "poisson")
+        ledger.record_sum_query(1.0, 1.0)
+
+    graph = record.get_concrete_function().graph
+    for table in (ledger._samples.data, ledger._queries.data):
+        assert _reads_of(graph, table) == []
+    record()
+    assert ledger.num_samples == 1
+
+
+def test_a_flush_writes_the_staged_rows_in_place(monkeypatch):
+    # After a compiled (XLA) call the staged rows are written after the recorded ones: the
+    # recorded rows are neither read back nor rewritten (a flush costs O(staged rows)).
+    ledger = tf_dp.PrivacyLedger()
+    ledger.restore_runs([(SampleEntry(SamplingEvent(100, 0.1), (SumQueryEvent(1.0, 2.0),)), 5000)])
+
+    @tf.function(jit_compile=True)
+    def record(i):
+        ledger.record_sampling(100, 0.1, "poisson")
+        ledger.record_sum_query(1.0, 1.0 + tf.cast(i, tf.float64))
+
+    written = []
+    real_write = type(ledger._samples).write
+    monkeypatch.setattr(type(ledger._samples), "write",
+                        lambda self, start, rows: written.append(rows.shape[0])
+                        or real_write(self, start, rows))
+    monkeypatch.setattr(type(ledger._samples), "load",
+                        lambda self, table: pytest.fail("a flush rewrote the whole table"))
+    for i in range(3):
+        record(i)
+        ledger.flush()
+    assert written == [1, 1] * 3
+    runs = ledger.runs()
+    assert runs[0][1] == 5000 and [e.queries[0].noise_stddev for e, _ in runs[1:]] == [1.0, 2.0, 3.0]

@@ -212,7 +212,8 @@ class _Buffer(tf.Module):
         if not tf.executing_eagerly():
             self._merge_staged()
         index = self.count.read_value()
-        capacity = tf.shape(self.data, out_type=tf.int64)[0]
+        # the shape alone: a read of the table would make the in-place update below copy it
+        capacity = _shape_rows(self.data)
 
         def grow():
             self.data.assign(tf.concat([self.data, tf.zeros_like(self.data)], axis=0))
@@ -257,7 +258,7 @@ class _Buffer(tf.Module):
             n = self.count.read_value()
             rows = self.staged[:k]
             needed = n + k
-            capacity = tf.shape(self.data, out_type=tf.int64)[0]
+            capacity = _shape_rows(self.data)
             new_cap = tf.maximum(capacity, needed) * 2
             padded = tf.concat(
                 [self.data[:n], rows, tf.zeros([new_cap - needed, tf.shape(rows)[1]], tf.float64)],
@@ -275,9 +276,18 @@ class _Buffer(tf.Module):
         dropped = int(self.overflow.numpy())
         k = int(self.staged_count.numpy())
         if k:
+            # the staged rows are written in place after the recorded ones (the table doubles
+            # when full): a flush costs O(staged rows), not O(rows recorded so far)
             n = int(self.count.numpy())
-            table = np.concatenate([self.data.numpy()[:n], self.staged.numpy()[:k]], axis=0)
-            self.load(table)
+            rows = self.staged.numpy()[:k]
+            capacity = _capacity(self.data)
+            if n + k > capacity:
+                grown = max(2 * capacity, 1 << int(np.ceil(np.log2(n + k))))
+                self.data.assign(tf.concat(
+                    [self.data.read_value(),
+                     tf.zeros([grown - capacity, int(self.data.shape[1])], tf.float64)], axis=0))
+            self.write(n, rows)
+            self.count.assign(n + k)
             self.staged_count.assign(0)
         if dropped:
             self.overflow.assign(0)
@@ -332,6 +342,18 @@ class _Buffer(tf.Module):
         self.count.assign(rows)
         self.staged_count.assign(0)
         self.overflow.assign(0)
+
+
+def _shape_rows(table: tf.Variable) -> tf.Tensor:
+    """Rows a table variable holds (an int64 tensor), from its shape alone: ``tf.shape`` would
+    read the table, and an in-place update while that read is alive copies the whole table."""
+    return tf.raw_ops.VariableShape(input=table.handle, out_type=tf.int64)[0]
+
+
+def _capacity(table: tf.Variable) -> int:
+    """:func:`_shape_rows`, eagerly (of the first component under tf.distribute)."""
+    var = table.values[0] if isinstance(table, tf.distribute.DistributedValues) else table
+    return int(_shape_rows(var))
 
 
 def _to_entries(samples: np.ndarray, queries: np.ndarray, first: int = 0) -> list[SampleEntry]:
