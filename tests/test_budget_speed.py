@@ -207,3 +207,28 @@ def test_a_schedule_budget_keeps_a_margin_for_the_compiled_rounding():
     assert dpcb.SCHEDULE_MARGIN == 1e-6
     assert sum(c for _, c in run(e * (1 + 2e-7)).ledger.runs()) == taken
     assert sum(c for _, c in run(e * (1 + 1e-5)).ledger.runs()) == taken + 1
+
+
+@pytest.mark.parametrize("clip", [tf_dp.keras.DecreasingClip(1.0, decay_steps=50.0), 1.0])
+def test_predictions_mark_only_the_first_step_of_a_shuffle_pass_as_its_start(clip):
+    # fit on arrays with a fixed batch size: shuffle sampling, a pass starts at the first step.
+    # Predicted at the first batch, the next three steps must be what the ledger then records:
+    # only the first opens the pass (each later one marked as a start would count as an epoch).
+    model = _model(clip)
+    predicted = {}
+
+    class Predict(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 0:
+                opt = self.model.optimizer
+                predicted["window"] = opt.next_sample_entries(3)
+                predicted["each"] = [opt.next_sample_entry(i) for i in range(3)]
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(40, 8)).astype(np.float32), rng.integers(0, 2, 40).astype(np.int32)
+    model.fit(x, y, batch_size=10, epochs=1, steps_per_epoch=3, verbose=0, callbacks=[Predict()])
+    recorded = [e.sampling for e in model.optimizer.ledger.samples()]
+    assert [s.pass_start for s in recorded] == [True, False, False]
+    assert all(s.policy == "shuffle" for s in recorded)
+    for key in ("window", "each"):
+        assert [e.sampling for e in predicted[key]] == recorded, key

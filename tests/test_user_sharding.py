@@ -235,3 +235,40 @@ def test_a_step_with_no_sampled_user_is_finite_and_adds_only_noise(mode):
     assert int(model.optimizer.iterations.numpy()) == 2
     for got, want in zip(model.get_weights(), before):
         np.testing.assert_array_equal(got, want)
+
+
+class _OneWorkerTwoReplicas:
+    """Stands in for a worker of a multi-worker strategy with two local replicas: hands
+    ``distribute_poisson_batches``'s dataset function the input context such a worker gets."""
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        return dataset_fn(tf.distribute.InputContext(
+            num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=2))
+
+
+@pytest.mark.parametrize("unit_rows", [1, 2])
+def test_each_step_splits_into_one_piece_per_local_replica_even_when_it_overflows(unit_rows):
+    """A worker's sample may exceed max_batch_size (it is never truncated). Its local replicas
+    must still get exactly one piece each of that step's sample, in whole slots: a piece
+    spilling into the next global step would join two steps' samples in one update (a record
+    then in a step with probability about 2q, above the recorded q)."""
+    from tf_dp.keras.multi_worker import distribute_poisson_batches
+
+    m = 4 * unit_rows  # max_batch_size in rows
+    sizes = [m, m + 2 * unit_rows, m, m + 4 * unit_rows, m]  # steps 1 and 3 overflow
+    batches = []
+    for step, rows in enumerate(sizes):
+        real = rows - unit_rows  # a padding slot at the end of each batch
+        x = np.where(np.arange(rows) < real, 100 * step + np.arange(rows), -1).astype(np.float32)
+        batches.append((x[:, None], np.zeros(rows, np.int32), (x >= 0).astype(np.float32)))
+    dataset = tf.data.Dataset.from_generator(lambda: iter(batches), output_signature=(
+        tf.TensorSpec([None, 1], tf.float32), tf.TensorSpec([None], tf.int32),
+        tf.TensorSpec([None], tf.float32)))
+    pieces = list(distribute_poisson_batches(_OneWorkerTwoReplicas(), dataset, m, unit_rows)
+                  .as_numpy_iterator())
+    assert len(pieces) == 2 * len(sizes)  # one element per local replica and global step
+    for step, (bx, _, bw) in enumerate(batches):
+        a, b = pieces[2 * step], pieces[2 * step + 1]
+        assert len(a[2]) == len(b[2]) and len(a[2]) % unit_rows == 0  # equal, whole slots
+        got = np.concatenate([a[0][a[2] > 0, 0], b[0][b[2] > 0, 0]])
+        np.testing.assert_array_equal(got, bx[bw > 0, 0])  # exactly this step's sample

@@ -469,7 +469,8 @@ class DPEngine:
     def next_sample_entry(self, step: int, steps_ahead: int = 0):
         """The :class:`~tf_dp.ledger.events.SampleEntry` the step numbered ``step +
         steps_ahead`` will record (eager; a microbatched run before its first step is taken at
-        the worst-case sensitivity 2)."""
+        the worst-case sensitivity 2). A pass start pending now is recorded by the next step
+        only: later steps of the pass are predicted without it."""
         multiplier = None
         if self.privacy.num_microbatches is not None and self.ledger.num_samples == 0:
             multiplier = 2.0
@@ -477,7 +478,8 @@ class DPEngine:
         state = self.global_state
         if self._schedules is not None:
             state = GaussianGlobalState(*self.values_at(step + int(steps_ahead)))
-        return self.recorder.next_sample_entry(state, multiplier, jl)
+        entry = self.recorder.next_sample_entry(state, multiplier, jl)
+        return entry if int(steps_ahead) == 0 else _within_pass(entry)
 
     def next_sample_entries(self, step: int, count: int) -> list:
         """The entries of the steps numbered ``step, ..., step + count - 1`` (eager): what
@@ -494,13 +496,14 @@ class DPEngine:
         if count < 1:
             raise ValueError(f"count must be an integer >= 1, got {count}")
         if self._schedules is None:
-            return [self.next_sample_entry(step)] * count
+            first = self.next_sample_entry(step)
+            return [first] + [_within_pass(first)] * (count - 1)
         p = self.privacy
         steps = np.arange(step, step + count, dtype=np.int64)
         values = validation.schedule_values_numpy(
             p.l2_norm_clip, p.noise_multiplier, p.noise_stddev, steps)
         if values is None or self._grid_noise:  # no numpy path (or grid sensitivities)
-            return [self.next_sample_entry(s) for s in steps.tolist()]
+            return [self.next_sample_entry(step, i) for i in range(count)]
         clip, noise, std = values
         for i in np.nonzero(~_in_range(clip, noise, std))[0][:1]:
             validation.raise_if_out_of_range(p.noise_name, step + int(i), clip[i], noise[i],
@@ -511,15 +514,16 @@ class DPEngine:
             self._jl_now(),
         )
         (event,) = first.queries  # the engine's GaussianSumQuery: one sum query
+        later = _within_pass(first)
         if event.mechanism == "none":
-            return [first] * count
+            return [first] + [later] * (count - 1)
         # the recorded sensitivity: the clip times the multiplier, as the step computes it
         multiplier = np.float32(self.recorder.sensitivity_multiplier.numpy())
         sens = (clip * multiplier).astype(np.float64)
         if p.num_microbatches is not None and self.ledger.num_samples == 0:
             sens = sens / float(multiplier) * 2.0
         return [first] + [
-            dataclasses.replace(first, queries=(dataclasses.replace(
+            dataclasses.replace(later, queries=(dataclasses.replace(
                 event, l2_sensitivity=float(sens[i]), noise_stddev=float(std[i])),))
             for i in range(1, count)
         ]
@@ -530,6 +534,14 @@ class DPEngine:
         if self.speed.gradient_mode == "jl":
             return int(self.speed.jl_projections)
         return None
+
+
+def _within_pass(entry: Any) -> Any:
+    """``entry`` as a step after the first of its pass records it (no pass start)."""
+    if not entry.sampling.pass_start:
+        return entry
+    return dataclasses.replace(entry, sampling=dataclasses.replace(entry.sampling,
+                                                                   pass_start=False))
 
 
 def _in_range(clip: np.ndarray, noise: np.ndarray, std: np.ndarray) -> np.ndarray:

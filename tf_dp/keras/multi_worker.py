@@ -47,11 +47,13 @@ def distribute_poisson_batches(
 
     Every element of ``dataset`` is this worker's whole sample of a step, padded to
     ``max_batch_size`` rows (user-level: user slots of ``unit_rows`` rows each). With ``L``
-    local replicas it is cut into ``L`` consecutive pieces (``max_batch_size`` must then be a
-    multiple of ``L * unit_rows``, so that each piece holds whole slots), which
+    local replicas it is cut into ``L`` consecutive pieces of equal size, in whole slots
+    (``max_batch_size`` must then be a multiple of ``L * unit_rows``), which
     ``distribute_datasets_from_function`` deals to the local replicas in turn: one element per
-    global step, whatever the number of workers. A worker that sampled no unit at a step still
-    gives its all-padding batch (weight 0 everywhere), which adds nothing to the sum.
+    global step, whatever the number of workers. A sample larger than ``max_batch_size`` (it is
+    never truncated) is padded to a multiple of ``L * unit_rows`` rows and cut into ``L`` larger
+    pieces, so that no piece of it reaches another step. A worker that sampled no unit at a
+    step still gives its all-padding batch (weight 0 everywhere), which adds nothing to the sum.
     """
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
@@ -64,7 +66,19 @@ def distribute_poisson_batches(
                 f"multiple of the {local} replicas of each worker, so that each replica gets an "
                 "equal piece"
             )
-        return dataset.rebatch(max_batch_size // local, drop_remainder=True)
+        from tf_dp.data.poisson import pad_to_multiple
+
+        def pieces(*batch):
+            def cut(t):  # [L, rows / L, ...]: piece i is rows i * rows / L .. (i + 1) * rows / L
+                t = tf.convert_to_tensor(t)
+                inner = [tf.shape(t)[i + 1] if d is None else d for i, d in
+                         enumerate(t.shape[1:].as_list())]
+                return tf.reshape(t, tf.stack([local, -1, *inner]))
+
+            return tf.data.Dataset.from_tensor_slices(tf.nest.map_structure(cut, batch))
+
+        # one step's sample, whatever its size, gives exactly L pieces of whole slots
+        return pad_to_multiple(dataset, local * unit_rows).flat_map(pieces)
 
     options = tf.distribute.InputOptions(experimental_fetch_to_device=True)
     return strategy.distribute_datasets_from_function(dataset_fn, options)
