@@ -100,3 +100,6 @@ def test_noise_seed_must_be_an_integer_of_at_most_2_to_53():
         with pytest.raises(ValueError, match="noise_seed"):
             PrivacyConfig(l2_norm_clip=1.0, noise_multiplier=1.0, noise_seed=bad)
     assert PrivacyConfig(l2_norm_clip=1.0, noise_multiplier=1.0, noise_seed=-(2**53)).noise_seed
+    # a numpy integer is an integer (kept as a Python int)
+    seed = PrivacyConfig(l2_norm_clip=1.0, noise_multiplier=1.0, noise_seed=np.int64(7)).noise_seed
+    assert seed == 7 and type(seed) is int

@@ -188,6 +188,7 @@ def poisson_sample(
             raise TypeError(f"seed must be None or an integer, got {type(seed).__name__}")
         key = [int(seed) & ((1 << 64) - 1), shard_index]  # a stream per shard
     rng = np.random.Generator(np.random.Philox(key))
+
     def check_length() -> None:
         if len(source) != n:
             raise ValueError(
@@ -213,7 +214,8 @@ def poisson_sample(
         weight = np.ones(k, np.float32) if len(parts) == 2 else parts[2].astype(np.float32)
         return parts[0], parts[1], weight.reshape(k)
 
-    first = read(np.array([shard_index if users is None else users.order[0]], np.int64))  # the element spec, from one record
+    # the element spec, from one record
+    first = read(np.array([shard_index if users is None else users.order[0]], np.int64))
     signature = tf.nest.map_structure(_spec, first)
 
     def to_batch(indices: np.ndarray) -> tuple:

@@ -80,6 +80,8 @@ class PrivacyConfig:
                 )
         validation.check_count("num_microbatches", self.num_microbatches)
         validation.check_seed("noise_seed", self.noise_seed)
+        if self.noise_seed is not None:
+            object.__setattr__(self, "noise_seed", int(self.noise_seed))
         for name, value in (("l2_norm_clip", clip), ("noise_multiplier", z), ("noise_stddev", std)):
             object.__setattr__(self, name, validation.number_or_schedule(value))
 

@@ -69,7 +69,7 @@ def check_seed(name: str, value: Any) -> None:
     float64 column)."""
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or abs(value) > 2**53:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or abs(value) > 2**53:
         raise ValueError(f"{name} must be None or an integer with |{name}| <= 2**53, got {value!r}")
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
 import tensorflow as tf
 
 from tf_dp.dp_query.xla import in_xla_context
@@ -75,10 +76,12 @@ class MicrobatchClipper(base.GradientClipper):
             num_microbatches < 1
         ):
             raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+        ):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         self.num_microbatches = num_microbatches
-        self._seed = seed
+        self._seed = None if seed is None else int(seed)
         self._generator: Optional[tf.random.Generator] = None
 
     def assignment(self, batch_size: Any, step: Any = None) -> tf.Tensor:

@@ -118,7 +118,6 @@ class OptimizerSampling:
             int(self.iterations.numpy()), steps_ahead  # type: ignore[attr-defined]
         )
 
-
     def next_sample_entries(self, count: int) -> list:
         """The entries of the next ``count`` DP steps (``iterations`` on), in one call: the
         schedules evaluated in numpy where they can be (see
