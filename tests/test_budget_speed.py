@@ -232,3 +232,20 @@ def test_predictions_mark_only_the_first_step_of_a_shuffle_pass_as_its_start(cli
     assert all(s.policy == "shuffle" for s in recorded)
     for key in ("window", "each"):
         assert [e.sampling for e in predicted[key]] == recorded, key
+
+
+def test_epsilon_spent_is_computed_when_read_for_the_ledger_as_fit_left_it(monkeypatch):
+    # The end of a fit does not compose the whole ledger (a long ledger would cost seconds per
+    # fit); epsilon_spent is computed on first read, for the steps recorded when the fit ended.
+    model = _model(tf_dp.keras.DecreasingClip(1.0, decay_steps=50.0), noise_stddev=1.2)
+    budget = dpcb.PrivacyBudget(target_epsilon=50.0, delta=1e-5, verbose=False)
+    calls = []
+    real = dpcb.PrivacyBudget._epsilon
+    monkeypatch.setattr(dpcb.PrivacyBudget, "_epsilon",
+                        lambda self, entries: calls.append(1) or real(self, entries))
+    model.fit(_batches(steps_per_epoch=10), epochs=1, verbose=0, callbacks=[budget])
+    assert calls == []  # the whole-ledger accountant was not called by the fit
+    at_end = model.optimizer.ledger.runs()
+    model.fit(_batches(steps_per_epoch=5, seed=1), epochs=1, verbose=0)  # more steps, no budget
+    assert budget.epsilon_spent == _epsilon(at_end) < _epsilon(model.optimizer.ledger.runs())
+    assert len(calls) == 1 and budget.epsilon_spent == _epsilon(at_end) and len(calls) == 1

@@ -319,7 +319,8 @@ class PrivacyBudget(keras.callbacks.Callback):
     steps are accounted from the whole ledger at each check (their epochs and windows span
     runs). With ``steps_per_execution = s > 1`` Keras runs ``s`` steps between two checks, so
     training stops once fewer than ``s`` steps are left (the budget is never exceeded).
-    ``epsilon_spent`` is computed from the whole ledger at the end of ``fit``.
+    ``epsilon_spent`` is the epsilon of the whole ledger as it was when ``fit`` ended, computed
+    the first time it is read (a ``fit`` does not pay for it unless it is read or printed).
 
     If ``fit`` starts with not even one step left, it raises :class:`BudgetExhaustedError` from
     ``on_train_batch_begin`` (no step runs) unless ``raise_if_exhausted=False``, in which case the
@@ -356,7 +357,8 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.raise_if_exhausted = raise_if_exhausted
         self.verbose = verbose
         self.stopped = False
-        self.epsilon_spent: Optional[float] = None
+        self._spent: Optional[float] = None
+        self._spent_steps: Optional[tuple[Any, int]] = None  # (ledger, steps) when fit ended
         self._composed = _ComposedCurve(self.delta, self.accountant)
         self._reset_plan()
 
@@ -608,7 +610,8 @@ class PrivacyBudget(keras.callbacks.Callback):
         if original is not None:
             self.model.train_function = original
             self._original_train_function = None
-        self.epsilon_spent = self._epsilon_now()
+        ledger = _dp_optimizer(self.model, "PrivacyBudget").ledger
+        self._spent, self._spent_steps = None, (ledger, ledger.num_samples)
         if self.stopped and self.verbose:
             from tf_dp.accounting import sampling_claims
 
@@ -625,6 +628,21 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     def _epsilon_now(self) -> float:
         return self._epsilon(_dp_optimizer(self.model, "PrivacyBudget").ledger.runs())
+
+    @property
+    def epsilon_spent(self) -> Optional[float]:
+        """Epsilon of the ledger's first steps up to the end of the last ``fit`` (None before
+        one ended), computed on first read."""
+        if self._spent is None and self._spent_steps is not None:
+            ledger, steps = self._spent_steps
+            runs, left = [], steps
+            for entry, count in ledger.runs():
+                if left <= 0:
+                    break
+                runs.append((entry, min(count, left)))
+                left -= count
+            self._spent = self._epsilon(runs)
+        return self._spent
 
 
 class BackupAndRestore(keras.callbacks.BackupAndRestore):
