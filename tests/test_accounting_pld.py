@@ -176,3 +176,16 @@ def test_runs_sharing_a_count_are_composed_once_then_raised(monkeypatch):
                         lambda self, other: calls.append(1) or compose(self, other))
     pld.compose_mechanisms(mechs, "remove", h=1e-3)
     assert len(calls) <= (k - 1) + 2 * r.bit_length()
+
+
+def test_self_compose_equals_the_composition_of_identical_steps():
+    # DiscretePLD.self_compose (repeated squaring of one distribution) and compose_mechanisms
+    # (which raises groups to their counts together) give the same distribution.
+    m = pld.SubsampledGaussian(0.02, 1.1)
+    for count in (1, 6, 37):
+        direct = pld.discretize(m, "remove", 1e-3).self_compose(count)
+        grouped = pld.compose_mechanisms([(m, count)], "remove", h=1e-3)
+        for eps in (0.0, 0.5, 1.5):
+            assert direct.delta(eps) == pytest.approx(grouped.delta(eps), rel=1e-9, abs=1e-15)
+    with pytest.raises(ValueError, match="count"):
+        pld.discretize(m, "remove", 1e-3).self_compose(0)

@@ -282,7 +282,7 @@ class _Buffer(tf.Module):
             rows = self.staged.numpy()[:k]
             capacity = _capacity(self.data)
             if n + k > capacity:
-                grown = max(2 * capacity, 1 << int(np.ceil(np.log2(n + k))))
+                grown = max(2 * capacity, _capacity_for(n + k))
                 self.data.assign(tf.concat(
                     [self.data.read_value(),
                      tf.zeros([grown - capacity, int(self.data.shape[1])], tf.float64)], axis=0))
@@ -322,7 +322,7 @@ class _Buffer(tf.Module):
     def allocate(self, rows: int) -> None:
         """Replaces the table with a zero table of capacity for ``rows`` rows, to be filled in
         place by :meth:`write` and committed by :meth:`set_count` (no full-length host copy)."""
-        cap = max(_INITIAL_CAPACITY, 1 << int(np.ceil(np.log2(max(rows, 1)))))
+        cap = _capacity_for(rows)
         cols = int(self.data.shape[1])
         self.data.assign(tf.zeros([1, cols], tf.float64))  # frees the old table first
         self.data.assign(tf.zeros([cap, cols], tf.float64))
@@ -342,6 +342,11 @@ class _Buffer(tf.Module):
         self.count.assign(rows)
         self.staged_count.assign(0)
         self.overflow.assign(0)
+
+
+def _capacity_for(rows: int) -> int:
+    """Table capacity for ``rows`` rows: the next power of two, at least the initial one."""
+    return max(_INITIAL_CAPACITY, 1 << int(np.ceil(np.log2(max(rows, 1)))))
 
 
 def _shape_rows(table: tf.Variable) -> tf.Tensor:
