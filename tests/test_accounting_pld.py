@@ -189,3 +189,75 @@ def test_self_compose_equals_the_composition_of_identical_steps():
             assert direct.delta(eps) == pytest.approx(grouped.delta(eps), rel=1e-9, abs=1e-15)
     with pytest.raises(ValueError, match="count"):
         pld.discretize(m, "remove", 1e-3).self_compose(0)
+
+
+def _reference_groups(mechs, tolerance):
+    """Slow reference of merge_close_noise: for each q, the smallest unassigned sigma starts a
+    group and takes every sigma within its width (the width written out from the rule)."""
+    out = {}
+    for q in sorted({m.q for m, _ in mechs}):
+        left = sorted((m.noise_multiplier, c) for m, c in mechs if m.q == q)
+        while left:
+            s0 = left[0][0]
+            r = tolerance * s0 * s0 * (1.0 - math.exp(-1.0 / (s0 * s0)))
+            inside = [(s, c) for s, c in left if s <= s0 * (1.0 + r)]
+            left = left[len(inside):]
+            out[(q, s0)] = sum(c for _, c in inside)
+    return out
+
+
+def test_merge_close_noise_groups_as_the_rule_says():
+    rng = np.random.default_rng(3)
+    mechs = [(pld.SubsampledGaussian(float(q), float(s)), int(c)) for q, s, c in zip(
+        rng.choice([0.01, 0.02], 3000), np.round(rng.uniform(0.4, 3.0, 3000), 4),
+        rng.integers(1, 50, 3000))]
+    mix = pld.Mixture((pld.SubsampledGaussian(0.01, 1.0), pld.SubsampledGaussian(0.01, 2.0)),
+                      (0.5, 0.5))
+    merged = pld.merge_close_noise(mechs + [(mix, 7)], tolerance=1e-3)
+    assert merged[-1] == (mix, 7)  # other mechanisms untouched
+    got = {(m.q, m.noise_multiplier): c for m, c in merged[:-1]}
+    assert len(got) == len(merged) - 1
+    assert got == _reference_groups(mechs, 1e-3)
+    assert sum(got.values()) == sum(c for _, c in mechs)
+    assert len(got) < 2000  # the rule merges here (3000 values -> 1786 groups)
+    assert pld.merge_close_noise(mechs, tolerance=0.0) == mechs
+    # one value per q, and values farther apart than the width, stay as given
+    apart = [(pld.SubsampledGaussian(0.01, 1.0), 3), (pld.SubsampledGaussian(0.01, 1.01), 2),
+             (pld.SubsampledGaussian(0.02, 1.0), 5)]
+    assert sorted(pld.merge_close_noise(apart), key=str) == sorted(apart, key=str)
+    for bad in (-1e-3, 0.5, "1e-3"):
+        with pytest.raises(ValueError, match=r"merge_tolerance must be in \[0, 0.01\]"):
+            pld.merge_close_noise(apart, tolerance=bad)
+
+
+@pytest.mark.parametrize("q, lo, hi, count", [
+    (256 / 60000, 1.0, 2.0, 100),  # a clip schedule of a long run
+    (0.01, 0.6, 0.8, 1),           # small noise: epsilon most sensitive to sigma
+    (0.001, 5.0, 10.0, 50),        # large noise
+])
+def test_merged_noise_multipliers_bound_the_exact_epsilon_within_the_tolerance(q, lo, hi, count):
+    # Rounding sigma down is domination (the sigma mechanism is the sigma_0 one plus independent
+    # noise), so the merged epsilon is never below the exact one; the width keeps the rise under
+    # the tolerance (1e-3 relative).
+    n = 1000
+    mechs = [(pld.SubsampledGaussian(q, lo + (hi - lo) * i / n), count) for i in range(n)]
+    assert len(pld.merge_close_noise(mechs)) < 0.7 * n  # merged
+    h = 1e-3  # one grid for both (a coarser one than the default, to keep the test short)
+    exact = pld.pld_epsilon(mechs, 1e-5, h=h, merge_tolerance=0.0)
+    merged = pld.pld_epsilon(mechs, 1e-5, h=h)
+    assert exact * (1 - 1e-12) <= merged <= exact * (1 + pld.MERGE_TOLERANCE)
+    d_exact = pld.pld_delta(mechs, exact, h=h, merge_tolerance=0.0)
+    assert pld.pld_delta(mechs, exact, h=h) >= d_exact * (1 - 1e-12)
+
+
+def test_a_schedule_of_close_values_discretises_one_mechanism_per_group(monkeypatch):
+    # 1e4 values of sigma in [1, 2): about 860 groups, so 860 discretisations per direction
+    # instead of 1e4 (the cost of a PLD over a long clip schedule)
+    mechs = [(pld.SubsampledGaussian(256 / 60000, 1.0 + i / 1e4), 100) for i in range(10000)]
+    groups = len(pld.merge_close_noise(mechs))
+    assert groups < 1000
+    calls = []
+    discretize = pld.discretize
+    monkeypatch.setattr(pld, "discretize", lambda *a, **k: calls.append(1) or discretize(*a, **k))
+    pld.compose_mechanisms(mechs, "remove", h=2e-3)
+    assert len(calls) == groups

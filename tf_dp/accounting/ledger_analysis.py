@@ -82,8 +82,9 @@ _KIND_TEXT = {
     "(Canonne-Kamath-Steinke 2020): a certified upper bound",
     "moments": "moments accountant with the tail bound of Abadi et al. 2016: a certified upper "
     "bound (looser than 'rdp')",
-    "pld": "privacy-loss-distribution accountant (FFT composition, pessimistic discretisation): "
-    "a certified upper bound, close to the exact value",
+    "pld": "privacy-loss-distribution accountant (FFT composition, pessimistic discretisation; "
+    "close noise multipliers rounded down to a common one): a certified upper bound, close to "
+    "the exact value",
     "gdp": "Gaussian-DP via the privacy central limit theorem (Bu et al. 2019): an ASYMPTOTIC "
     "APPROXIMATION, not a certified bound",
 }
