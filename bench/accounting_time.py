@@ -4,8 +4,9 @@ Run: ``python bench/accounting_time.py [--steps 100000] [--q 0.01] [--sigma 1.0]
 
 ``--ledger`` instead times the ledger at production scale: a 1e6-step ``PrivacyLedger``
 (identical steps, then 1e4 distinct steps repeated 100 times) through ``restore_runs``,
-``runs``, ``save``, ``load`` and each accountant's epsilon, with dp_accounting's RDP accountant on
-the same ledger (``ledger_to_dp_event``) side by side, and the growth of the peak RSS.
+``runs``, ``save``, then (that ledger dropped, as in a process that loads a ledger to analyse it)
+``load`` and each accountant's epsilon on the loaded ledger, with dp_accounting's RDP accountant
+on the same ledger (``ledger_to_dp_event``) side by side, and the growth of the peak RSS.
 ``--accountants rdp,gdp,pld`` picks the accountants. ``--ledger --cyclic`` times instead
 1e6 steps cycling over the same 1e4 distinct values (``v0 .. v9999, v0 .. v9999, ...``: 1e6
 runs of one step, as a cyclic clip or noise schedule records them). The peak RSS growth is
@@ -84,6 +85,7 @@ def _timed(label: str, fn):
 
 
 def ledger_scale(delta: float, accountants: list[str], cyclic: bool = False) -> None:
+    import gc
     import tempfile
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -107,14 +109,20 @@ def ledger_scale(delta: float, accountants: list[str], cyclic: bool = False) -> 
         cases = {"1e4 distinct, cyclic (1e6 runs of 1)": [(values[j % 10**4], 1)
                                                           for j in range(10**6)]}
     start_rss = _peak_rss_mb()
-    for name, runs in cases.items():
+    for name in list(cases):
         print(f"{name} (delta={delta}):")
+        runs = cases.pop(name)
         ledger = tf_dp.PrivacyLedger()
         _timed("restore_runs", lambda: ledger.restore_runs(runs))
+        del runs
         _timed("runs()", ledger.runs)
         path = os.path.join(tempfile.mkdtemp(), "ledger.json")
         _timed("save", lambda: ledger.save(path))
-        _timed("load", lambda: tf_dp.PrivacyLedger.load(path))
+        # one ledger alive at a time, as in a process that loads a ledger to analyse it: the
+        # readers below run on the loaded ledger
+        del ledger
+        gc.collect()
+        ledger = _timed("load", lambda: tf_dp.PrivacyLedger.load(path))
         for acc in accountants:
             res = _timed(f"tf_dp {acc} epsilon",
                          lambda: accounting.compute_epsilon(ledger, delta, acc))
