@@ -67,3 +67,15 @@ def test_validation():
         gdp.mu_poisson(0.1, 0.0, 10)
     with pytest.raises(ValueError, match="mu"):
         gdp.delta_from_mu(1.0, -1.0)
+
+
+def test_mu_squared_adds_the_steps_mu_in_squares():
+    # Eq. (3.1) per group of steps, squared and summed; q = 1 is the exact Gaussian composition
+    assert gdp.mu_squared([0.01], [1.1], [500]) == pytest.approx(
+        gdp.mu_poisson(0.01, 1.1, 500) ** 2, rel=1e-12)
+    both = gdp.mu_squared([0.01, 0.02], [1.1, 0.9], [500, 30])
+    assert both == pytest.approx(gdp.mu_poisson(0.01, 1.1, 500) ** 2
+                                 + gdp.mu_poisson(0.02, 0.9, 30) ** 2, rel=1e-12)
+    assert gdp.mu_squared([1.0], [2.0], [8]) == pytest.approx(8 / 4.0)
+    assert gdp.mu_squared([0.01, 1.0], [1.0, 0.0], [1, 1]) == math.inf
+    assert gdp.mu_squared([], [], []) == 0.0

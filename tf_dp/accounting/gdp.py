@@ -34,10 +34,12 @@ Example (an approximation, not a certified bound):
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 from scipy import optimize, special
 
-__all__ = ["mu_poisson", "mu_uniform", "delta_from_mu", "epsilon_from_mu", "reduced_noise"]
+__all__ = ["mu_poisson", "mu_uniform", "mu_squared", "delta_from_mu", "epsilon_from_mu",
+           "reduced_noise"]
 
 
 def _check(q, noise_multiplier, steps):
@@ -53,6 +55,30 @@ def mu_poisson(q: float, noise_multiplier: float, steps: float) -> float:
     """CLT ``mu`` for ``steps`` Poisson-subsampled Gaussian steps (Bu et al. 2019, Eq. (3.1))."""
     _check(q, noise_multiplier, steps)
     return q * math.sqrt(steps * math.expm1(noise_multiplier**-2))
+
+
+def mu_squared(q: Sequence[float], noise_multipliers: Sequence[float],
+               counts: Sequence[float]) -> float:
+    """``mu^2`` of a composition of Poisson-subsampled Gaussian steps: ``counts[i]`` steps of
+    rate ``q[i]`` and noise ``noise_multipliers[i]`` add ``counts[i] q[i]^2 (e^(1/sigma^2) - 1)``
+    each (Eq. (3.1) squared; ``mu`` adds in squares under composition), and steps with
+    ``q = 1`` add ``counts[i] / sigma^2`` (Gaussians compose exactly); a step with noise 0 makes
+    it infinite. ``sqrt`` of it is the ``mu`` that the ``gdp`` accountant reports for a ledger,
+    and a sum of such values is the ``mu^2`` of the steps together.
+
+    Example::
+
+        mu_squared([0.01, 0.01], [1.0, 1.2], [500, 500]) ** 0.5   # mu of the 1000 steps
+    """
+    total = 0.0
+    for rate, z, count in zip(q, noise_multipliers, counts):
+        if not z > 0:
+            return math.inf
+        if rate >= 1.0:
+            total += count / (z * z)
+        else:
+            total += count * rate * rate * math.expm1(min(z**-2, 700.0))
+    return total
 
 
 def mu_uniform(q: float, noise_multiplier: float, steps: float) -> float:

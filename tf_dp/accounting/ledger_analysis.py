@@ -381,13 +381,8 @@ def _refuse_jl(units: list[_Unit], accountant: str) -> None:
 
 
 def _gdp_mu(units: list[_Unit]) -> float:
-    total = 0.0
-    for u in units:
-        if u.q >= 1.0:
-            total += u.count / (u.z * u.z)  # exact: composition of Gaussians is Gaussian
-        else:
-            total += u.count * u.q * u.q * math.expm1(min(u.z**-2, 700.0))
-    return math.sqrt(total)
+    return math.sqrt(_gdp.mu_squared([u.q for u in units], [u.z for u in units],
+                                     [u.count for u in units]))
 
 
 def _seeded(result: PrivacyResult, runs: Sequence[tuple[SampleEntry, int]]) -> PrivacyResult:

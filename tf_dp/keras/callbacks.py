@@ -171,10 +171,17 @@ def _steps_differ_since(runs: Sequence[tuple[SampleEntry, int]], start: int, kin
 
 
 class _ComposedCurve:
-    """The composition of a ledger's steps (:class:`tf_dp.accounting.rdp.ComposedRdp`), brought
-    up to date from the steps recorded since the last update only (``ledger.runs_from``), so a
-    check of "the ledger plus the next steps" costs O(new and upcoming runs), whatever the run
-    length.
+    """The composition of a ledger's steps, brought up to date from the steps recorded since
+    the last update only (``ledger.runs_from``), so a check of "the ledger plus the next steps"
+    costs O(new and upcoming runs), whatever the run length. What is kept depends on the
+    accountant:
+
+    - ``rdp``/``moments``: the RDP curve (:class:`tf_dp.accounting.rdp.ComposedRdp`).
+    - ``gdp``: the sum of the steps' ``mu^2`` (:func:`tf_dp.accounting.gdp.mu_squared`); the
+      accountant's epsilon is a function of it.
+    - ``pld``: the RDP curve, as a fast *sufficient* check: when the RDP epsilon (a certified
+      upper bound too) is within the budget, the steps fit; otherwise :meth:`epsilon_with`
+      returns None and the caller asks the PLD accountant about the whole ledger.
 
     It covers runs that compose independently: Poisson-sampled steps without tree or JL queries.
     Shuffle epochs and tree windows span runs; for those :meth:`epsilon_with` returns None and
@@ -182,7 +189,9 @@ class _ComposedCurve:
 
     def __init__(self, delta: float, accountant: str):
         self.delta = delta
-        self.conversion = accountant if accountant in ("rdp", "moments") else None
+        self.accountant = accountant
+        self.conversion = (accountant if accountant in ("rdp", "moments")
+                           else "rdp" if accountant == "pld" else None)
         self.reset()
 
     def reset(self) -> None:
@@ -190,8 +199,9 @@ class _ComposedCurve:
 
         self.steps = 0
         self.unseen: list[tuple[int, list]] = []  # (first step, runs) read by update, not taken
-        self.composable = self.conversion is not None
-        if self.composable:
+        self.composable = self.conversion is not None or self.accountant == "gdp"
+        self.mu_squared = 0.0  # gdp
+        if self.conversion is not None:
             self.rdp = ComposedRdp(self.delta, conversion=self.conversion)
 
     @staticmethod
@@ -234,6 +244,10 @@ class _ComposedCurve:
             added = self.units_of(runs)
             if added is None:
                 self.composable = False
+            elif self.conversion is None:
+                from tf_dp.accounting.gdp import mu_squared
+
+                self.mu_squared += mu_squared(*added)
             else:
                 self.rdp.add(*added)
         self.steps = n
@@ -241,7 +255,7 @@ class _ComposedCurve:
     def prefetch(self, entries: Sequence[SampleEntry]) -> None:
         """Evaluates the RDP of steps predicted to run (a schedule's next steps) in one call;
         they are looked up by value when asked about or added."""
-        if not (self.composable and entries):
+        if not (self.composable and entries) or self.conversion is None:
             return
         units = self.units_of([(e, 1) for e in entries])
         if units is not None:
@@ -273,8 +287,17 @@ class _ComposedCurve:
             return None
         # padded for round-off: the curve is summed in another order than the full accountant's
         pad = 1.0 + 1e-9
+        if self.conversion is None:  # gdp
+            from tf_dp.accounting.gdp import epsilon_from_mu, mu_squared
+
+            return epsilon_from_mu(self.delta, math.sqrt(self.mu_squared + mu_squared(*added))) * pad
+        if self.accountant == "pld" and at_most is None:
+            return None
         stop = None if at_most is None else at_most / (pad * (1.0 + 1e-12))
-        return self.rdp.epsilon(*added, at_most=stop) * pad
+        eps = self.rdp.epsilon(*added, at_most=stop) * pad
+        if self.accountant == "pld" and eps > at_most:
+            return None  # the RDP bound is not enough: the PLD of the whole ledger decides
+        return eps
 
 
 class BudgetExhaustedError(RuntimeError):
@@ -297,7 +320,10 @@ class PrivacyBudget(keras.callbacks.Callback):
     ledger holds all previous steps).
 
     Cost: with the ``rdp`` or ``moments`` accountant and Poisson sampling, the callback keeps the
-    composition of the ledger's steps (:class:`tf_dp.accounting.rdp.ComposedRdp`) and adds only
+    composition of the ledger's steps (:class:`tf_dp.accounting.rdp.ComposedRdp`; with ``gdp``
+    the sum of their ``mu^2``; with ``pld`` the RDP composition, whose epsilon, a certified
+    bound too, decides while it is within the budget, the PLD of the whole ledger deciding
+    past that point) and adds only
     the steps recorded since its last check (``ledger.runs_from``); composing the ledger's
     earlier steps happens once per ``fit``, in time proportional to their distinct runs. The
     number of further steps of one kind that the budget allows is computed once (a search over
@@ -311,7 +337,10 @@ class PrivacyBudget(keras.callbacks.Callback):
     numpy) and their RDP evaluated in one call
     (:meth:`tf_dp.accounting.rdp.ComposedRdp.prefetch`); every batch checks the kept
     composition plus the next call's predicted steps, so training goes on exactly until the
-    budget is spent. The window is predicted again when a sampling is declared, a pass starts,
+    budget is spent. Where the kept composition cannot decide (``pld`` past the RDP bound,
+    shuffle, tree or JL steps), the whole ledger plus the predicted window is searched for how
+    many of its steps fit, and checked again only when a step is recorded otherwise than
+    predicted. The window is predicted again when a sampling is declared, a pass starts,
     the mechanism is set, or a step is recorded with another entry than predicted (a restored
     ledger). A check stops its order search at the first order within the budget (the same
     decision as the optimum), so far from the budget the first check of a ``fit`` evaluates the
@@ -371,6 +400,9 @@ class PrivacyBudget(keras.callbacks.Callback):
         self._plan_kind: Optional[SampleEntry] = None
         self._plan_base = 0  # ledger.num_samples when the plan was made
         self._plan_headroom = 0  # further steps of _plan_kind the budget allows
+        # (ledger steps, optimizer step, entries): the ledger as it was plus these entries, from
+        # that optimizer step on, were checked to fit (_verify_window)
+        self._verified: tuple[int, int, list] = (0, 0, [])
 
     def _epsilon(self, entries: Sequence[Any]) -> float:
         return compute_epsilon(entries, self.delta, self.accountant)[0]
@@ -414,7 +446,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         while hi <= cap and fits(hi):
             lo, hi = hi, hi * 2
         if hi > cap:
-            if fits(cap):
+            if lo == cap or fits(cap):
                 return cap
             hi = cap
         while hi - lo > 1:  # fits(lo) and not fits(hi)
@@ -450,15 +482,44 @@ class PrivacyBudget(keras.callbacks.Callback):
         if upcoming is None:
             return None
         ledger = optimizer.ledger
-        # The compiled step may round a schedule's float32 arithmetic one ulp (relative 6e-8)
-        # away from the prediction: the check keeps a relative margin well above that.
-        # _predicted brought the composition up to date: no second read of the ledger.
-        fits = self._fits(ledger, [(e, 1) for e in upcoming], margin=SCHEDULE_MARGIN,
-                          update=False)
+        step = int(optimizer.iterations.numpy())
+        base, first, verified = self._verified
+        done = step - first
+        if (verified and 0 <= done and done + needed <= len(verified)
+                and self._composed.steps == base + done
+                and upcoming == verified[done:done + needed]):
+            fits = True  # checked, with these entries, by an earlier _verify_window
+        else:
+            # The compiled step may round a schedule's float32 arithmetic one ulp (relative
+            # 6e-8) away from the prediction: the check keeps a relative margin well above that.
+            # _predicted brought the composition up to date: no second read of the ledger.
+            target = self.target_epsilon * (1.0 - SCHEDULE_MARGIN)
+            eps = self._composed.epsilon_with(ledger, [(e, 1) for e in upcoming],
+                                              at_most=target, update=False)
+            fits = eps <= target if eps is not None else self._verify_window(
+                ledger, step, needed, target)
         self._plan_kind = upcoming[0]
         self._plan_base = self._composed.steps
         self._plan_headroom = needed if fits else 0
         return fits
+
+    def _verify_window(self, ledger, step: int, needed: int, target: float) -> bool:
+        """Whether the next ``needed`` predicted steps fit, by the accountant on the whole
+        ledger (the kept composition could not decide). The largest ``m`` such that the ledger
+        plus the window's first ``m`` predicted steps fits is searched (about ``2 log2(m)``
+        accountant calls) and remembered: later batches of the same window, while its
+        predictions hold, need no call."""
+        window = self._ahead
+        ahead = [window[s] for s in range(step, self._ahead_step + len(window))]
+        runs = ledger.runs()
+
+        def fits(m: int) -> bool:
+            return self._epsilon([*runs, *((e, 1) for e in ahead[:m])]) <= target
+
+        m = self._search(fits, len(ahead)) if len(ahead) >= needed else 0
+        # the ledger's steps then, the optimizer step, the entries that fit after them
+        self._verified = (self._composed.steps, step, ahead[:m])
+        return m >= needed
 
     def _predicted(self, optimizer, needed: int) -> Optional[list[SampleEntry]]:
         """The entries of the next ``needed`` steps, from the window of ``LOOK_AHEAD`` steps
@@ -470,11 +531,16 @@ class PrivacyBudget(keras.callbacks.Callback):
         steps cannot be predicted."""
         self._composed.update(optimizer.ledger)
         lo, hi = self._ahead_base, self._ahead_base + len(self._ahead)  # ledger steps covered
+        v_lo, _, verified = self._verified
+        v_hi = v_lo + len(verified)
         for first, runs in self._composed.take_unseen():
             for entry, count in runs:  # the steps recorded since: as predicted?
                 for j in range(max(first, lo), min(first + count, hi)):
                     if self._ahead[self._ahead_step + j - self._ahead_base] != entry:
                         self._ahead_key = None
+                for j in range(max(first, v_lo), min(first + count, v_hi)):
+                    if verified[j - v_lo] != entry:  # not as checked: check again
+                        self._verified = (0, 0, [])
                 first += count
         step = int(optimizer.iterations.numpy())
         engine = optimizer.engine
