@@ -506,9 +506,9 @@ class PrivacyBudget(keras.callbacks.Callback):
     def _verify_window(self, ledger, step: int, needed: int, target: float) -> bool:
         """Whether the next ``needed`` predicted steps fit, by the accountant on the whole
         ledger (the kept composition could not decide). The largest ``m`` such that the ledger
-        plus the window's first ``m`` predicted steps fits is searched (about ``2 log2(m)``
-        accountant calls) and remembered: later batches of the same window, while its
-        predictions hold, need no call."""
+        plus the window's first ``m`` predicted steps fits is found (one accountant call when
+        the whole window fits, else a search of about ``2 log2(m)`` calls) and remembered:
+        later batches, while the steps are recorded and predicted as checked, need no call."""
         window = self._ahead
         ahead = [window[s] for s in range(step, self._ahead_step + len(window))]
         runs = ledger.runs()
@@ -516,7 +516,12 @@ class PrivacyBudget(keras.callbacks.Callback):
         def fits(m: int) -> bool:
             return self._epsilon([*runs, *((e, 1) for e in ahead[:m])]) <= target
 
-        m = self._search(fits, len(ahead)) if len(ahead) >= needed else 0
+        if len(ahead) < needed:
+            m = 0
+        elif fits(len(ahead)):  # usually the whole window fits: one accountant call
+            m = len(ahead)
+        else:
+            m = self._search(fits, len(ahead) - 1)
         # the ledger's steps then, the optimizer step, the entries that fit after them
         self._verified = (self._composed.steps, step, ahead[:m])
         return m >= needed
