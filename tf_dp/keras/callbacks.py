@@ -300,6 +300,43 @@ class _ComposedCurve:
         return eps
 
 
+#: Relative rise of each predicted step's sensitivity when :class:`PrivacyBudget` checks a window
+#: of predicted steps with the whole-ledger accountant: a step then recorded (or predicted
+#: again) a few float32 ulps away from the prediction is still covered by the check.
+_CHECK_SLACK = 2.0**-21
+
+
+def _pessimistic(entry: SampleEntry) -> SampleEntry:
+    """``entry`` with the sensitivity of each plain Gaussian query raised by ``_CHECK_SLACK``
+    (a less private step: it dominates every step it covers, see :func:`_covered`)."""
+    try:
+        return dataclasses.replace(entry, queries=tuple(
+            dataclasses.replace(q, l2_sensitivity=q.l2_sensitivity * (1.0 + _CHECK_SLACK))
+            if q.mechanism == "gaussian" and q.noise_grid is None else q
+            for q in entry.queries))
+    except ValueError:  # past the largest sensitivity-to-noise ratio: check as predicted
+        return entry
+
+
+def _covered(entry: SampleEntry, checked: SampleEntry) -> bool:
+    """Whether ``entry`` costs no more privacy than ``checked``: equal, or equal but for plain
+    Gaussian queries with a noise multiplier (stddev / sensitivity) at least ``checked``'s."""
+    if entry == checked:
+        return True
+    if entry.sampling != checked.sampling or len(entry.queries) != len(checked.queries):
+        return False
+    for q, c in zip(entry.queries, checked.queries):
+        if q == c:
+            continue
+        plain = q.mechanism == c.mechanism == "gaussian" and q.noise_grid is c.noise_grid is None
+        if not plain or dataclasses.replace(q, l2_sensitivity=c.l2_sensitivity,
+                                            noise_stddev=c.noise_stddev) != c:
+            return False
+        if not q.noise_stddev * c.l2_sensitivity >= c.noise_stddev * q.l2_sensitivity:
+            return False
+    return True
+
+
 class BudgetExhaustedError(RuntimeError):
     """Raised by :class:`PrivacyBudget` when ``fit`` starts with no budget left for one step."""
 
@@ -339,8 +376,8 @@ class PrivacyBudget(keras.callbacks.Callback):
     composition plus the next call's predicted steps, so training goes on exactly until the
     budget is spent. Where the kept composition cannot decide (``pld`` past the RDP bound,
     shuffle, tree or JL steps), the whole ledger plus the predicted window is searched for how
-    many of its steps fit, and checked again only when a step is recorded otherwise than
-    predicted. The window is predicted again when a sampling is declared, a pass starts,
+    many of its steps fit (each checked with its sensitivity raised by ``2^-21``), and checked
+    again only when a step is recorded or predicted costlier than that. The window is predicted again when a sampling is declared, a pass starts,
     the mechanism is set, or a step is recorded with another entry than predicted (a restored
     ledger). A check stops its order search at the first order within the budget (the same
     decision as the optimum), so far from the budget the first check of a ``fit`` evaluates the
@@ -487,8 +524,8 @@ class PrivacyBudget(keras.callbacks.Callback):
         done = step - first
         if (verified and 0 <= done and done + needed <= len(verified)
                 and self._composed.steps == base + done
-                and upcoming == verified[done:done + needed]):
-            fits = True  # checked, with these entries, by an earlier _verify_window
+                and all(map(_covered, upcoming, verified[done:done + needed]))):
+            fits = True  # checked (or steps costing more checked) by an earlier _verify_window
         else:
             # The compiled step may round a schedule's float32 arithmetic one ulp (relative
             # 6e-8) away from the prediction: the check keeps a relative margin well above that.
@@ -508,9 +545,12 @@ class PrivacyBudget(keras.callbacks.Callback):
         ledger (the kept composition could not decide). The largest ``m`` such that the ledger
         plus the window's first ``m`` predicted steps fits is found (one accountant call when
         the whole window fits, else a search of about ``2 log2(m)`` calls) and remembered:
-        later batches, while the steps are recorded and predicted as checked, need no call."""
+        later batches, while the steps are recorded and predicted as checked or cheaper, need
+        no call."""
         window = self._ahead
-        ahead = [window[s] for s in range(step, self._ahead_step + len(window))]
+        # each step checked a hair less private than predicted (_CHECK_SLACK), so that a step
+        # recorded or predicted again one float32 ulp away stays covered (_covered)
+        ahead = [_pessimistic(window[s]) for s in range(step, self._ahead_step + len(window))]
         runs = ledger.runs()
 
         def fits(m: int) -> bool:
@@ -544,7 +584,7 @@ class PrivacyBudget(keras.callbacks.Callback):
                     if self._ahead[self._ahead_step + j - self._ahead_base] != entry:
                         self._ahead_key = None
                 for j in range(max(first, v_lo), min(first + count, v_hi)):
-                    if verified[j - v_lo] != entry:  # not as checked: check again
+                    if not _covered(entry, verified[j - v_lo]):  # costlier: check again
                         self._verified = (0, 0, [])
                 first += count
         step = int(optimizer.iterations.numpy())
