@@ -286,12 +286,11 @@ def test_a_gdp_or_pld_schedule_budget_stops_where_that_accountant_says(accountan
     if accountant == "gdp":
         assert calls == []
     else:
-        # once the RDP bound is over the target, each window of 64 predicted steps is checked
-        # with one call while it fits whole (steps recorded a float32 ulp off the prediction
-        # stay covered), and the last one searched (at most 2 log2(64) + 1 more calls); the
-        # old code made one call per batch, more than `new`
-        windows = -(-new // dpcb.PrivacyBudget.LOOK_AHEAD) + 1
-        assert len(calls) <= windows + 2 * 6 + 1 < new / 5
+        # once the RDP bound is over the target, the next 1024 predicted steps are checked at
+        # once: one call if they all fit, else a search (at most 2 log2(1024) + 1 calls), and
+        # not again while the steps are recorded as checked (a float32 ulp off the prediction
+        # stays covered) until the last one that fits; the old code made one call per batch
+        assert len(calls) <= 2 * (2 * 10 + 1) < new
 
 
 @pytest.mark.parametrize("accountant", ["gdp", "pld"])

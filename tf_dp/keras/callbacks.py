@@ -403,6 +403,7 @@ class PrivacyBudget(keras.callbacks.Callback):
     """
 
     LOOK_AHEAD = 64  # scheduled steps whose RDP is evaluated together
+    VERIFY_AHEAD = 1024  # scheduled steps checked at once by the whole-ledger accountant
 
     def __init__(
         self,
@@ -534,24 +535,29 @@ class PrivacyBudget(keras.callbacks.Callback):
             eps = self._composed.epsilon_with(ledger, [(e, 1) for e in upcoming],
                                               at_most=target, update=False)
             fits = eps <= target if eps is not None else self._verify_window(
-                ledger, step, needed, target)
+                optimizer, step, needed, target)
         self._plan_kind = upcoming[0]
         self._plan_base = self._composed.steps
         self._plan_headroom = needed if fits else 0
         return fits
 
-    def _verify_window(self, ledger, step: int, needed: int, target: float) -> bool:
+    def _verify_window(self, optimizer, step: int, needed: int, target: float) -> bool:
         """Whether the next ``needed`` predicted steps fit, by the accountant on the whole
-        ledger (the kept composition could not decide). The largest ``m`` such that the ledger
-        plus the window's first ``m`` predicted steps fits is found (one accountant call when
-        the whole window fits, else a search of about ``2 log2(m)`` calls) and remembered:
-        later batches, while the steps are recorded and predicted as checked or cheaper, need
-        no call."""
+        ledger (the kept composition could not decide). The next ``VERIFY_AHEAD`` steps are
+        predicted, and the largest ``m`` such that the ledger plus the first ``m`` of them
+        fits is found (one accountant call when they all fit, else a search of about
+        ``2 log2(m)`` calls) and remembered: later batches, while the steps are recorded and
+        predicted as checked or cheaper, need no call."""
         window = self._ahead
+        ahead = [window[s] for s in range(step, self._ahead_step + len(window))]
+        try:  # further ahead than the window: one call covers more steps
+            ahead = optimizer.next_sample_entries(max(self.VERIFY_AHEAD, len(ahead)))
+        except Exception as e:  # noqa: BLE001 -- e.g. past a schedule's end: the window's
+            _logger.debug("tf_dp: cannot predict the next %d steps: %s", self.VERIFY_AHEAD, e)
         # each step checked a hair less private than predicted (_CHECK_SLACK), so that a step
         # recorded or predicted again one float32 ulp away stays covered (_covered)
-        ahead = [_pessimistic(window[s]) for s in range(step, self._ahead_step + len(window))]
-        runs = ledger.runs()
+        ahead = [_pessimistic(e) for e in ahead]
+        runs = optimizer.ledger.runs()
 
         def fits(m: int) -> bool:
             return self._epsilon([*runs, *((e, 1) for e in ahead[:m])]) <= target
