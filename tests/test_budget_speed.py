@@ -339,3 +339,20 @@ def test_a_checked_window_covers_steps_that_cost_no_more_privacy():
         assert dpcb._pessimistic(entry) == entry and dpcb._covered(entry, entry)
         assert not dpcb._covered(
             SampleEntry(sampling, (dataclasses.replace(query, noise_stddev=1.3),)), entry)
+
+
+def test_the_composed_curve_reads_new_steps_also_when_it_cannot_compose_them():
+    # Shuffle steps do not compose step by step, but the budget still compares the steps
+    # recorded since a whole-ledger check with the ones it checked: update must hand them over.
+    ledger = tf_dp.PrivacyLedger()
+    shuffled = SampleEntry(SamplingEvent(N, Q, policy="shuffle"), (SumQueryEvent(1.0, 1.2),))
+    ledger.restore_runs([(shuffled, 3)])
+    curve = dpcb._ComposedCurve(1e-5, "pld")
+    curve.update(ledger)
+    assert not curve.composable and curve.take_unseen() == [(0, [(shuffled, 3)])]
+    other = SampleEntry(SamplingEvent(N, Q, policy="shuffle"), (SumQueryEvent(1.0, 0.9),))
+    ledger.restore_runs([(shuffled, 3), (other, 2)])
+    curve.update(ledger)
+    assert curve.steps == 5 and curve.take_unseen() == [(3, [(other, 2)])]
+    curve.update(ledger)  # nothing new
+    assert curve.take_unseen() == []

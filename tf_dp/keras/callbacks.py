@@ -222,15 +222,12 @@ class _ComposedCurve:
     def update(self, ledger) -> None:
         """Adds the steps recorded since the last update (starts over if the ledger shrank).
         One read of the new steps (``runs_from``: usually one small ``tf.function`` call)."""
-        if not self.composable:  # only the step count is kept
+        if not self.composable:  # no composition kept: the new steps are read for `unseen`
             n = ledger.num_samples
-            if n >= self.steps:
-                self.steps = n
+            if n == self.steps:
                 return
-            self.reset()
-            if not self.composable:
-                self.steps = n
-                return
+            if n < self.steps:
+                self.reset()
         try:
             runs = ledger.runs_from(self.steps)
         except ValueError:
@@ -239,8 +236,9 @@ class _ComposedCurve:
             self.reset()
             runs = ledger.runs_from(0)
         n = self.steps + sum(count for _, count in runs)
-        if n > self.steps and self.composable:
+        if n > self.steps:
             self.unseen.append((self.steps, runs))
+        if n > self.steps and self.composable:
             added = self.units_of(runs)
             if added is None:
                 self.composable = False
@@ -354,7 +352,9 @@ class PrivacyBudget(keras.callbacks.Callback):
     sampling, clip and noise) would take the ledger's epsilon at ``delta`` above
     ``target_epsilon``; if so, set ``model.stop_training`` so that step never runs. Epsilon after
     training is therefore ``<= target_epsilon`` (also across ``fit`` calls and resumed runs: the
-    ledger holds all previous steps).
+    ledger holds all previous steps). With ``accountant="pld"`` a step may also run because the
+    RDP epsilon, a certified bound too, is within the budget; the PLD's epsilon is then lower
+    in every case we know of (RDP's conversion loses more than the PLD's discretisation).
 
     Cost: with the ``rdp`` or ``moments`` accountant and Poisson sampling, the callback keeps the
     composition of the ledger's steps (:class:`tf_dp.accounting.rdp.ComposedRdp`; with ``gdp``
@@ -441,6 +441,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         # (ledger steps, optimizer step, entries): the ledger as it was plus these entries, from
         # that optimizer step on, were checked to fit (_verify_window)
         self._verified: tuple[int, int, list] = (0, 0, [])
+        self._step_now = 0  # the optimizer step at the last _predicted call
 
     def _epsilon(self, entries: Sequence[Any]) -> float:
         return compute_epsilon(entries, self.delta, self.accountant)[0]
@@ -520,7 +521,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         if upcoming is None:
             return None
         ledger = optimizer.ledger
-        step = int(optimizer.iterations.numpy())
+        step = self._step_now  # read by _predicted
         base, first, verified = self._verified
         done = step - first
         if (verified and 0 <= done and done + needed <= len(verified)
@@ -548,12 +549,12 @@ class PrivacyBudget(keras.callbacks.Callback):
         fits is found (one accountant call when they all fit, else a search of about
         ``2 log2(m)`` calls) and remembered: later batches, while the steps are recorded and
         predicted as checked or cheaper, need no call."""
-        window = self._ahead
-        ahead = [window[s] for s in range(step, self._ahead_step + len(window))]
         try:  # further ahead than the window: one call covers more steps
-            ahead = optimizer.next_sample_entries(max(self.VERIFY_AHEAD, len(ahead)))
+            ahead = optimizer.next_sample_entries(self.VERIFY_AHEAD)
         except Exception as e:  # noqa: BLE001 -- e.g. past a schedule's end: the window's
             _logger.debug("tf_dp: cannot predict the next %d steps: %s", self.VERIFY_AHEAD, e)
+            window = self._ahead
+            ahead = [window[s] for s in range(step, self._ahead_step + len(window))]
         # each step checked a hair less private than predicted (_CHECK_SLACK), so that a step
         # recorded or predicted again one float32 ulp away stays covered (_covered)
         ahead = [_pessimistic(e) for e in ahead]
@@ -593,7 +594,7 @@ class PrivacyBudget(keras.callbacks.Callback):
                     if not _covered(entry, verified[j - v_lo]):  # costlier: check again
                         self._verified = (0, 0, [])
                 first += count
-        step = int(optimizer.iterations.numpy())
+        step = self._step_now = int(optimizer.iterations.numpy())
         engine = optimizer.engine
         key = (engine.recorder.settings_version, id(engine.clipper), self._composed.steps == 0)
         window = self._ahead
