@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--dpa-steps", type=int, default=100)
     ap.add_argument("--budget", action="store_true")
     ap.add_argument("--near", action="store_true",
-                    help="--budget with a target just above the prefix's epsilon")
+                    help="--budget with the target the epsilon of the prefix plus 350 steps")
     a = ap.parse_args()
     if a.ledger:
         return ledger_scale(a.delta, a.accountants.split(","), a.cyclic)
