@@ -122,3 +122,36 @@ def test_declaring_poisson_for_shuffled_batches_understates_epsilon():
     acc.compose(dp_accounting.GaussianDpEvent(z / 2), epochs)
     assert real.epsilon == pytest.approx(acc.get_epsilon(delta), rel=0.02)
     assert round(real.epsilon, 1) == 26.5
+
+
+@pytest.mark.parametrize("records", [21, 25, 40])
+def test_a_pass_longer_than_population_size_raises_before_its_last_batch(records):
+    # population_size a multiple of batch_size: the last batch of the declared pass is full, so
+    # the excess records are only seen by reading past it.
+    n, b = 20, 5
+    sp = shuffled_passes(_dataset(records), population_size=n, batch_size=b)
+    iterator = iter(sp.dataset)
+    delivered = 0
+    with pytest.raises(tf.errors.OpError, match="population_size=20: .* more than 20 records"):
+        for _ in range(sp.steps_per_epoch):
+            next(iterator)
+            delivered += 1
+    assert delivered == n // b - 1  # the pass's last batch was never handed over
+
+
+def test_fit_on_a_pass_longer_than_population_size_stops_before_the_passs_last_step():
+    n, b, records = 20, 5, 21  # one record more than declared
+    keras.utils.set_random_seed(0)
+    model = tf_dp.keras.make_private(keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)]))
+    model.compile(
+        optimizer=tf_dp.keras.DPKerasSGDOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    ds = _dataset(records).map(lambda x, y: (x / records, y % 3))
+    assert sum(1 for _ in ds) == records  # counted by tf.data itself
+    with pytest.raises(tf.errors.OpError, match="population_size=20"):
+        model.fit(shuffled_passes(ds, n, b), epochs=2, verbose=0)
+    # the steps before the last batch of the first pass ran and were recorded; no more
+    assert int(model.optimizer.iterations.numpy()) == n // b - 1
+    assert model.optimizer.ledger.num_samples == n // b - 1

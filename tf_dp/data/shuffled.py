@@ -9,7 +9,8 @@ the I/O of one pass per step (1000 passes per expected epoch at ``q = 1e-3``). W
 
 :func:`shuffled_passes` is the supported path for such a pipeline: it batches one pass of the
 data set into fixed-size batches per epoch (the last holding the ``n mod b`` left over), checks
-that every pass holds exactly ``population_size`` records, and tells ``fit`` that the batches are
+that every pass holds exactly ``population_size`` records (reading one batch ahead, so that a
+pass with records left after its last batch raises before that batch is trained), and tells ``fit`` that the batches are
 ``shuffle`` batches: the ledger then gets the accounting that assumes no amplification by
 subsampling (each record once per pass; ``docs/accounting.md``, "Sampling shuffle"). That bound
 holds whatever the order of the records, so shuffling (``shuffle_buffer_size``) helps training,
@@ -47,7 +48,9 @@ class ShuffledPasses:
     Attributes:
       dataset: a ``tf.data.Dataset`` of ``(x, y, sample_weight)`` batches, ``steps_per_epoch``
         per pass; iterating it raises ``InvalidArgumentError`` naming ``population_size`` when a
-        pass holds more or fewer records.
+        pass holds more or fewer records, before the pass's last batch is handed over (each
+        batch is handed over once the element after it, the next batch or the end of the pass,
+        has been read), so ``fit`` never trains a pass of another size to its end.
       tf_dp_sampling: ``(n, b / n)``.
       steps_per_epoch: ``ceil(n / b)``.
       max_batch_size: ``b``.
@@ -122,40 +125,62 @@ def shuffled_passes(
     batched = dataset.map(with_weight).batch(b)
     # An empty end-of-pass marker after the last batch, so a pass that ends early is caught too.
     empty = tf.nest.map_structure(
-        lambda s: tf.zeros([0] + [d or 0 for d in s.shape[1:]], s.dtype), batched.element_spec
+        lambda s: tf.zeros([0] + [d or 0 for d in s.shape[1:]], s.dtype),
+        batched.element_spec,
     )
     marked = batched.map(lambda *t: (False, t)).concatenate(
         tf.data.Dataset.from_tensors((True, empty))
     )
 
-    def count(total, element):
+    def delay(state, element):
+        """Hands a batch over once the element after it has been read (the next batch or the
+        end marker): the last batch of a pass is checked against what follows it."""
+        total, have, previous = state
         end, batch = element
         seen = total + tf.cast(tf.shape(batch[2])[0], tf.int64)
-        return seen, (end, seen, batch)
+        return (seen, tf.constant(True), batch), (have, previous, total, end)
 
     def check(position, state):
-        end, seen, batch = state
+        _, batch, seen, next_is_end = state
         last = tf.equal(position, steps - 1)
-        ok = tf.logical_and(
-            seen <= n, tf.logical_or(tf.logical_not(tf.logical_or(last, end)), tf.equal(seen, n))
+        more = tf.logical_or(seen > n, tf.logical_and(last, tf.logical_not(next_is_end)))
+        fewer = tf.logical_or(
+            tf.logical_and(next_is_end, position < steps - 1),
+            tf.logical_and(last, seen < n),
         )
-        ok = tf.logical_and(ok, tf.logical_not(tf.logical_and(end, position < steps)))
-        message = (
-            f"population_size={n}: a pass of the dataset holds another number of records "
-            "(records seen so far in this pass:)"
-        )
-        with tf.control_dependencies([tf.debugging.Assert(ok, [message, seen])]):
-            return tf.identity(end), tf.nest.map_structure(tf.identity, batch)
+        checks = [
+            tf.debugging.Assert(
+                tf.logical_not(more),
+                [
+                    f"population_size={n}: a pass of the dataset holds more than {n} records "
+                    f"(batch_size={b}, {steps} batches per pass); records read in this pass:",
+                    seen,
+                ],
+            ),
+            tf.debugging.Assert(
+                tf.logical_not(fewer),
+                [
+                    f"population_size={n}: a pass of the dataset holds fewer than {n} records; "
+                    "it ended after (records):",
+                    seen,
+                ],
+            ),
+        ]
+        with tf.control_dependencies(checks):
+            return tf.nest.map_structure(tf.identity, batch)
 
+    initial = (tf.constant(0, tf.int64), tf.constant(False), empty)
     batched = (
-        marked.scan(tf.constant(0, tf.int64), count)
+        marked.scan(initial, delay)
+        .filter(lambda have, batch, seen, next_is_end: have)
         .enumerate()
         .map(check)
-        .filter(lambda end, batch: tf.logical_not(end))
-        .map(lambda end, batch: batch)
         .apply(tf.data.experimental.assert_cardinality(steps))
         .prefetch(2)
     )
     return ShuffledPasses(
-        dataset=batched, tf_dp_sampling=(n, b / n), steps_per_epoch=steps, max_batch_size=b
+        dataset=batched,
+        tf_dp_sampling=(n, b / n),
+        steps_per_epoch=steps,
+        max_batch_size=b,
     )
