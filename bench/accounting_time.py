@@ -22,7 +22,8 @@ accountants on the first ``--dpa-steps`` of the same events (dp_accounting costs
 the callback's whole work) per step of a small Keras model with a ``DecreasingClip`` schedule
 (every step distinct, the look-ahead checks "ledger + next step" at every batch) and with a fixed
 clip, after ledger prefixes of 0, 1e4, 1e5 and 1e6 steps, with the first of ``--accountants``
-(``--budget --accountants pld``; default ``rdp``), far from the budget (target 1e9); with
+(``--budget --accountants pld``; default ``rdp``; ``gdp`` is refused: a budget on these
+Poisson-subsampled steps needs a certified accountant), far from the budget (target 1e9); with
 ``--near``, the target is the epsilon of the prefix plus 350 steps like the ones that run, so
 the budget stops training after about 350 of the 400 steps, and the figures are per step that
 ran.
@@ -64,8 +65,12 @@ def main() -> None:
     if a.distinct:
         return distinct_steps(a.distinct, a.dpa_steps, a.delta)
     if a.budget:
-        return budget_overhead(a.delta, a.accountants.split(",")[0] if a.accountants else "rdp",
-                               a.near)
+        accountant = a.accountants.split(",")[0] if a.accountants else "rdp"
+        if accountant == "gdp":
+            ap.error("--budget: PrivacyBudget refuses accountant 'gdp' on Poisson-subsampled "
+                     "steps (the CLT epsilon is not a certified bound); --accountants must start "
+                     "with rdp, moments or pld")
+        return budget_overhead(a.delta, accountant, a.near)
     n = 1_000_000
     batch = int(round(a.q * n))
     print(f"{a.steps} Poisson-subsampled Gaussian steps, q={batch / n}, sigma={a.sigma}, "

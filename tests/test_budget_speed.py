@@ -262,23 +262,26 @@ def _counting_whole_ledger_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("accountant", ["gdp", "pld"])
-def test_a_gdp_or_pld_schedule_budget_stops_where_that_accountant_says(accountant, monkeypatch):
+# A gdp budget takes steps without subsampling only (there gdp is exact; subsampled steps are
+# refused, tests/test_callbacks.py): its runs here are full-batch Poisson steps (q = 1).
+@pytest.mark.parametrize("accountant, q, noise", [("gdp", 1.0, 10.0), ("pld", Q, 1.0)])
+def test_a_gdp_or_pld_schedule_budget_stops_where_that_accountant_says(accountant, q, noise,
+                                                                      monkeypatch):
     # As with rdp: the stop is where the chosen accountant, on the whole ledger from scratch,
     # says the next step would exceed the target. gdp keeps the ledger's mu^2 and never asks
     # the whole ledger; pld asks it only once the (looser) RDP bound is above the target.
     def epsilon(runs):
         return accounting.compute_epsilon(list(runs), 1e-5, accountant).epsilon
 
-    model = _model(tf_dp.keras.DecreasingClip(1.0, decay_steps=50.0), noise_stddev=1.2)
-    prefix = [(SampleEntry(SamplingEvent(N, Q), (SumQueryEvent(1.0, 1.0 + i / 50),)), 7)
-              for i in range(60)]
+    model = _model(tf_dp.keras.DecreasingClip(1.0, decay_steps=50.0), noise_stddev=1.2 * noise)
+    prefix = [(SampleEntry(SamplingEvent(N, q), (SumQueryEvent(1.0, noise * (1.0 + i / 50)),)),
+               7) for i in range(60)]
     model.optimizer.ledger.restore_runs(prefix)
     target = epsilon(prefix) + 0.25
     budget = dpcb.PrivacyBudget(target_epsilon=target, delta=1e-5, accountant=accountant,
                                 verbose=False)
     calls = _counting_whole_ledger_calls(monkeypatch)
-    model.fit(_batches(steps_per_epoch=20), epochs=20, verbose=0, callbacks=[budget])
+    model.fit(_batches(steps_per_epoch=20, q=q), epochs=20, verbose=0, callbacks=[budget])
     runs = model.optimizer.ledger.runs()
     new = sum(count for _, count in runs) - 420
     assert budget.stopped and 0 < new < 400
@@ -293,17 +296,17 @@ def test_a_gdp_or_pld_schedule_budget_stops_where_that_accountant_says(accountan
         assert len(calls) <= 2 * (2 * 10 + 1) < new
 
 
-@pytest.mark.parametrize("accountant", ["gdp", "pld"])
-def test_far_from_the_budget_gdp_and_pld_checks_do_not_read_the_whole_ledger(accountant,
+@pytest.mark.parametrize("accountant, q", [("gdp", 1.0), ("pld", Q)])
+def test_far_from_the_budget_gdp_and_pld_checks_do_not_read_the_whole_ledger(accountant, q,
                                                                            monkeypatch):
     model = _model(tf_dp.keras.DecreasingClip(1.0, decay_steps=1000))
     model.optimizer.ledger.restore_runs(
-        [(SampleEntry(SamplingEvent(N, Q), (SumQueryEvent(1.0, 1.0 + i / 100),)), 3)
+        [(SampleEntry(SamplingEvent(N, q), (SumQueryEvent(1.0, 1.0 + i / 100),)), 3)
          for i in range(100)])
-    budget = dpcb.PrivacyBudget(target_epsilon=100.0, delta=1e-5, accountant=accountant,
+    budget = dpcb.PrivacyBudget(target_epsilon=1e3, delta=1e-5, accountant=accountant,
                                 verbose=False)
     calls = _counting_whole_ledger_calls(monkeypatch)
-    model.fit(_batches(steps_per_epoch=30), epochs=2, verbose=0, callbacks=[budget])
+    model.fit(_batches(steps_per_epoch=30, q=q), epochs=2, verbose=0, callbacks=[budget])
     assert model.optimizer.ledger.num_samples == 360 and not budget.stopped
     assert calls == []  # the old code ran the whole-ledger accountant at every batch
     assert budget.epsilon_spent == pytest.approx(

@@ -435,3 +435,66 @@ def test_privacy_budget_with_a_schedule_stops_like_the_whole_ledger_with_few_rdp
     assert epsilon([*runs, (model.optimizer.next_sample_entry(), 1)]) > target
     assert len({e.queries[0].l2_sensitivity for e, _ in runs}) == steps  # all distinct
     assert calls[0] <= steps // 4
+
+
+def _certified_epsilon(steps, q, z, delta=1e-5, h=1e-4):
+    """dp_accounting's PLD epsilon (pessimistic: an upper bound, at most ``steps * h`` above the
+    exact value) of ``steps`` Poisson-subsampled Gaussian steps: an oracle independent of
+    tf_dp's accountants."""
+    import dp_accounting
+
+    if steps == 0:
+        return 0.0
+    acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=h)
+    acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), steps)
+    return acc.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "moments", "pld", "gdp"])
+def test_a_budget_never_lets_a_step_run_past_a_certified_bound(digits, accountant):
+    # Poisson q = 0.1, noise multiplier 1, target 3: a gdp budget let 30 steps run (the CLT's
+    # epsilon 2.99), which cost 4.18 by pessimistic PLD. The budget stops on certified bounds
+    # only: gdp is refused for subsampled steps before any step runs, with an error that names
+    # the accountants to use; the others stop where a certified bound says.
+    target, h = 3.0, 1e-4
+    model = _model()
+    before = [w.copy() for w in model.get_weights()]
+    budget = dpcb.PrivacyBudget(target, 1e-5, accountant=accountant, verbose=False)
+    if accountant == "gdp":
+        with pytest.raises(ValueError, match=r"accountant='gdp'.*subsampled.*sampling rate 0\.1 "
+                           r"< 1.*accountant must be one of \('rdp', 'moments', 'pld'\)"):
+            model.fit(_batches(digits), epochs=10, verbose=0, callbacks=[budget])
+        assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    else:
+        model.fit(_batches(digits), epochs=10, verbose=0, callbacks=[budget])
+        assert budget.stopped
+    steps = model.optimizer.ledger.num_samples
+    assert steps == 0 if accountant == "gdp" else steps > 0
+    # Every step that ran is within the target by an independent certified accountant. tf_dp's
+    # own bound (RDP, moments, or its pessimistic PLD) is >= the exact epsilon, and the oracle is
+    # at most steps * h above exact: it may exceed the target by that much, never more.
+    assert _certified_epsilon(steps, Q, SIGMA) <= target + steps * h
+
+
+def test_a_gdp_budget_runs_where_gdp_is_exact(digits):
+    # Shuffled fixed-size batches are not subsampled: each epoch counts as one Gaussian mechanism
+    # with noise multiplier sigma / 2 (replace-one, sensitivity 2C), so E epochs are exactly
+    # mu-GDP with mu = 2 sqrt(E) / sigma (Dong, Roth & Su), and a gdp budget is a certified stop.
+    from scipy import optimize, stats
+
+    sigma, delta = 4.0, 1e-5
+
+    def exact_epsilon(epochs):  # the mu-GDP curve, inverted by root finding
+        mu = 2.0 * np.sqrt(epochs) / sigma
+        return optimize.brentq(lambda e: stats.norm.cdf(-e / mu + mu / 2)
+                               - np.exp(e) * stats.norm.cdf(-e / mu - mu / 2) - delta,
+                               1e-9, 100.0, xtol=1e-12)
+
+    target = 0.5 * (exact_epsilon(3) + exact_epsilon(4))
+    model = _model(sigma=sigma)
+    budget = dpcb.PrivacyBudget(target, delta, accountant="gdp", verbose=False)
+    x, y = digits
+    model.fit(x, y, batch_size=30, epochs=10, verbose=0, callbacks=[budget])
+    # 10 steps an epoch: 3 epochs fit, the first step of the 4th opens a 4th epoch
+    assert budget.stopped and model.optimizer.ledger.num_samples == 30
+    assert budget.epsilon_spent == pytest.approx(exact_epsilon(3), rel=1e-9)

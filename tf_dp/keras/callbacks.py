@@ -89,6 +89,40 @@ def _check_can_analyse(optimizer, delta: float, accountant: str, who: str) -> No
         raise ValueError(f"{who}(accountant={accountant!r}): {e}") from e
 
 
+#: Accountants whose epsilon a :class:`PrivacyBudget` may stop on for subsampled steps (certified
+#: upper bounds). ``gdp`` is accepted only where it is exact: no step subsampled.
+BUDGET_ACCOUNTANTS = ("rdp", "moments", "pld")
+
+
+def _refuse_approximate_budget(rates: Sequence[float]) -> None:
+    """Raises when a ``gdp`` budget would stop on steps sampled at a rate below 1: there the GDP
+    epsilon is the central-limit-theorem approximation, which can be below the true epsilon (a
+    budget must stop on a certified bound, design invariant 3)."""
+    subsampled = sorted({float(q) for q in rates if q < 1.0})
+    if not subsampled:
+        return
+    shown = ", ".join(f"{q:.4g}" for q in subsampled[:3]) + (", ..." if len(subsampled) > 3 else "")
+    raise ValueError(
+        f"PrivacyBudget(accountant='gdp') cannot stop on subsampled steps (sampling rate "
+        f"{shown} < 1): there the GDP epsilon is the privacy-CLT approximation (Bu et al. 2019), "
+        "not a certified upper bound, and it can be below the true epsilon. accountant must be "
+        f"one of {BUDGET_ACCOUNTANTS} for subsampled steps ('pld' is the tightest); 'gdp' is "
+        "accepted only when no step is subsampled (shuffled fixed-size batches, tree "
+        "aggregation, full batches), where its epsilon is exact"
+    )
+
+
+def _refuse_approximate_budget_for(entries: Sequence[Any]) -> None:
+    """:func:`_refuse_approximate_budget` for ledger entries and/or runs (as the accountant
+    composes them: shuffle epochs and tree windows count with rate 1)."""
+    from tf_dp.accounting.ledger_analysis import composable_units
+    from tf_dp.ledger.ledger_file import as_runs
+
+    runs = as_runs(list(entries))
+    if runs:
+        _refuse_approximate_budget([u.q for u in composable_units(runs)[0]])
+
+
 def compute_epsilon(entries: Sequence[Any], delta: float, accountant: str):
     """``(epsilon, result)`` for ``entries`` (:class:`SampleEntry` items and/or
     ``(SampleEntry, count)`` runs, as ``PrivacyLedger.runs()`` gives) from
@@ -178,7 +212,8 @@ class _ComposedCurve:
 
     - ``rdp``/``moments``: the RDP curve (:class:`tf_dp.accounting.rdp.ComposedRdp`).
     - ``gdp``: the sum of the steps' ``mu^2`` (:func:`tf_dp.accounting.gdp.mu_squared`); the
-      accountant's epsilon is a function of it.
+      accountant's epsilon is a function of it. Only steps with rate 1 (exactly mu-GDP) are
+      composed: a subsampled step raises (:func:`_refuse_approximate_budget`).
     - ``pld``: the RDP curve, as a fast *sufficient* check: when the RDP epsilon (a certified
       upper bound too) is within the budget, the steps fit; otherwise :meth:`epsilon_with`
       returns None and the caller asks the PLD accountant about the whole ledger.
@@ -245,6 +280,7 @@ class _ComposedCurve:
             elif self.conversion is None:
                 from tf_dp.accounting.gdp import mu_squared
 
+                _refuse_approximate_budget(added[0])
                 self.mu_squared += mu_squared(*added)
             else:
                 self.rdp.add(*added)
@@ -288,6 +324,7 @@ class _ComposedCurve:
         if self.conversion is None:  # gdp
             from tf_dp.accounting.gdp import epsilon_from_mu, mu_squared
 
+            _refuse_approximate_budget(added[0])
             return epsilon_from_mu(self.delta, math.sqrt(self.mu_squared + mu_squared(*added))) * pad
         if self.accountant == "pld" and at_most is None:
             return None
@@ -356,12 +393,19 @@ class PrivacyBudget(keras.callbacks.Callback):
     RDP epsilon, a certified bound too, is within the budget; the PLD's epsilon is then lower
     in every case we know of (RDP's conversion loses more than the PLD's discretisation).
 
+    The budget stops on a certified upper bound only (design invariant 3): ``accountant`` is
+    ``"rdp"`` (default), ``"moments"`` or ``"pld"`` (the tightest). ``"gdp"`` is accepted only
+    when no step is subsampled (shuffled fixed-size batches, tree aggregation, full batches),
+    where the composition is exactly mu-GDP; for Poisson-subsampled steps (rate < 1) its epsilon
+    is the privacy-CLT approximation, which can be below the true epsilon (q = 0.1, noise
+    multiplier 1, delta 1e-5: 30 steps are 2.99 by GDP, 4.18 by PLD), so ``fit`` raises
+    ``ValueError`` naming the accountants to use, before any such step runs.
+
     Cost: with the ``rdp`` or ``moments`` accountant and Poisson sampling, the callback keeps the
     composition of the ledger's steps (:class:`tf_dp.accounting.rdp.ComposedRdp`; with ``gdp``
-    the sum of their ``mu^2``; with ``pld`` the RDP composition, whose epsilon, a certified
-    bound too, decides while it is within the budget, the PLD of the whole ledger deciding
-    past that point) and adds only
-    the steps recorded since its last check (``ledger.runs_from``); composing the ledger's
+    and full batches the sum of their ``mu^2``; with ``pld`` the RDP composition, whose
+    epsilon, a certified bound too, decides while it is within the budget, the PLD of the
+    whole ledger deciding past that point) and adds only the steps recorded since its last check (``ledger.runs_from``); composing the ledger's
     earlier steps happens once per ``fit``, in time proportional to their distinct runs. The
     number of further steps of one kind that the budget allows is computed once (a search over
     step counts on that composition) and then counted down, so a batch costs a few variable
@@ -391,6 +435,15 @@ class PrivacyBudget(keras.callbacks.Callback):
     If ``fit`` starts with not even one step left, it raises :class:`BudgetExhaustedError` from
     ``on_train_batch_begin`` (no step runs) unless ``raise_if_exhausted=False``, in which case the
     first step is replaced by a no-op and training stops.
+
+    Args:
+      target_epsilon: the budget, a finite number > 0.
+      delta: the delta of the (epsilon, delta) guarantee, in (0, 1).
+      accountant: ``"rdp"``, ``"moments"`` or ``"pld"``; ``"gdp"`` only for steps without
+        subsampling (see above).
+      raise_if_exhausted: raise :class:`BudgetExhaustedError` when ``fit`` starts with no step
+        left (else run no step and stop).
+      verbose: print the spent epsilon when the budget stops training.
 
     Attributes:
       stopped: True once the callback stopped training.
@@ -444,6 +497,8 @@ class PrivacyBudget(keras.callbacks.Callback):
         self._step_now = 0  # the optimizer step at the last _predicted call
 
     def _epsilon(self, entries: Sequence[Any]) -> float:
+        if self.accountant == "gdp":
+            _refuse_approximate_budget_for(entries)
         return compute_epsilon(entries, self.delta, self.accountant)[0]
 
     def _fits(self, ledger, upcoming: Sequence[tuple[SampleEntry, int]],
@@ -647,6 +702,9 @@ class PrivacyBudget(keras.callbacks.Callback):
         self._reset_plan()  # the ledger may have been restored (BackupAndRestore) since
         self._composed.reset()
         upcoming = predicted_next_entry(optimizer)
+        if self.accountant == "gdp":  # before any step runs: gdp is exact only unsubsampled
+            _refuse_approximate_budget_for(
+                [*optimizer.ledger.runs(), *([] if upcoming is None else [upcoming])])
         # Poisson-sampled Gaussian steps compose (the RDP accountant analyses them): the
         # composition the first check needs is built here, from the ledger's runs, once
         if upcoming is None or not self._composed.covers(optimizer.ledger, [(upcoming, 1)]):
