@@ -38,7 +38,14 @@ class ArrayRecordSource:
       parse_fn: maps a batch of records (a 1-D numpy object array of ``bytes``) to what ``read``
         returns, e.g. ``(x, y)`` numpy arrays; default: the bytes array itself.
 
-    Every ``read`` checks that no file changed size or modification time since opening.
+    ``paths`` must name distinct files (the same file twice, or a hard or symbolic link to one
+    of them, raises ``ValueError``: its records would count twice). A file the reader cannot
+    open as ArrayRecord (truncated, corrupt, another format) or that holds no records raises
+    ``ValueError`` naming it: a broken file reads as 0 records, which would shrink the data set
+    and the recorded population size silently. ``len`` and every ``read`` (before and after
+    reading) check that no file changed since opening (:class:`tf_dp.data.files.FileSet`:
+    device, inode, size, modification time in ns, and a content digest when the inode change
+    time moved), and every ``read`` checks the readers' status.
 
     Example::
 
@@ -61,7 +68,26 @@ class ArrayRecordSource:
             raise TypeError(f"parse_fn must be callable or None, got {type(parse_fn).__name__}")
         self._files = FileSet(paths)
         self._parse_fn = parse_fn
-        self._readers = [ArrayRecordReader(p, RANDOM_ACCESS_OPTIONS) for p in self._files.paths]
+        self._readers = []
+        try:
+            for p in self._files.paths:
+                reader = ArrayRecordReader(p, RANDOM_ACCESS_OPTIONS)
+                self._readers.append(reader)
+                if not reader.ok():
+                    raise ValueError(
+                        f"paths: {p} is not a readable ArrayRecord file (truncated, corrupt, or "
+                        "another format: the ArrayRecord reader reports an error)"
+                    )
+                if reader.num_records() < 1:
+                    raise ValueError(
+                        f"paths: {p} holds no records (an ArrayRecord file that is broken in "
+                        "a way its reader does not report also reads as empty): every file "
+                        "must hold at least one record; leave empty files out of paths"
+                    )
+            self._files.check()  # the readers' indices describe the files as they were seen
+        except BaseException:
+            self.close()
+            raise
         counts = [r.num_records() for r in self._readers]
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
@@ -77,11 +103,21 @@ class ArrayRecordSource:
         records: list = []
         for f in np.unique(files).tolist():
             local = unique[files == f] - self._starts[f]
-            records.extend(self._readers[f].read(local.tolist()))
+            got = self._readers[f].read(local.tolist())
+            if not self._readers[f].ok() or len(got) != len(local):
+                raise ValueError(
+                    f"paths: reading records of {self._files.paths[f]} failed (the ArrayRecord "
+                    "reader reports an error): the file is corrupt or changed"
+                )
+            records.extend(got)
+        self._files.check()  # nor while reading
         return record_batch(records, inverse, self._parse_fn)
 
     def close(self) -> None:
         """Closes the readers."""
         for r in self._readers:
-            r.close()
+            try:
+                r.close()
+            except RuntimeError:  # a reader in error reports it again when closed
+                pass
         self._readers = []

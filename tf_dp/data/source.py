@@ -29,10 +29,13 @@ Example::
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional, Protocol, runtime_checkable
 
 import numpy as np
 import tensorflow as tf
+
+from tf_dp.data.files import FileSet
 
 
 @runtime_checkable
@@ -89,6 +92,13 @@ class ArraySource:
 
     Nothing is copied: ``read`` indexes the array-likes with the requested rows only, and
     ``len`` is asked of them on every call (a data set that grows or shrinks is noticed).
+    Array-likes backed by a file (``np.memmap``, including ``np.load(..., mmap_mode="r")``, and
+    h5py datasets of a file on disk) are checked too: ``len`` and every ``read`` (before and
+    after reading) raise ``ValueError`` naming the file if it changed since the source was made
+    (:class:`tf_dp.data.files.FileSet`: device, inode, size, modification time in ns, and a
+    content digest when the inode change time moved). A file truncated or rewritten under a
+    memmap or h5py would otherwise read as rows of zeros, or crash the process (``SIGBUS``; a
+    memmap's file truncated between the check and the read still does).
 
     Example::
 
@@ -110,9 +120,15 @@ class ArraySource:
                     "x, y and sample_weight must be array-likes with len() and integer-array "
                     f"indexing (numpy arrays, memmaps, h5py datasets), got {type(leaf).__name__}"
                 )
+        paths = [p for p in map(_backing_file, self._leaves) if p is not None]
+        self._files = (
+            FileSet(paths, arg="x, y and sample_weight", distinct=False) if paths else None
+        )
         self._check_lengths()
 
     def _check_lengths(self) -> int:
+        if self._files is not None:
+            self._files.check()
         lengths = {len(leaf) for leaf in self._leaves}
         if len(lengths) != 1:
             raise ValueError(
@@ -127,7 +143,22 @@ class ArraySource:
         """The records at ``indices`` (in that order): ``x``, or ``(x, y[, sample_weight])``."""
         idx = check_indices(indices, len(self))
         parts = tf.nest.map_structure(lambda a: read_rows(a, idx), self._parts)
+        if self._files is not None:
+            self._files.check()  # nor while reading
         return parts if self._has_y else parts[0]
+
+
+def _backing_file(leaf: Any) -> Optional[str]:
+    """The file on disk an array-like reads from: a memmap's, an h5py dataset's (not of an
+    in-memory HDF5 file); ``None`` for anything else."""
+    if isinstance(leaf, np.memmap):
+        path = getattr(leaf, "filename", None)
+    else:
+        handle = getattr(leaf, "file", None)
+        path = getattr(handle, "filename", None)
+        if getattr(handle, "driver", "core") == "core":
+            path = None
+    return path if isinstance(path, str) and os.path.isfile(path) else None
 
 
 def hdf5_source(
@@ -138,6 +169,10 @@ def hdf5_source(
     Args:
       path: the HDF5 file.
       x, y, sample_weight: names of its datasets (``y`` and ``sample_weight`` optional).
+
+    The file is checked before and after every read, as for any :class:`ArraySource` over h5py
+    datasets: if it was truncated, rewritten or replaced since, ``read`` and ``len`` raise
+    ``ValueError`` naming it (h5py itself would return rows of zeros).
 
     Example::
 

@@ -93,8 +93,12 @@ class TFRecordSource:
         ``tf.train.Example``) to what ``read`` returns, e.g. ``(x, y)`` numpy arrays with one row
         per record. Default: ``read`` returns the bytes array itself.
 
-    The index (built once, in ``__init__``) holds 8 bytes per record. Every ``read`` checks that
-    no file changed size or modification time since, and every record's data CRC.
+    The index (built once, in ``__init__``) holds 8 bytes per record. ``paths`` must name
+    distinct files (the same file twice, or a hard or symbolic link to one of them, raises
+    ``ValueError``: its records would count twice). ``len`` and every ``read`` (before and after
+    reading) check that no file changed since opening (:class:`tf_dp.data.files.FileSet`:
+    device, inode, size, modification time in ns, and a content digest when the inode change
+    time moved), and every ``read`` checks each record's data CRC.
 
     Example::
 
@@ -118,6 +122,7 @@ class TFRecordSource:
         self._starts = np.concatenate([[0], np.cumsum(counts)])
         self._sizes = self._files.sizes
         self._fds = [os.open(p, os.O_RDONLY) for p in self._files.paths]
+        self._files.check()  # the index describes the files as they were seen
 
     def __len__(self) -> int:
         self._files.check()
@@ -143,7 +148,8 @@ class TFRecordSource:
             # A record's data ends 16 bytes before the next one's starts (4 before the file end).
             after = local + 1
             following = np.where(
-                after < len(offsets), offsets[np.minimum(after, len(offsets) - 1)],
+                after < len(offsets),
+                offsets[np.minimum(after, len(offsets) - 1)],
                 self._sizes[f] + 12,
             )
             for i, start, end in zip(local.tolist(), starts.tolist(), (following - 16).tolist()):
@@ -157,6 +163,7 @@ class TFRecordSource:
                         f"{start - 12}) fails its CRC check: the file is corrupt"
                     )
                 records.append(data)
+        self._files.check()  # nor while reading
         return record_batch(records, inverse, self._parse_fn)
 
     def close(self) -> None:
