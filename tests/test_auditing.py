@@ -4,6 +4,7 @@ The Keras audits use seeded noise (deterministic; the certificate is then marked
 guarantee, but its value is what an unseeded run gets, and that is what is compared).
 """
 
+import dataclasses
 import math
 import os
 
@@ -325,6 +326,42 @@ def test_audit_refuses_bad_arguments_before_training():
         import keras
 
         _audit(lambda: keras.optimizers.SGD(0.1))
+
+
+def test_report_bounds_split_the_confidence_so_that_their_maximum_holds_at_the_stated_level():
+    # lower_bound is the largest of the one-run and many-run bounds, and violation also takes the
+    # GDP bound: were each at 95%, all would hold together only at 85% (Bonferroni: 1 - 3 x 5%).
+    # Each of the k = 3 bounds is at 1 - alpha / k instead, so that together (hence their
+    # maximum) they hold at 1 - alpha, the level the report states.
+    alpha, delta = 0.1, 1e-5
+    each = 1.0 - alpha / 3
+    report = _audit(_sgd(noise_multiplier=2.0, noise_seed=0), sampling_probability=1.0,
+                    steps=5, num_canaries=400, delta=delta, confidence=1.0 - alpha)
+    for bound in (report.one_run, report.many_run, report.gdp_bound):
+        assert bound.confidence == pytest.approx(each, abs=1e-15)
+    # each bound is the estimator's at that level on the report's own scores
+    s, inc = report.scores, report.included
+    assert report.one_run == one_run.epsilon_lower_bound(s, inc, delta, each)
+    assert report.many_run == many_run.epsilon_lower_bound(
+        s, inc, delta, each, thresholds=[report.many_run.threshold])
+    assert report.gdp_bound == gaussian.mu_lower_bound(s, inc, each, delta)
+    # the level stated for lower_bound, violation and the saved summary is the requested one
+    assert report.confidence == 1.0 - alpha and report.summary()["confidence"] == 1.0 - alpha
+    text = str(report)
+    assert "96.66% confidence" in text and "hold together at 90%" in text
+    # a report assembled from bounds each at 95% states what holds: 85% (two bounds: 90%)
+    at95 = [dataclasses.replace(b, confidence=0.95)
+            for b in (report.one_run, report.many_run, report.gdp_bound)]
+    assert dataclasses.replace(report, one_run=at95[0], many_run=at95[1],
+                               gdp_bound=at95[2]).confidence == pytest.approx(0.85, abs=1e-12)
+    assert dataclasses.replace(report, one_run=at95[0], many_run=at95[1],
+                               gdp_bound=None).confidence == pytest.approx(0.90, abs=1e-12)
+    # black-box canaries share one model: the one-run bound alone, at the full level
+    black = _audit(_sgd(noise_multiplier=1.0, noise_seed=0), sampling_probability=0.5, steps=3,
+                   num_canaries=40, threat_model="black_box", num_classes=2,
+                   confidence=1.0 - alpha)
+    assert black.bounds == [black.one_run] and black.one_run.confidence == 1.0 - alpha
+    assert black.confidence == 1.0 - alpha
 
 
 # ---------------------------------------------------------------- membership inference

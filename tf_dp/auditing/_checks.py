@@ -18,6 +18,12 @@ def probability(name: str, value: Any, *, allow_zero: bool = False) -> float:
     return float(value)
 
 
+def percent(level: float) -> str:
+    """A confidence level as a percentage to 0.01%, rounded down (not to overstate it): 0.95 ->
+    "95%", 0.975 -> "97.5%", 1 - 0.05 / 3 -> "98.33%"."""
+    return f"{math.floor(level * 1e4 + 1e-6) / 100:g}%"
+
+
 def scores_and_labels(scores: Any, included: Any) -> tuple[np.ndarray, np.ndarray]:
     """1-D float scores and boolean inclusion flags of the same length, both classes present."""
     s = np.asarray(scores, dtype=np.float64)

@@ -33,6 +33,7 @@ import numpy as np
 from tf_dp.accounting import compute_epsilon
 from tf_dp.accounting.ledger_analysis import PrivacyResult
 from tf_dp.auditing import _checks, gaussian, many_run, one_run
+from tf_dp.auditing._checks import percent as _percent
 from tf_dp.auditing.canaries import (
     CanaryHead,
     dirac_score,
@@ -51,6 +52,14 @@ THREAT_MODELS = ("white_box", "black_box")
 @dataclasses.dataclass(frozen=True)
 class AuditReport:
     """What an audit measured, beside what the ledger certifies.
+
+    Confidence: the report's lower bounds (one-run, and many-run and the GDP bound when the trials
+    are independent) hold *together* with probability :attr:`confidence`. :func:`audit_dp_sgd`
+    splits ``1 - confidence`` evenly between the ``k`` bounds it computes (Bonferroni: each at
+    ``1 - (1 - confidence) / k``), so :attr:`lower_bound` (the largest of them) and
+    :attr:`violation` hold at the stated ``confidence``, not at the lower level that the
+    largest of ``k`` bounds each at ``confidence`` would have. The GDP *estimate* is not a bound:
+    its interval is at ``confidence`` by itself.
 
     Attributes:
       certified: the largest certified statement over the trainings (each canary is in one
@@ -92,8 +101,23 @@ class AuditReport:
     updates: Optional[np.ndarray] = dataclasses.field(default=None, repr=False)
 
     @property
+    def bounds(self) -> list:
+        """The report's lower bounds (one-run, many-run, GDP bound; those computed)."""
+        return [b for b in (self.one_run, self.many_run, self.gdp_bound) if b is not None]
+
+    @property
+    def confidence(self) -> float:
+        """Probability that all of the report's lower bounds hold at once: ``1 -`` the sum of
+        their error levels (Bonferroni), so also the confidence of :attr:`lower_bound` and
+        :attr:`violation`. :func:`audit_dp_sgd` splits its ``confidence`` so that this is it
+        (up to rounding); bounds each computed at 95% would give 90% (two) or 85% (three)."""
+        # rounded to 1e-12, so that 1 - 3 x (0.05 / 3) reads 0.95
+        return max(0.0, round(1.0 - math.fsum(1.0 - b.confidence for b in self.bounds), 12))
+
+    @property
     def lower_bound(self) -> float:
-        """The largest ``(eps, delta)`` lower bound that needs no assumption on the mechanism."""
+        """The largest ``(eps, delta)`` lower bound that needs no assumption on the mechanism,
+        valid with probability :attr:`confidence`."""
         bounds = [self.one_run.epsilon]
         if self.many_run is not None:
             bounds.append(self.many_run.epsilon)
@@ -104,7 +128,8 @@ class AuditReport:
         """True when a measured bound exceeds the certified epsilon (the certificate is wrong).
 
         Counts :attr:`lower_bound`, and the GDP bound for full-batch runs, where DP-SGD is exactly
-        Gaussian-DP.
+        Gaussian-DP. A correct certificate is reported violated with probability at most
+        ``1 -`` :attr:`confidence`.
         """
         measured = self.lower_bound
         if self.gdp_bound is not None and self.sampling_probability == 1.0:
@@ -128,7 +153,8 @@ class AuditReport:
             bounds["gdp_estimate"] = dataclasses.asdict(self.gdp_estimate)
         return {
             "lower_bound": float(self.lower_bound), "delta": float(self.one_run.delta),
-            "confidence": float(self.one_run.confidence),
+            "confidence": float(self.confidence),
+            "confidence_note": self._confidence_note(),
             "certified_epsilon": float(c.epsilon), "certified_accountant": c.accountant,
             "certified_is_guarantee": bool(c.certified and not c.noise_seeds),
             "violation": bool(self.violation), "threat_model": self.threat_model,
@@ -149,6 +175,15 @@ class AuditReport:
 
         write_report_file(path, self.summary())
 
+    def _confidence_note(self) -> str:
+        levels = sorted({b.confidence for b in self.bounds})
+        if len(self.bounds) == 1:
+            return f"one bound, at {_percent(self.confidence)} confidence"
+        each = " / ".join(_percent(c) for c in levels)
+        return (f"{len(self.bounds)} bounds, each at {each} confidence, hold together at "
+                f"{_percent(self.confidence)} (Bonferroni): so do the lower bound and the "
+                "violation check")
+
     def __str__(self) -> str:
         c = self.certified
         seeded = " (seeded noise: no guarantee, the figure an unseeded run would get)" if (
@@ -166,6 +201,7 @@ class AuditReport:
             f"  threat model: {threat}",
             f"  certified [{c.accountant}]: epsilon = {c.epsilon:.3f} at delta = {c.delta:.3g}"
             f"{seeded}",
+            f"  confidence: {self._confidence_note()}",
             f"  {self.one_run}",
         ]
         if self.many_run is not None:
@@ -175,7 +211,8 @@ class AuditReport:
         if self.gdp_estimate is not None:
             lines.append(f"  {self.gdp_estimate}")
         ratio = self.lower_bound / c.epsilon if c.epsilon > 0 else math.inf
-        lines.append(f"  audited lower bound / certified = {ratio:.2f}")
+        lines.append(f"  audited lower bound / certified = {ratio:.2f} "
+                     f"({_percent(self.confidence)} confidence)")
         if self.violation:
             lines.append("  VIOLATION: a measured lower bound exceeds the certified epsilon: the "
                          "mechanism or its accounting is broken.")
@@ -292,7 +329,10 @@ def audit_dp_sgd(
         ``l2_norm_clip`` (clipping brings it to the clip; a broken clip lets it through).
       num_classes: black-box: number of classes of the integer labels ``y``.
       delta: the delta of every ``(eps, delta)`` figure, in (0, 1).
-      confidence: confidence level of the bounds, in (0, 1).
+      confidence: probability, in (0, 1), that all the report's lower bounds hold together (so
+        its ``lower_bound`` and ``violation``): each of the ``k`` bounds computed (one-run;
+        many-run and the GDP bound when the trials are independent) is at
+        ``1 - (1 - confidence) / k``.
       accountant: for the certified epsilon (see ``tf_dp.accounting.compute_epsilon``).
       seed: canary inclusion, relabelling and Poisson sampling (None: OS entropy). The noise
         is the optimizer's (its own ``noise_seed``).
@@ -402,18 +442,22 @@ def audit_dp_sgd(
         certificates.append(compute_epsilon(optimizer.ledger, delta, accountant))
     s, inc = np.concatenate(scores), np.concatenate(included)
     certified = max(certificates, key=lambda r: r.epsilon)
-    one = one_run.epsilon_lower_bound(s, inc, delta, confidence)
     independent = threat_model == "white_box" or m == 1
+    pooled = independent and inc.sum() >= 2 and (~inc).sum() >= 2
+    # Bonferroni: the k lower bounds share 1 - confidence, so that they (and their maximum, the
+    # report's lower_bound and violation) hold together at `confidence`
+    each = 1.0 - (1.0 - confidence) / (3 if pooled else 1)
+    one = one_run.epsilon_lower_bound(s, inc, delta, each)
     many = gdp_lb = gdp_est = None
     white_sigma = next(iter(sigmas)) if threat_model == "white_box" and len(sigmas) == 1 else None
-    if independent and inc.sum() >= 2 and (~inc).sum() >= 2:
+    if pooled:
         thresholds = None
         if white_sigma is not None:
             ref_in, ref_out = _reference_scores(q, white_sigma, updates[0].shape[1], rng)
             thresholds = [many_run.design_threshold(ref_in, ref_out, int(inc.sum()),
-                                                    int((~inc).sum()), delta, confidence)]
-        many = many_run.epsilon_lower_bound(s, inc, delta, confidence, thresholds=thresholds)
-        gdp_lb = gaussian.mu_lower_bound(s, inc, confidence, delta)
+                                                    int((~inc).sum()), delta, each)]
+        many = many_run.epsilon_lower_bound(s, inc, delta, each, thresholds=thresholds)
+        gdp_lb = gaussian.mu_lower_bound(s, inc, each, delta)
     all_updates = None
     if threat_model == "white_box":
         all_updates = np.concatenate(updates)

@@ -40,6 +40,7 @@ from scipy import special
 
 from tf_dp.accounting.gdp import epsilon_from_mu
 from tf_dp.auditing import _checks
+from tf_dp.auditing._checks import percent as _percent
 from tf_dp.auditing.many_run import _counts, clopper_pearson
 
 __all__ = ["GaussianEstimate", "mu_estimate", "mu_lower_bound"]
@@ -69,11 +70,11 @@ class GaussianEstimate:
 
     def __str__(self) -> str:
         if self.kind == "lower bound":
-            return (f"GDP lower bound: mu >= {self.mu:.3f} ({self.confidence:.0%} confidence), "
-                    f"i.e. epsilon >= {self.epsilon:.3f} at delta = {self.delta:.3g} if the "
-                    "mechanism is GDP")
+            return (f"GDP lower bound: mu >= {self.mu:.3f} ({_percent(self.confidence)} "
+                    f"confidence), i.e. epsilon >= {self.epsilon:.3f} at delta = "
+                    f"{self.delta:.3g} if the mechanism is GDP")
         return (f"GDP ESTIMATE (assumes Gaussian scores; not a bound): mu ~ {self.mu:.3f} "
-                f"[{self.low:.3f}, {self.high:.3f}] ({self.confidence:.0%} interval), i.e. "
+                f"[{self.low:.3f}, {self.high:.3f}] ({_percent(self.confidence)} interval), i.e. "
                 f"epsilon ~ {self.epsilon:.3f} at delta = {self.delta:.3g}")
 
 

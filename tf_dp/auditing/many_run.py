@@ -45,6 +45,7 @@ import numpy as np
 from scipy import stats
 
 from tf_dp.auditing import _checks
+from tf_dp.auditing._checks import percent as _percent
 
 __all__ = [
     "ManyRunBound", "clopper_pearson", "design_threshold", "epsilon_from_rates",
@@ -115,7 +116,7 @@ class ManyRunBound:
 
     def __str__(self) -> str:
         return (f"many-run (Clopper-Pearson, threshold by {self.method}): epsilon >= "
-                f"{self.epsilon:.3f} at delta = {self.delta:.3g}, {self.confidence:.0%} "
+                f"{self.epsilon:.3f} at delta = {self.delta:.3g}, {_percent(self.confidence)} "
                 f"confidence ({self.trials_in} in / {self.trials_out} out trials; TPR >= "
                 f"{self.tpr_low:.4f}, FPR <= {self.fpr_high:.3g})")
 

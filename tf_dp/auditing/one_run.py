@@ -39,6 +39,7 @@ import numpy as np
 from scipy import special, stats
 
 from tf_dp.auditing import _checks
+from tf_dp.auditing._checks import percent as _percent
 
 __all__ = ["OneRunBound", "p_value", "epsilon_from_guesses", "epsilon_lower_bound"]
 
@@ -121,9 +122,10 @@ class OneRunBound:
 
     def __str__(self) -> str:
         return (f"one-run (Steinke, Nasr & Jagielski 2023): epsilon >= {self.epsilon:.3f} at "
-                f"delta = {self.delta:.3g}, {self.confidence:.0%} confidence ({self.num_canaries} "
-                f"canaries; {self.correct} of {self.guesses} guesses right with k+ = "
-                f"{self.k_plus}, k- = {self.k_minus}; best of {self.candidates} guess counts)")
+                f"delta = {self.delta:.3g}, {_percent(self.confidence)} confidence "
+                f"({self.num_canaries} canaries; {self.correct} of {self.guesses} guesses right "
+                f"with k+ = {self.k_plus}, k- = {self.k_minus}; best of {self.candidates} guess "
+                "counts)")
 
 
 def default_guess_counts(num_canaries: int) -> list[int]:
