@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -110,7 +111,14 @@ class DPEngine:
             self._poisson = ledger_variable(tf.constant(True))
             # DP steps whose update was withheld because it was not finite (still recorded)
             self._skipped = ledger_variable(tf.constant(0, tf.int64), name="dp_skipped_steps")
+            # the most units a batch may hold (shuffle: the declared batch size; 0: no limit),
+            # whether the last batch fitted, and the compiled steps refused for a larger batch
+            self._batch_limit = ledger_variable(tf.constant(0, tf.int64))
+            self._batch_fits = ledger_variable(tf.constant(True))
+            self._oversized = ledger_variable(tf.constant(0, tf.int64))
         self._skipped_reported = 0
+        self._oversized_reported = 0
+        self._batch_checked_by_mask = False  # set by check_batch_size while tracing under XLA
         self.unrecorded_steps = 0  # steps a previous optimizer applied but did not record
 
     # -- configuration -----------------------------------------------------------------------
@@ -166,6 +174,7 @@ class DPEngine:
         )
         self._expected_batch.assign(expected)
         self._poisson.assign(sampling.policy == "poisson")
+        self._batch_limit.assign(max_batch_units(sampling) or 0)
         self.sampling = sampling
 
     @property
@@ -280,7 +289,9 @@ class DPEngine:
         fails with ``InvalidArgumentError`` (a graph) or at the next :meth:`flush` (XLA). Build a
         new ``tf.function`` after such a change.
         """
-        self.update_schedules(step)                                          # 1. schedules
+        checks = self.check_batch_size(data)  # nothing runs on a batch larger than declared
+        with tf.control_dependencies(checks):
+            self.update_schedules(step)                                      # 1. schedules
         clipper = self.clipper_for(model)
         if self.user_level:  # each user's summed gradient is one clipped record
             clipper = for_users(clipper, self.sampling.records_per_unit)
@@ -293,7 +304,50 @@ class DPEngine:
         clipped = clipper.clipped_sum(loss_fn, data, variables, self.recorder, params, **extra)
         if check is not None:
             check(clipped)
-        return clipped, self.noised_mean(clipped)                            # 3.-5.
+        if self._batch_checked_by_mask:
+            # under XLA (no assertions) a batch larger than declared records and releases
+            # nothing: its sensitivity is made NaN, which the ledger's recorder masks; apply
+            # withholds the update and the next flush raises
+            fits = self._batch_fits.read_value()
+            clipped.sensitivity_multiplier = tf.where(
+                fits, tf.cast(clipped.sensitivity_multiplier, tf.float32), float("nan"))
+        with tf.control_dependencies(checks):
+            return clipped, self.noised_mean(clipped)                        # 3.-5.
+
+    def check_batch_size(self, data: Any) -> list:
+        """Refuses a batch of more units than the declared ``shuffle`` sampling's batch size
+        ``b = q * n`` (rounded up; :func:`max_batch_units`): the accounting of shuffled batches
+        counts ``ceil(n / b)`` steps as one pass, each unit in at most one batch of it, which a
+        larger batch breaks. Eagerly it raises ``ValueError``; in a graph it returns an
+        assertion that fails the step before anything is recorded or applied; under XLA the
+        step records and applies nothing and the next :meth:`flush` raises. Poisson sampling
+        has no limit. Under ``tf.distribute`` each replica's share of the batch is checked.
+        """
+        self._batch_checked_by_mask = False
+        eager = tf.executing_eagerly()
+        if self.sampling is None or (eager and max_batch_units(self.sampling) is None):
+            return []  # (a traced step checks the limit in force when it runs)
+        rows = tf.cast(tf.shape(tf.nest.flatten(data[0])[0])[0], tf.int64)
+        k = self.sampling.records_per_unit or 1
+        units = (rows + k - 1) // k
+        limit = self._batch_limit.read_value()
+        fits = tf.logical_or(tf.equal(limit, 0), units <= limit)
+        if eager:
+            if not bool(fits):
+                raise ValueError(_oversized_message(int(units), self.sampling))
+            return []
+        if not in_xla_context():
+            return [tf.debugging.Assert(fits, [
+                "tf_dp: batch size: a batch of", units,
+                "units (rows / records_per_unit) is larger than the declared shuffle sampling's "
+                "batch size (selection_probability * population_size, accepted 1 ..", limit,
+                "); nothing was recorded or applied. Feed batches of at most that size, or "
+                "declare the sampling that produced them",
+            ])]
+        self._batch_checked_by_mask = True
+        self._batch_fits.assign(fits)
+        self._oversized.assign_add(tf.cast(tf.logical_not(fits), tf.int64))
+        return []
 
     def step(
         self,
@@ -383,6 +437,10 @@ class DPEngine:
             return tf.constant(False)
 
         ok = tf.logical_and(room, finite)
+        if self._batch_checked_by_mask:  # under XLA (check_batch_size)
+            fits = self._batch_fits.read_value()
+            ok = tf.logical_and(ok, fits)
+            room = tf.logical_and(room, fits)  # a refused step is not counted as withheld
         if tf.executing_eagerly():
             update() if bool(ok) else withhold()
             return
@@ -406,8 +464,20 @@ class DPEngine:
 
     def flush(self) -> None:
         """After a compiled call: flushes the ledger's staging table, raises if a compiled step
-        met a non-finite clip or noise (it recorded nothing), logs withheld steps."""
+        met a non-finite clip or noise (it recorded nothing) or a batch larger than the declared
+        one (:meth:`check_batch_size`), logs withheld steps."""
         self.ledger.flush()
+        oversized = int(self._oversized.numpy())
+        if oversized > self._oversized_reported:
+            new, self._oversized_reported = oversized - self._oversized_reported, oversized
+            try:  # the recorder counted the same steps as steps with a non-finite sensitivity
+                self.recorder.check_values()
+            except ValueError:
+                pass
+            raise ValueError(
+                f"{new} compiled DP step(s) ran on a batch larger than "
+                + _oversized_message(None, self.sampling)
+            )
         self.recorder.check_values()
         skipped = int(self._skipped.numpy())
         if skipped > self._skipped_reported:
@@ -534,6 +604,33 @@ class DPEngine:
         if self.speed.gradient_mode == "jl":
             return int(self.speed.jl_projections)
         return None
+
+
+def max_batch_units(sampling: Sampling) -> Optional[int]:
+    """The most units (records, or users with ``unit='user'``) one batch may hold under
+    ``sampling``: for ``shuffle``, the declared batch size ``b = q * n`` rounded up (the
+    accounting counts ``ceil(n / b)`` steps as one pass); None (no limit) for ``poisson``.
+
+    >>> from tf_dp.engine import Sampling
+    >>> max_batch_units(Sampling(24, 4 / 24, policy="shuffle"))
+    4
+    """
+    if sampling.policy != "shuffle":
+        return None
+    return max(1, int(math.ceil(sampling.expected_batch_size - 1e-9)))
+
+
+def _oversized_message(units: Optional[int], sampling: Sampling) -> str:
+    b = max_batch_units(sampling)
+    got = "" if units is None else f"batch size: a batch of {units} units is larger than "
+    return (
+        f"{got}the declared shuffle sampling's batch size (selection_probability * "
+        f"population_size = {sampling.selection_probability:g} * {sampling.population_size}; "
+        f"accepted: 1 to {b} units per batch, a unit being a record, or a user of up to "
+        "records_per_unit rows with unit='user'); nothing was recorded or applied. Feed "
+        "batches of at most that size, or declare the sampling that produced them (e.g. "
+        "Sampling(n, batch_size / n, policy='shuffle'))"
+    )
 
 
 def _within_pass(entry: Any) -> Any:
