@@ -51,12 +51,17 @@ setup(
             # tests/test_reload_ledger.py and tests/test_finetuning.py build keras-hub models
             # from tiny configs (random init, no download)
             "keras-hub>=0.32,<0.33",
+            # tests/test_callbacks.py writes and reads TensorBoard event files (TF 2.21 no longer
+            # depends on tensorboard; keras.callbacks.TensorBoard needs it)
+            "tensorboard>=2.16",
         ],
         "tutorials": [
             "matplotlib>=3.7",
             "scikit-learn>=1.3",
             # tutorials/dp_finetuning.ipynb (keras-hub models; its tokenizers on Colab)
             "keras-hub>=0.32,<0.33",
+            # keras.callbacks.TensorBoard with tf_dp.keras.PrivacyReport (docs/keras.md)
+            "tensorboard>=2.16",
         ],
     },
     entry_points={

@@ -82,6 +82,48 @@ def test_privacy_report_feeds_tensorboard_logs(digits, tmp_path):
     assert seen and seen[0] > 0
 
 
+def _tensorboard_scalars(train_dir, tag):
+    """(step, value) pairs of ``tag`` in every event file of ``train_dir``, read back from disk."""
+    import glob
+
+    import tensorflow as tf
+
+    found = []
+    for path in sorted(glob.glob(os.path.join(train_dir, "events.out.tfevents.*"))):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if value.tag == tag:
+                    found.append((event.step, float(tf.make_ndarray(value.tensor))))
+    return sorted(found)
+
+
+@pytest.mark.parametrize("order", ["report_first", "tensorboard_first", "between_two"])
+def test_privacy_report_reaches_tensorboard_in_any_order(digits, tmp_path, order):
+    import tensorboard  # noqa: F401 -- tf.summary needs it (the test extra); missing: a failure
+
+    report = dpcb.PrivacyReport(delta=1e-5)
+    first = keras.callbacks.TensorBoard(str(tmp_path / "first"))
+    second = keras.callbacks.TensorBoard(str(tmp_path / "second"))
+    callbacks = {
+        "report_first": [report, first],
+        "tensorboard_first": [first, report],
+        "between_two": [first, report, second],
+    }[order]
+    model = _model()
+    epochs = 2
+    model.fit(_batches(digits), epochs=epochs, verbose=0, callbacks=callbacks)
+    assert model.optimizer.ledger.num_samples == epochs * STEPS
+    # Independently: the accountant on STEPS, 2 * STEPS identical entries; the event file stores
+    # float32, so the value read back is epsilon rounded to float32 (relative error <= 2**-24).
+    expected = [(e, _eps((e + 1) * STEPS)) for e in range(epochs)]
+    tensorboards = [first, second] if order == "between_two" else [first]
+    for tb in tensorboards:
+        got = _tensorboard_scalars(os.path.join(tb.log_dir, "train"), "epoch_epsilon")
+        assert [step for step, _ in got] == [step for step, _ in expected], (order, tb.log_dir)
+        for (_, value), (_, eps) in zip(got, expected):
+            assert value == pytest.approx(eps, rel=float(np.finfo(np.float32).eps))
+
+
 def test_privacy_budget_stops_before_the_step_that_would_exceed(digits):
     # Independently, step by step: the largest k with eps(k) <= target.
     eps = [_eps(k) for k in range(1, 41)]

@@ -4,7 +4,8 @@ All of them read the DP optimizer's :class:`~tf_dp.PrivacyLedger` (what actually
 accountant of :mod:`tf_dp.accounting` for the guarantee.
 
 - :class:`PrivacyReport` puts ``epsilon`` (spent so far) into the epoch ``logs``, so it lands in
-  ``History.history["epsilon"]`` and in TensorBoard (list it *before* ``keras.callbacks.TensorBoard``).
+  ``History.history["epsilon"]`` and in every ``keras.callbacks.TensorBoard`` of the ``fit``, in
+  either order.
 - :class:`PrivacyBudget` is the ``DPTrain`` loop of Abadi et al. 2016: it stops training *before*
   the step that would take epsilon over the budget.
 - :class:`BackupAndRestore` is ``keras.callbacks.BackupAndRestore`` that also backs up and restores
@@ -138,13 +139,41 @@ def compute_epsilon(entries: Sequence[Any], delta: float, accountant: str):
     return float(getattr(result, "epsilon", result)), result
 
 
+def _calling_callback_list(callback, max_depth: int = 8):
+    """The ``keras.callbacks.CallbackList`` that is calling ``callback``'s hook right now (found on
+    the call stack: ``fit`` dispatches every hook through one), or None (a custom loop calling the
+    hook directly)."""
+    import inspect
+
+    frame = inspect.currentframe()
+    try:
+        for _ in range(max_depth):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, keras.callbacks.CallbackList) and any(
+                c is callback for c in owner.callbacks
+            ):
+                return owner
+        return None
+    finally:
+        del frame
+
+
 class PrivacyReport(keras.callbacks.Callback):
     """Adds ``epsilon`` (privacy spent so far, from the ledger) to each epoch's ``logs``.
 
-    Keras's ``History`` (``model.fit(...).history["epsilon"]``) and any ``TensorBoard`` callback
-    listed *after* this one record it. Epsilon is computed at ``delta`` by ``accountant`` from the
-    optimizer's ledger of everything recorded so far (earlier ``fit`` calls and a restored ledger
-    included). ``statements`` keeps the accountant's full statement per epoch.
+    Keras's ``History`` (``model.fit(...).history["epsilon"]``) records it, and so does every
+    ``keras.callbacks.TensorBoard`` of the same ``fit``, in whichever order the callbacks are
+    listed: a ``TensorBoard`` listed after this one reads it from the epoch's ``logs``; for one
+    listed before (it has already written that epoch's logs), this callback writes the scalar
+    ``epoch_<log_key>`` itself, at step ``epoch``, into that callback's ``<log_dir>/train``, as
+    ``TensorBoard`` writes its own epoch scalars (this needs the ``tensorboard`` package:
+    ``pip install tensorboard``, part of the ``tutorials`` extra). Epsilon is computed at ``delta``
+    by ``accountant`` from the optimizer's ledger of everything recorded so far (earlier ``fit``
+    calls and a restored ledger included). ``statements`` keeps the accountant's full statement
+    per epoch.
 
     Args:
       delta: the delta of the (epsilon, delta) guarantee, in (0, 1).
@@ -154,8 +183,9 @@ class PrivacyReport(keras.callbacks.Callback):
 
     Example::
 
-        history = model.fit(batches, epochs=5, callbacks=[dp_callbacks.PrivacyReport(1e-5)])
-        history.history["epsilon"]     # [0.41, 0.58, ...]
+        history = model.fit(batches, epochs=5, callbacks=[
+            keras.callbacks.TensorBoard("logs/"), dp_callbacks.PrivacyReport(1e-5)])
+        history.history["epsilon"]     # [0.41, 0.58, ...]; also "epoch_epsilon" in logs/train
     """
 
     def __init__(
@@ -167,20 +197,55 @@ class PrivacyReport(keras.callbacks.Callback):
         self.log_key = log_key
         self.verbose = verbose
         self.statements: list[str] = []
+        # TensorBoard callbacks that run before this one at each epoch end, and our writers to them
+        self._tensorboards_before: list[Any] = []
+        self._writers: dict[str, Any] = {}
 
     def on_train_begin(self, logs=None):
         optimizer = _dp_optimizer(self.model, "PrivacyReport")
         _check_can_analyse(optimizer, self.delta, self.accountant, "PrivacyReport")
+        self._close_writers()
+        self._tensorboards_before = []
+        callback_list = _calling_callback_list(self)
+        if callback_list is not None:
+            for callback in callback_list.callbacks:
+                if callback is self:
+                    break
+                if isinstance(callback, keras.callbacks.TensorBoard):
+                    self._tensorboards_before.append(callback)
 
     def on_epoch_end(self, epoch, logs=None):
         ledger = _dp_optimizer(self.model, "PrivacyReport").ledger
         epsilon, result = compute_epsilon(ledger.runs(), self.delta, self.accountant)
         if logs is not None:
             logs[self.log_key] = epsilon
+        self._write_to_tensorboards_before(epoch, epsilon)
         statement = str(result) if result is not None else "no DP step recorded: epsilon = 0"
         self.statements.append(statement)
         if self.verbose:
             print(f"\nEpoch {epoch + 1}: {statement}")
+
+    def on_train_end(self, logs=None):
+        self._close_writers()
+
+    def _write_to_tensorboards_before(self, epoch: int, epsilon: float) -> None:
+        if not self._tensorboards_before:
+            return
+        import tensorflow as tf
+
+        for callback in self._tensorboards_before:
+            train_dir = os.path.join(callback.log_dir, "train")
+            writer = self._writers.get(train_dir)
+            if writer is None:
+                writer = self._writers[train_dir] = tf.summary.create_file_writer(train_dir)
+            with writer.as_default():
+                tf.summary.scalar(f"epoch_{self.log_key}", epsilon, step=epoch)
+            writer.flush()
+
+    def _close_writers(self) -> None:
+        for writer in self._writers.values():
+            writer.close()
+        self._writers = {}
 
 
 def predicted_next_entry(optimizer) -> Optional[SampleEntry]:
