@@ -85,6 +85,8 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
     ledger records (``tree_step`` 0).
     """
 
+    _calibrates_as_dp_sgd = False  # tree-aggregated noise: not DP-SGD's accounting
+
     def __init__(
         self,
         learning_rate: Any = 0.01,

@@ -44,6 +44,9 @@ class DPOptimizerMixin(OptimizerSettings, OptimizerSampling, OptimizerSaving):
     the settings read from the engine (``optimizer_settings.py``), sampling declarations
     (``optimizer_sampling.py``) and saving (``optimizer_saving.py``)."""
 
+    #: False for optimizers whose steps are not accounted as DP-SGD steps (DP-FTRL's tree)
+    _calibrates_as_dp_sgd = True
+
     def _init_dp(
         self,
         l2_norm_clip: Optional[float],
@@ -71,6 +74,76 @@ class DPOptimizerMixin(OptimizerSettings, OptimizerSampling, OptimizerSaving):
         self._custom_query = dp_sum_query is not None
         self._sampling_from_fit = False
         self._dp_applying = False
+
+    # -- target epsilon in, noise out ---------------------------------------------------------
+
+    @classmethod
+    def for_target_epsilon(
+        cls,
+        target_epsilon: float,
+        delta: float,
+        *,
+        n: int,
+        batch_size: int,
+        epochs: Optional[float] = None,
+        steps: Optional[int] = None,
+        accountant: str = "rdp",
+        **kwargs: Any,
+    ):
+        """This DP optimizer with the smallest noise multiplier that keeps a DP-SGD run within
+        ``(target_epsilon, delta)``: the noise comes from
+        :func:`tf_dp.accounting.calibrate_noise_multiplier` (same arguments; the run it plans
+        draws Poisson batches of expected size ``batch_size`` from ``n`` examples, for
+        ``epochs`` expected passes, ``ceil(epochs * n / batch_size)`` steps, or for ``steps``).
+
+        Train with ``tf_dp.data.poisson_batches(x, y, sampling_probability=batch_size / n)``
+        for at most that many steps (``PrivacyBudget(target_epsilon, delta)`` stops a run that
+        would go further). ``kwargs`` are the optimizer's other arguments (``l2_norm_clip`` is
+        required; ``noise_multiplier``, ``noise_stddev`` and ``dp_sum_query`` are refused, the
+        calibration sets the noise). With ``num_microbatches`` the calibration assumes
+        microbatches of several examples (sensitivity ``2C``); with ``gradient_mode="jl"`` it
+        counts the ``jl_projections`` norm releases. The calibrated value is
+        ``optimizer.noise_multiplier``.
+
+        Example::
+
+            opt = tf_dp.keras.DPKerasSGDOptimizer.for_target_epsilon(
+                3.0, 1e-5, n=60000, batch_size=256, epochs=15,
+                l2_norm_clip=1.0, learning_rate=0.15)
+            opt.noise_multiplier     # 0.774...
+        """
+        from tf_dp.accounting import calibrate_noise_multiplier
+
+        for name in ("noise_multiplier", "noise_stddev", "dp_sum_query"):
+            if kwargs.get(name) is not None:
+                raise ValueError(
+                    f"{cls.__name__}.for_target_epsilon sets the noise from target_epsilon: "
+                    f"{name} must not be given, got {name}={kwargs[name]!r}"
+                )
+        if not cls._calibrates_as_dp_sgd:
+            raise TypeError(
+                f"{cls.__name__} is not accounted as DP-SGD steps; calibrate its noise with its "
+                "own accountant"
+            )
+        if kwargs.get("l2_norm_clip") is None:
+            raise ValueError(
+                f"{cls.__name__}.for_target_epsilon needs l2_norm_clip (a finite number > 0, or "
+                "a schedule)"
+            )
+        num_microbatches = kwargs.get("num_microbatches")
+        jl_projections = kwargs.get("jl_projections")
+        sigma = calibrate_noise_multiplier(
+            target_epsilon, delta, n, batch_size, epochs=epochs, steps=steps,
+            accountant=accountant, sampling="poisson",
+            microbatch_size=None if num_microbatches is None else 2,
+            jl_projections=jl_projections if kwargs.get("gradient_mode") == "jl" else None,
+        )
+        _logger.info(
+            "tf_dp: noise_multiplier=%.6g keeps %s at epsilon <= %g, delta=%g (%s accountant; "
+            "Poisson batches of expected size %d of %d examples)", sigma, cls.__name__,
+            target_epsilon, delta, accountant, batch_size, n,
+        )
+        return cls(noise_multiplier=sigma, **kwargs)
 
     # -- the private step ----------------------------------------------------------------------
 
