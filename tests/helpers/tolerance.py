@@ -51,6 +51,60 @@ def tolerance(dtype, terms: int = 1, scale: float = 1.0) -> float:
     return float(terms * eps(dtype) * scale)
 
 
+def dense_gradient_terms(widths) -> int:
+    """Roundings on the longest path from an input to one per-example gradient entry of a dense
+    network of layer widths ``widths`` (input first, logits last) with a cross-entropy loss:
+    forward, each layer's matmul (fan-in) and bias, each hidden activation, the log-softmax over
+    the classes; backward, each hidden layer's matmul (fan-out) and activation derivative, one
+    outer product per layer, and the casts in and out of the compute dtype (2).
+
+    >>> dense_gradient_terms([5, 4, 3])  # (5 + 1) + (4 + 1) + 1 + 3, then (3 + 1) + 2 + 2
+    23
+    """
+    widths = list(widths)
+    layers = len(widths) - 1
+    forward = sum(w + 1 for w in widths[:-1]) + (layers - 1) + widths[-1]
+    backward = sum(w + 1 for w in widths[2:]) + layers + 2
+    return forward + backward
+
+
+def model_gradient_terms(model, classes: int) -> int:
+    """An upper count of the roundings on the way from an input to one per-example gradient
+    entry of a built Keras model with a cross-entropy loss over ``classes``: for each layer with
+    weights, its longest reduction (the fan-in of the kernel, ``prod(kernel.shape[:-1])``, or the
+    output positions a convolution's weight gradient sums over, whichever is larger) and 2 (bias,
+    activation), counted forward and backward; the log-softmax; 2 casts. Layers without weights
+    (flatten, concatenation, pooling of at most the positions counted) are counted by the
+    reductions of their neighbours.
+
+    >>> import keras
+    >>> m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), keras.layers.Dense(3)])
+    >>> model_gradient_terms(m, classes=3)  # 2 * ((5 + 2) + (4 + 2)) + 3 + 2
+    31
+    """
+    import math
+
+    total = 0
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        kernel = getattr(layer, "kernel", None)
+        if kernel is None or getattr(layer, "_layers", None):
+            continue
+        fan_in = math.prod(kernel.shape[:-1])
+        positions = 1
+        output = getattr(layer, "output", None)
+        shape = getattr(output, "shape", None)
+        if shape is not None and len(shape) > 2:
+            positions = math.prod(d for d in shape[1:-1] if d is not None)
+        total += max(fan_in, positions) + 2
+    return 2 * total + classes + 2
+
+
+def norm_terms(num_params: int) -> int:
+    """Roundings of a global L2 norm over ``num_params`` entries: the sum of their squares and
+    the square root."""
+    return int(num_params) + 1
+
+
 def sgd_tolerance(
     dtype,
     steps: int,
@@ -68,7 +122,7 @@ def sgd_tolerance(
     order at these learning rates).
 
     >>> round(sgd_tolerance("float32", 3, 0.1, 0.5, 59, 1.0) * 1e6, 3)
-    1.412
+    1.413
     """
     return steps * (
         tolerance(dtype, terms, learning_rate * update_scale)
