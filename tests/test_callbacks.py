@@ -14,7 +14,7 @@ import tf_dp
 from tf_dp import accounting
 from tf_dp.keras import callbacks as dpcb
 from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
-from tf_dp.ledger.ledger_file import read_ledger_file
+from tf_dp.ledger.ledger_file import LedgerFileError, read_ledger_file
 
 N, Q, SIGMA, CLIP = 300, 0.1, 1.0, 1.0
 STEPS = 10  # round(1 / Q)
@@ -189,10 +189,16 @@ def test_backup_and_restore_resumes_with_the_same_ledger(digits, tmp_path):
     saved = read_ledger_file(os.path.join(backup, dpcb.LEDGER_BACKUP_NAME))
     assert saved == before
 
-    # A new process: fresh model and optimizer (empty ledger), same backup dir.
+    # A new process: fresh model and optimizer (empty ledger), same backup dir. While the
+    # interrupted model (its ledger still journaling) lives, a second writer is refused.
     resumed = _model(seed=2)
     resumed.build((None, 64))
     assert resumed.optimizer.ledger.num_samples == 0
+    with pytest.raises(LedgerFileError, match="already open for writing"):
+        resumed.fit(_batches(digits), epochs=4, verbose=0,
+                    callbacks=[dpcb.BackupAndRestore(backup)])
+    assert read_ledger_file(os.path.join(backup, dpcb.LEDGER_BACKUP_NAME)) == before
+    del model  # the first "process" ends (its journal is closed when it is collected)
     report = dpcb.PrivacyReport(delta=1e-5)
     history = resumed.fit(_batches(digits), epochs=4, verbose=0,
                           callbacks=[dpcb.BackupAndRestore(backup), report])
@@ -226,6 +232,7 @@ def test_resumed_budget_counts_the_restored_ledger(digits, tmp_path):
         model.fit(_batches(digits), epochs=10, verbose=0,
                   callbacks=[dpcb.PrivacyBudget(target, 1e-5, verbose=False),
                              dpcb.BackupAndRestore(backup), _Interrupt(at_epoch=2)])
+    del model  # the interrupted "process" ends
     resumed = _model(seed=4)
     resumed.build((None, 64))
     budget = dpcb.PrivacyBudget(target, 1e-5, verbose=False)

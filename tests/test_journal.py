@@ -1,5 +1,7 @@
 """The ledger journal: every step that ran is charged, also those a kill discarded."""
 
+import errno
+import gc
 import os
 import subprocess
 import sys
@@ -11,6 +13,7 @@ import pytest
 
 import tf_dp
 from tf_dp.keras import callbacks as dpcb
+from tf_dp.ledger import journal as journal_module
 from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
 from tf_dp.ledger.journal import LedgerJournal, read_journal
 from tf_dp.ledger.ledger_file import LedgerFileError
@@ -71,14 +74,194 @@ def test_journal_corrupted_before_a_valid_record_is_refused(tmp_path):
 
 
 def test_two_writers_on_one_journal_are_detected(tmp_path):
+    # Writers that the lock cannot stop (a file system without flock, a hand edit): reading
+    # still detects the broken sequence of starts.
     path = str(tmp_path / "j.jsonl")
-    first, second = LedgerJournal(path), LedgerJournal(path)
+    first = LedgerJournal(path)
     first.append([_entry(0)], start=0)
-    second.append([_entry(1)], start=0)  # each thinks it holds step 0
+    first.close()
+    with open(path, "ab") as f:  # a second writer that also thought it held step 0
+        start, runs = 0, journal_module.encode_runs([_entry(1)])
+        digest = journal_module._digest(start, runs)
+        f.write(f'{{"start":0,"runs":{runs},"sha256":"{digest}"}}\n'.encode())
     with pytest.raises(LedgerFileError, match="two writers"):
         read_journal(path)
+
+
+def test_a_second_writer_in_this_process_is_refused_and_the_lock_goes_with_close(tmp_path):
+    path = str(tmp_path / "j.jsonl")
+    first = LedgerJournal(path)
+    first.append([_entry(0), _entry(1)], start=0)
+    with open(path, "rb") as f:
+        before = f.read()
+    with pytest.raises(LedgerFileError, match="already open for writing"):
+        LedgerJournal(path)
+    other = tf_dp.PrivacyLedger()  # a second ledger of this process: refused as well
+    with pytest.raises(LedgerFileError, match="already open for writing"):
+        other.attach_journal(path)
+    assert other.journal is None and other.num_samples == 0
+    with open(path, "rb") as f:
+        assert f.read() == before  # nothing written, nothing cut
+    first.append([_entry(2)], start=2)  # the first writer goes on
     first.close()
-    second.close()
+    again = LedgerJournal(path)  # close released the lock
+    assert again.num_samples == 3
+    again.close()
+    assert read_journal(path) == [_entry(i) for i in range(3)]
+
+
+# A writer in another process: attaches the journal, records 3 steps, says so, waits.
+WRITER = textwrap.dedent(
+    """
+    import sys
+    import tf_dp
+    from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
+
+    def record(ledger, i):
+        e = SampleEntry(SamplingEvent(100, 0.1), (SumQueryEvent(1.0, 1.0 + i / 8),))
+        ledger.record_sampling(100, 0.1, e.sampling.policy)
+        ledger.record_sum_query(1.0, 1.0 + i / 8)
+        ledger.flush()
+
+    ledger = tf_dp.PrivacyLedger()
+    ledger.attach_journal(sys.argv[1])
+    for i in range(3):
+        record(ledger, i)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    record(ledger, 3)
+    print("done", flush=True)
+    """
+)
+
+
+def test_a_second_run_on_one_journal_is_refused_before_it_writes(tmp_path):
+    path = str(tmp_path / "privacy_journal.jsonl")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    child = subprocess.Popen(
+        [sys.executable, "-c", WRITER, path], env=env, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready", child.stderr.read()
+        with open(path, "rb") as f:
+            before = f.read()
+        second = tf_dp.PrivacyLedger()
+        _record(second, [_entry(9)])
+        with pytest.raises(LedgerFileError, match="already open for writing"):
+            second.attach_journal(path)
+        with pytest.raises(LedgerFileError, match="already open for writing"):
+            LedgerJournal(path)
+        with open(path, "rb") as f:
+            assert f.read() == before
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "done"
+        assert child.wait(timeout=60) == 0, child.stderr.read()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    # The first run's journal is intact (4 steps, one record each), and the lock went with
+    # its process: a later run may resume it.
+    assert read_journal(path) == [_entry(i) for i in range(4)]
+    resumed = tf_dp.PrivacyLedger()
+    resumed.attach_journal(path)
+    assert resumed.samples() == [_entry(i) for i in range(4)]
+    resumed.detach_journal()
+
+
+def _three_records(path):
+    journal = LedgerJournal(path)
+    for i in range(3):
+        journal.append([_entry(i)], start=i)
+    journal.close()
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def test_a_damaged_last_complete_record_is_not_taken_for_a_torn_write(tmp_path):
+    path = str(tmp_path / "j.jsonl")
+    data = _three_records(path)
+    lines = data.split(b"\n")
+    assert lines[-1] == b"" and b'"noise_stddev":1.25' in lines[-2]
+    # The last record is complete (its newline is there) but its checksum fails: damage.
+    lines[-2] = lines[-2].replace(b'"noise_stddev":1.25', b'"noise_stddev":1.5')
+    damaged = b"\n".join(lines)
+    with open(path, "wb") as f:
+        f.write(damaged)
+    offset = len(b"\n".join(lines[:-2])) + 1
+    with pytest.raises(LedgerFileError, match=f"corrupted at byte {offset}"):
+        read_journal(path)
+    with pytest.raises(LedgerFileError, match="corrupted"):
+        tf_dp.PrivacyLedger().attach_journal(path)
+    with open(path, "rb") as f:
+        assert f.read() == damaged  # not truncated
+    # A torn tail (no record end) is still a torn write: ignored, then cut off by a writer.
+    with open(path, "wb") as f:
+        f.write(data[:-9])
+    assert read_journal(path) == [_entry(0), _entry(1)]
+
+
+def test_a_deeply_nested_journal_line_is_a_ledger_file_error(tmp_path):
+    path = str(tmp_path / "j.jsonl")
+    data = _three_records(path)
+    deep = b"[" * 200_000 + b"]" * 200_000
+    with open(path, "wb") as f:
+        f.write(data + b'{"start":3,"runs":' + deep + b',"sha256":"00"}\n')
+    with pytest.raises(LedgerFileError, match="corrupted"):
+        read_journal(path)
+    with pytest.raises(LedgerFileError, match="corrupted"):
+        tf_dp.PrivacyLedger().attach_journal(path)
+    with open(path, "wb") as f:  # the same in the header
+        f.write(b'{"format":' + deep + b"}\n")
+    with pytest.raises(LedgerFileError, match="not a tf_dp privacy journal"):
+        read_journal(path)
+    with open(path, "wb") as f:  # and as a torn tail: ignored
+        f.write(data + deep)
+    assert read_journal(path) == [_entry(i) for i in range(3)]
+
+
+def test_a_failed_open_leaves_no_error_for_del(tmp_path, monkeypatch):
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with pytest.raises(TypeError, match="fsync"):
+        LedgerJournal(str(tmp_path / "j.jsonl"), fsync="yes")
+    (tmp_path / "bad.jsonl").write_text("not a journal\n")
+    with pytest.raises(LedgerFileError):
+        LedgerJournal(str(tmp_path / "bad.jsonl"))
+    gc.collect()
+    assert [u.exc_value for u in unraisable] == []
+
+
+def test_a_full_disk_names_the_journal_and_loses_no_record(tmp_path, monkeypatch):
+    path = str(tmp_path / "j.jsonl")
+    journal = LedgerJournal(path)
+    journal.append([_entry(0)], start=0)
+    real_write = os.write
+
+    def no_space(fd, data):
+        if fd == journal._fd:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    def half(fd, data):  # a full disk may also take part of a record
+        if fd == journal._fd:
+            return real_write(fd, data[: len(data) // 2])
+        return real_write(fd, data)
+
+    for fake in (no_space, half):
+        monkeypatch.setattr(journal_module.os, "write", fake)
+        with pytest.raises(OSError) as info:
+            journal.append([_entry(1)], start=1)
+        monkeypatch.setattr(journal_module.os, "write", real_write)
+        assert info.value.errno == errno.ENOSPC
+        assert info.value.filename == path and path in str(info.value)
+        assert journal.num_samples == 1
+        assert read_journal(path) == [_entry(0)]  # no part of the failed record is left
+    journal.append([_entry(1)], start=1)  # space again: the next append reads back
+    journal.close()
+    assert read_journal(path) == [_entry(0), _entry(1)]
 
 
 def test_a_journaled_ledger_never_forgets_a_step(tmp_path):
@@ -94,12 +277,12 @@ def test_a_journaled_ledger_never_forgets_a_step(tmp_path):
     assert ledger.samples() == steps[:3]
     ledger.restore_entries(steps)  # an extension is fine, and journaled
     assert read_journal(path) == steps
+    ledger.detach_journal()  # (while it is attached, any other writer is refused)
     # A ledger of another run cannot adopt this journal.
     other = tf_dp.PrivacyLedger()
     _record(other, [_entry(7)])
     with pytest.raises(ValueError, match="different steps"):
         other.attach_journal(path)
-    ledger.detach_journal()
 
 
 # A training process that is killed (SIGKILL) in the middle of its second epoch, after a

@@ -16,10 +16,17 @@ Format (version 1): UTF-8 text, one JSON object per line. The first line is
 
 ``runs`` has the layout of a ledger file's runs (``tf_dp/ledger/ledger_file.py``) and holds the
 steps ``start, start + 1, ...``; each record starts where the previous one ended. A record is
-written with one ``write`` call, newline last. A kill can leave only a torn last record (no
-newline, bad JSON or a bad checksum, with nothing valid after it): readers ignore it and writers
-cut it off before appending. Anything invalid *before* a valid record is corruption and raises
-:class:`~tf_dp.ledger.LedgerFileError`.
+written with one ``write`` call, newline last. A kill can leave only a torn last record: one
+with no newline (no record end). Readers ignore it and writers cut it off before appending. A
+complete line (newline present) that is not a valid record (bad JSON, a bad checksum, nesting too
+deep to parse) is damage, wherever it is, and raises :class:`~tf_dp.ledger.LedgerFileError`
+naming the byte offset: its steps ran, so the journal is never cut back silently.
+
+One writer at a time: a :class:`LedgerJournal` holds an exclusive ``fcntl.flock`` lock on the
+file while it is open, so a second writer (another process, or another ledger in this process)
+is refused with :class:`~tf_dp.ledger.LedgerFileError` before it reads or writes anything. The
+lock goes with :meth:`LedgerJournal.close` (``detach_journal``) or the process's exit. Readers
+(:func:`read_journal`) take no lock.
 
 Pure Python (no TensorFlow), like the ledger file module.
 
@@ -32,13 +39,21 @@ Example::
 
 from __future__ import annotations
 
+import errno
+import gc
 import hashlib
 import json
 import os
+import warnings
 from typing import Optional, Sequence
 
 from tf_dp.ledger.events import SampleEntry
 from tf_dp.ledger.ledger_file import LedgerFileError, _canonical, runs_payload, runs_to_entries
+
+try:  # POSIX; elsewhere a journal is not locked (reading still detects two writers)
+    import fcntl
+except ImportError:  # pragma: no cover (Windows)
+    fcntl = None  # type: ignore[assignment]
 
 JOURNAL_FORMAT = "tf_dp.privacy_journal"
 JOURNAL_VERSION = 1
@@ -65,8 +80,8 @@ def _parse_record(line: bytes) -> Optional[tuple[int, list[SampleEntry]]]:
         if record.get("sha256") != _digest(start, _canonical(runs).decode()):
             return None
         return start, runs_to_entries(runs)
-    except (ValueError, KeyError, TypeError, LedgerFileError):
-        return None
+    except (ValueError, KeyError, TypeError, LedgerFileError, RecursionError):
+        return None  # RecursionError: a line nested too deep for the JSON parser
 
 
 def _scan(path: str) -> tuple[list[SampleEntry], int]:
@@ -81,7 +96,7 @@ def _scan(path: str) -> tuple[list[SampleEntry], int]:
         return [], 0
     try:
         header = json.loads(data[:newline].decode())
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):
         header = None
     if not isinstance(header, dict) or header.get("format") != JOURNAL_FORMAT:
         raise LedgerFileError(f"{path!r} is not a tf_dp privacy journal")
@@ -92,20 +107,24 @@ def _scan(path: str) -> tuple[list[SampleEntry], int]:
         )
     entries: list[SampleEntry] = []
     valid = pos = newline + 1
-    bad_at: Optional[int] = None  # offset of the first invalid line after the last valid one
     while pos < len(data):
         end = data.find(b"\n", pos)
         if end < 0:  # no newline: a torn last record
             break
         parsed = _parse_record(data[pos:end])
         if parsed is None:
-            bad_at = pos if bad_at is None else bad_at
+            # A complete line (its newline was written, and a record is one write, newline
+            # last) that is not a valid record: damage, not a torn write. Its steps ran.
+            line_no, later = data.count(b"\n", 0, pos) + 1, data.count(b"\n", end + 1)
+            raise LedgerFileError(
+                f"journal {path!r} is corrupted at byte {pos}: a complete record (line "
+                f"{line_no}) is invalid (bad JSON or checksum) after "
+                f"{len(entries)} valid steps, with {later} complete line(s) after it. The steps "
+                "it held ran and cannot be charged from this file; it is not truncated. Restore "
+                "the journal from a copy, or account from the ledger backup and the damaged "
+                "record's steps by hand"
+            )
         else:
-            if bad_at is not None:
-                raise LedgerFileError(
-                    f"journal {path!r} is corrupted at byte {bad_at} (an invalid record before "
-                    "valid ones)"
-                )
             start, records = parsed
             if start != len(entries):
                 raise LedgerFileError(
@@ -132,6 +151,62 @@ def read_journal(path: str | os.PathLike) -> list[SampleEntry]:
         raise LedgerFileError(f"cannot read journal {os.fspath(path)!r}: {e.strerror}") from None
 
 
+def _lock(fd: int, path: str) -> None:
+    """Takes an exclusive, non-blocking ``flock`` on ``fd``: LedgerFileError if another open
+    file (another process, or another LedgerJournal in this one) holds it."""
+    if fcntl is None:  # pragma: no cover (Windows)
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            # The holder may be an unreachable journal of this process (the ledger of a model
+            # replaced after an interrupted fit, kept by a reference cycle): collect it, retry.
+            gc.collect()
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise LedgerFileError(
+                f"journal {path!r} is already open for writing (another run, or another ledger "
+                "in this process, holds its lock): a journal has one writer at a time. Use "
+                "another path (for BackupAndRestore: another backup_dir) or stop the other "
+                "writer (PrivacyLedger.detach_journal) first; its journal is left unchanged"
+            ) from None
+        # A file system without flock (some network mounts): go on unlocked; reading the
+        # journal still detects records of two writers.
+        warnings.warn(
+            f"tf_dp: cannot lock journal {path!r} ({e.strerror}); a second writer will not be "
+            "refused",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _write(fd: int, data: bytes, path: str) -> None:
+    """``os.write`` of all of ``data``; an OSError (a full disk: ENOSPC) names the file, and a
+    partly written record is cut off again (a later append must not glue onto it)."""
+    size = os.fstat(fd).st_size
+    try:
+        written = os.write(fd, data)
+    except OSError as e:
+        _cut(fd, size)
+        raise OSError(e.errno, f"cannot append to journal: {e.strerror}", path) from e
+    if written != len(data):  # a full disk can also give a short write
+        _cut(fd, size)
+        raise OSError(
+            errno.ENOSPC,
+            f"cannot append to journal: wrote {written} of {len(data)} bytes (disk full?)",
+            path,
+        )
+
+
+def _cut(fd: int, size: int) -> None:
+    try:
+        os.ftruncate(fd, size)
+    except OSError:  # pragma: no cover (then the tail stays torn: readers ignore it)
+        pass
+
+
 class LedgerJournal:
     """Appends a ledger's steps to an append-only journal file (see the module docstring).
 
@@ -139,8 +214,10 @@ class LedgerJournal:
     torn last record. :meth:`append` writes the steps from ``start`` with one ``write`` call
     at the end of the file; with ``fsync=True`` it also waits until the record is on disk
     (survives a machine crash, not only a killed process; slower on most disks). A journal file
-    has one writer at a time: records appended by a second writer break the sequence of
-    ``start`` values, and reading the journal then raises.
+    has one writer at a time: an open journal holds an exclusive lock on its file (released by
+    :meth:`close` or the process's exit), and opening a locked journal raises
+    :class:`~tf_dp.ledger.LedgerFileError` before anything is read or written. An error writing
+    the file (``ENOSPC``: disk full) is an ``OSError`` that names it.
 
     Normally you do not use this class directly:
     :meth:`~tf_dp.ledger.PrivacyLedger.attach_journal` does.
@@ -154,27 +231,30 @@ class LedgerJournal:
     def __init__(self, path: str | os.PathLike, fsync: bool = False):
         if not isinstance(fsync, bool):
             raise TypeError(f"fsync must be True or False, got {type(fsync).__name__}")
+        self._fd: Optional[int] = None
         self.path = os.fspath(path)
         self.fsync = fsync
-        exists = os.path.exists(self.path)
-        entries, valid = _scan(self.path) if exists else ([], 0)
-        self._num_samples = len(entries)
-        self._fd: Optional[int] = os.open(
-            self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666
-        )
+        self._num_samples = 0
         try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot open journal: {e.strerror}", self.path) from None
+        try:
+            _lock(fd, self.path)  # before reading: a refused writer changes nothing
+            entries, valid = _scan(self.path)
             if valid == 0:
-                os.ftruncate(self._fd, 0)
-                os.write(self._fd, _HEADER)
+                os.ftruncate(fd, 0)
+                _write(fd, _HEADER, self.path)
                 valid = len(_HEADER)
-            elif os.fstat(self._fd).st_size > valid:
-                os.ftruncate(self._fd, valid)  # cut off a torn last record
+            elif os.fstat(fd).st_size > valid:
+                os.ftruncate(fd, valid)  # cut off a torn last record
             if self.fsync:
-                os.fsync(self._fd)
+                os.fsync(fd)
         except BaseException:
-            os.close(self._fd)
-            self._fd = None
+            os.close(fd)  # also releases the lock
             raise
+        self._num_samples = len(entries)
+        self._fd = fd
 
     @property
     def num_samples(self) -> int:
@@ -203,18 +283,17 @@ class LedgerJournal:
             )
         digest = _digest(start, runs_json)
         line = f'{{"start":{start},"runs":{runs_json},"sha256":"{digest}"}}\n'.encode()
-        written = os.write(self._fd, line)  # O_APPEND: at the end, whoever else appends
-        if written != len(line):  # pragma: no cover (a full disk)
-            raise OSError(f"journal {self.path!r}: wrote {written} of {len(line)} bytes")
+        _write(self._fd, line, self.path)  # O_APPEND: at the end of the file
         if self.fsync:
             os.fsync(self._fd)
         self._num_samples += count
 
     def close(self) -> None:
-        """Closes the file (appending afterwards raises)."""
-        if self._fd is not None:
-            os.close(self._fd)
+        """Closes the file and releases its lock (appending afterwards raises)."""
+        fd = getattr(self, "_fd", None)  # None if __init__ failed
+        if fd is not None:
             self._fd = None
+            os.close(fd)
 
     def __del__(self):
         self.close()
