@@ -23,6 +23,7 @@ UNIT = {
     "test_accounting_pld",
     "test_accounting_rdp",
     "test_accounting_tradeoff",
+    "test_batch_selection_accounting",
     "test_cli",
     "test_data_datasets",
     "test_dp_query_graph",

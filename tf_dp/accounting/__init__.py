@@ -20,6 +20,11 @@ Example (``compute_epsilon(ledger_or_file, delta)`` does the same from a ledger 
 (2.597, True)
 """
 
+from tf_dp.accounting.balls_in_bins import (
+    BallsInBinsEstimate,
+    balls_in_bins_estimate,
+    balls_in_bins_ledger_estimate,
+)
 from tf_dp.accounting.calibration import calibrate_noise_multiplier
 from tf_dp.accounting.gdp import (
     delta_from_mu,
@@ -65,6 +70,9 @@ from tf_dp.accounting.tradeoff import (
 )
 
 __all__ = [
+    "BallsInBinsEstimate",
+    "balls_in_bins_estimate",
+    "balls_in_bins_ledger_estimate",
     "ACCOUNTANTS",
     "DEFAULT_ORDERS",
     "MAX_STEPS",

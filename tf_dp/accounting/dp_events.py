@@ -9,6 +9,10 @@ accountants analyse (the composable units of :mod:`tf_dp.accounting.ledger_analy
   ``GaussianDpEvent(z / 2)``: replace-one adjacency, sensitivity ``2C``, no amplification;
 * tree-aggregation steps -> per epoch window the worst tree as one ``GaussianDpEvent`` with the
   tree's effective noise multiplier (:mod:`tf_dp.accounting.tree`);
+* truncated Poisson steps -> ``TruncatedSubsampledGaussianDpEvent(n, q, B, z)`` (dp_accounting's
+  analysis of the same mechanism, a replace-one bound on the truncated component: at least
+  tf_dp's own figure);
+* balls-in-bins steps -> per epoch one ``GaussianDpEvent(z)`` (add/remove, no amplification);
 * non-private steps -> ``NonPrivateDpEvent``; steps that touch no record -> nothing;
 * JL steps have no dp_accounting equivalent: refused with a ``ValueError``.
 
@@ -72,7 +76,10 @@ def ledger_to_dp_event(ledger):
         if math.isinf(u.z):
             continue
         event = dpa.GaussianDpEvent(u.z)
-        if u.q < 1.0:
+        if u.policy == "truncated_poisson":
+            event = dpa.TruncatedSubsampledGaussianDpEvent(
+                int(u.population_size), u.q, int(u.max_batch_size), u.z)
+        elif u.q < 1.0:
             event = dpa.PoissonSampledDpEvent(u.q, event)
         events.append(event if u.count == 1 else dpa.SelfComposedDpEvent(event, int(u.count)))
     if not events:

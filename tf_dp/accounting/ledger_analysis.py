@@ -21,6 +21,15 @@ Sampling policies (design invariant 5):
   ``b * (n // b)``: epochs of ``n // b`` steps, which counts them exactly or conservatively.
   ``repeat()`` before ``batch()`` is not covered: a batch straddling two shuffles can hold a
   record twice (batch before repeating).
+* ``truncated_poisson``: Poisson sampling at rate ``q`` cut to at most ``B`` records (the ledger
+  records ``B``): each step is charged as the mixture of :mod:`tf_dp.accounting.truncated`
+  (``rdp`` and ``pld``; the worse of the two neighbours, smaller and larger, over the whole run).
+  ``gdp`` refuses it.
+* ``balls_in_bins``: every pass assigns each record to one of ``T = round(1 / q)`` steps; an added
+  record changes one step of its pass. Certified bound: each epoch (``T`` steps from a pass start,
+  counted as for ``shuffle``) is one Gaussian mechanism with the effective noise multiplier,
+  add/remove adjacency, no amplification. The amplification is only *estimated*
+  (:func:`tf_dp.accounting.balls_in_bins_estimate`).
 
 Non-private samples (a query without noise) give ``epsilon = inf``.
 
@@ -43,11 +52,14 @@ import dataclasses
 import math
 from typing import Any, Optional, Sequence
 
+import numpy as np
+
 from tf_dp.accounting import gdp as _gdp
 from tf_dp.accounting import jl as _jl
 from tf_dp.accounting import pld as _pld
 from tf_dp.accounting import rdp as _rdp
 from tf_dp.accounting import tree as _tree
+from tf_dp.accounting import truncated as _truncated
 from tf_dp.ledger.events import (
     MAX_SENSITIVITY_TO_NOISE,
     SampleEntry,
@@ -169,6 +181,12 @@ class _Unit:
     r: Optional[int]
     count: int
     policy: str
+    population_size: Optional[int] = None  # truncated_poisson: n and B
+    max_batch_size: Optional[int] = None
+
+
+#: Policies counted per epoch of a pass over the data (order-dependent).
+_PASS_POLICIES = ("shuffle", "balls_in_bins")
 
 
 def effective_noise_multipliers(ledger) -> list[float]:
@@ -202,8 +220,17 @@ def shuffle_epochs(steps: int, population_size: int, selection_probability: floa
     return max(1, -(-int(steps) // per_epoch))
 
 
-def shuffle_epoch_runs(runs: Sequence[tuple[SampleEntry, int]]) -> list[tuple[SampleEntry, int]]:
-    """The epochs of the ``shuffle`` runs of ``runs``: ``[(entry, epochs), ...]``.
+def shuffle_epoch_runs(
+    runs: Sequence[tuple[SampleEntry, int]], policy: str = "shuffle"
+) -> list[tuple[SampleEntry, int]]:
+    """The epochs of the ``shuffle`` runs of ``runs``: ``[(entry, epochs), ...]`` (of the
+    ``balls_in_bins`` runs with ``policy="balls_in_bins"``: epochs of ``round(1 / q)`` steps)."""
+    return _epoch_runs(runs, policy)
+
+
+def _epoch_runs(runs: Sequence[tuple[SampleEntry, int]], policy: str
+                ) -> list[tuple[SampleEntry, int]]:
+    """The epochs of the ``policy`` runs of ``runs`` (see :func:`shuffle_epoch_runs`).
 
     A pass over the data starts at every draw marked ``pass_start``, at the ledger's first draw,
     and wherever the sampling declaration (``n``, ``q``) changes or a non-``shuffle`` or
@@ -236,11 +263,14 @@ def shuffle_epoch_runs(runs: Sequence[tuple[SampleEntry, int]]) -> list[tuple[Sa
 
     for entry, count in runs:
         s = entry.sampling
-        if s.policy != "shuffle" or entry.tree_step is not None:
+        if s.policy != policy or entry.tree_step is not None:
             close()
             key = None
             continue
-        spe = shuffle_steps_per_epoch(s.population_size, s.selection_probability)
+        if policy == "balls_in_bins":
+            spe = max(1, int(round(1.0 / s.selection_probability)))
+        else:
+            spe = shuffle_steps_per_epoch(s.population_size, s.selection_probability)
         plain = dataclasses.replace(entry, sampling=dataclasses.replace(s, pass_start=False))
         if s.pass_start or (s.population_size, s.selection_probability) != key:
             close()
@@ -277,7 +307,8 @@ def composable_units(
     non_private = False
     policies = set()
     distinct = distinct_runs(runs) if distinct is None else distinct
-    if not any(e.sampling.policy == "shuffle" or e.tree_step is not None for e, _ in distinct):
+    if not any(e.sampling.policy in _PASS_POLICIES or e.tree_step is not None
+               for e, _ in distinct):
         # Only Poisson steps (each its own subsampled mechanism, whatever its neighbours):
         # composition does not depend on their order, so equal entries compose with their
         # total count. Shuffle epochs and tree windows depend on the order: read in order.
@@ -285,8 +316,10 @@ def composable_units(
     # Tree aggregation (Kairouz et al. 2021): each tree / epoch window is a full-batch Gaussian
     # mechanism (tf_dp.accounting.tree); Poisson-sampled tree steps are refused there.
     shuffle_units = shuffle_epoch_runs(runs)  # (entry, epochs) of the shuffle runs
+    bins_units = _epoch_runs(runs, "balls_in_bins")
     runs, tree_mechanisms = _tree.split_runs(runs, shuffle_steps_per_epoch)
-    runs = [(e, c) for e, c in runs if e.sampling.policy != "shuffle"] + shuffle_units
+    runs = [(e, c) for e, c in runs if e.sampling.policy not in _PASS_POLICIES]
+    runs += shuffle_units + bins_units
     for z, count in tree_mechanisms:
         policies.add("tree")
         if math.isinf(z):
@@ -313,6 +346,18 @@ def composable_units(
             # i.e. half the effective noise multiplier, once per epoch (``count`` epochs here),
             # no amplification.
             units.append(_Unit(1.0, z / 2.0, r, count, policy))
+        elif policy == "balls_in_bins":
+            # An added (removed) record is in exactly one step of each epoch and changes no other
+            # step's batch: per epoch one Gaussian mechanism, sensitivity C, no amplification.
+            units.append(_Unit(1.0, z, r, count, policy))
+        elif policy == "truncated_poisson":
+            if r is not None:
+                raise ValueError(
+                    "the ledger has JL steps under truncated_poisson sampling; no tf_dp "
+                    "accountant analyses JL clipping with truncation; use poisson_batches"
+                )
+            units.append(_Unit(q, z, r, count, policy, entry.sampling.population_size,
+                               entry.sampling.max_batch_size))
         else:
             units.append(_Unit(q, z, r, count, policy))
     return units, non_private, policies
@@ -325,6 +370,19 @@ def _assumptions(accountant: str, policies: set, has_jl: bool, extra: str = "") 
     if "poisson" in policies:
         parts.append("Poisson sampling with the recorded rate q (amplification by subsampling "
                      "applied)")
+    if "truncated_poisson" in policies:
+        parts.append("truncated Poisson sampling (rate q, at most B records kept, as recorded): "
+                     "each step charged as a mixture, with public index, of the subsampled "
+                     "Gaussian at rate q (the other records leave room) and, with probability "
+                     "P[Binomial(m, q) >= B], the subsampled Gaussian with sensitivity 2C at the "
+                     "kept record's rate (a dropped record may be swapped); the worse of the "
+                     "smaller and the larger neighbour (m = n - 1, n) over the whole run")
+    if "balls_in_bins" in policies:
+        parts.append("balls-in-bins batches (each record in exactly one of the round(1/q) steps "
+                     "of an epoch): each epoch counted as one full-batch Gaussian mechanism with "
+                     "the effective noise multiplier, NO amplification assumed (an epoch is "
+                     "round(1/q) steps from the start of a pass, as recorded in the ledger; a "
+                     "partial epoch counts as a full one)")
     if "shuffle" in policies:
         parts.append("shuffled fixed-size batches: replace-one adjacency (the dataset size is "
                      "fixed; a replaced record's clipped gradient moves by up to 2C) and NO "
@@ -356,17 +414,28 @@ def _check_accountant(accountant: str) -> None:
         raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
 
 
-def _pld_mechanisms(units: list[_Unit]):
+def _has_truncated(units: list[_Unit]) -> bool:
+    return any(u.policy == "truncated_poisson" for u in units)
+
+
+def _pld_mechanisms(units: list[_Unit], neighbour: str = "smaller"):
     has_jl = any(u.r is not None for u in units)
     mechs = []
     for u in units:
-        if u.r is None:
+        if u.policy == "truncated_poisson":
+            mechs.append((_truncated.pld_mechanism(u.population_size, u.q, u.max_batch_size,
+                                                   u.z, neighbour), u.count))
+        elif u.r is None:
             mechs.append((_pld.SubsampledGaussian(u.q, u.z), u.count))
         else:
             mechs.append((_jl.jl_mechanism(u.q, u.z, int(u.r)), u.count))
     if has_jl:
         total = sum(c for _, c in mechs)
         return mechs, dict(h=_jl._default_h(total), loss_cap=_jl.JL_LOSS_CAP)
+    if _has_truncated(units):  # the grid from plain stand-ins (sensitivity 2C: the wider spread)
+        proxy = [(_pld.SubsampledGaussian(u.q, u.z / 2.0 if u.max_batch_size else u.z), u.count)
+                 for u in units]
+        return mechs, dict(h=_pld._auto_h(proxy))
     return mechs, {}
 
 
@@ -378,6 +447,37 @@ def _refuse_jl(units: list[_Unit], accountant: str) -> None:
             f"the ledger has JL steps (jl_projections set); accountant={accountant!r} cannot "
             f"analyse them ({why}); use accountant='pld'"
         )
+
+
+def _refuse_truncated_gdp(units: list[_Unit]) -> None:
+    if _has_truncated(units):
+        raise ValueError(
+            "the ledger has truncated_poisson steps; accountant='gdp' has no analysis of "
+            "truncation; use accountant='rdp' or 'pld'"
+        )
+
+
+def _truncated_rdp(units: list[_Unit], orders, target: float, what: str, conversion: str):
+    """``(value, order)`` of the RDP accountant for runs with truncated_poisson units: the
+    composed curve for each neighbour (smaller, larger), the worse of the two results."""
+    o = np.asarray(orders, dtype=np.float64)
+    plain = [u for u in units if u.policy != "truncated_poisson"]
+    base = _rdp.rdp_curve([u.q for u in plain], [u.z for u in plain],
+                          [u.count for u in plain], o) if plain else np.zeros(o.size)
+    worst = None
+    for neighbour in _truncated.NEIGHBOURS:
+        curve = base.copy()
+        for u in units:
+            if u.policy == "truncated_poisson":
+                curve = curve + u.count * _truncated.rdp_curve(
+                    u.population_size, u.q, u.max_batch_size, u.z, o, neighbour)
+        if what == "epsilon":
+            got = _rdp.epsilon_from_rdp(o, curve, target, conversion)
+        else:
+            got = _rdp.delta_from_rdp(o, curve, target, conversion)
+        if worst is None or got[0] > worst[0]:
+            worst = got
+    return worst
 
 
 def _gdp_mu(units: list[_Unit]) -> float:
@@ -495,6 +595,11 @@ def _epsilon(runs, steps, delta, accountant, orders, discretization, distinct=No
     if not units:
         return PrivacyResult(epsilon=0.0, certified=True, **common,
                              **({"mu": 0.0} if accountant == "gdp" else {}))
+    if accountant in ("rdp", "moments") and _has_truncated(units):
+        _refuse_jl(units, accountant)
+        o = tuple(orders) if orders is not None else _rdp.DEFAULT_ORDERS
+        eps, order = _truncated_rdp(units, o, delta, "epsilon", accountant)
+        return PrivacyResult(epsilon=eps, certified=True, order=order, **common)
     if accountant in ("rdp", "moments"):
         _refuse_jl(units, accountant)
         o = tuple(orders) if orders is not None else _rdp.DEFAULT_ORDERS
@@ -503,6 +608,7 @@ def _epsilon(runs, steps, delta, accountant, orders, discretization, distinct=No
         return PrivacyResult(epsilon=eps, certified=True, order=order, **common)
     if accountant == "gdp":
         _refuse_jl(units, accountant)
+        _refuse_truncated_gdp(units)
         mu = _gdp_mu(units)
         return PrivacyResult(epsilon=_gdp.epsilon_from_mu(delta, mu), certified=certified, mu=mu,
                              **common)
@@ -510,6 +616,8 @@ def _epsilon(runs, steps, delta, accountant, orders, discretization, distinct=No
     if discretization is not None:
         kw["h"] = discretization
     eps = _pld.pld_epsilon(mechs, delta, **kw)
+    if _has_truncated(units):  # the larger neighbour too; the worse of the two
+        eps = max(eps, _pld.pld_epsilon(_pld_mechanisms(units, "larger")[0], delta, **kw))
     if math.isinf(eps) and not has_jl:
         common["assumptions"] = _assumptions(
             accountant, policies, has_jl,
@@ -554,6 +662,11 @@ def _delta(runs, steps, epsilon, accountant, orders, discretization, distinct=No
         return result(1.0)
     if not units:
         return result(0.0)
+    if accountant in ("rdp", "moments") and _has_truncated(units):
+        _refuse_jl(units, accountant)
+        o = tuple(orders) if orders is not None else _rdp.DEFAULT_ORDERS
+        d, order = _truncated_rdp(units, o, epsilon, "delta", accountant)
+        return result(d, order=order)
     if accountant in ("rdp", "moments"):
         _refuse_jl(units, accountant)
         o = tuple(orders) if orders is not None else _rdp.DEFAULT_ORDERS
@@ -562,12 +675,16 @@ def _delta(runs, steps, epsilon, accountant, orders, discretization, distinct=No
         return result(d, order=order)
     if accountant == "gdp":
         _refuse_jl(units, accountant)
+        _refuse_truncated_gdp(units)
         mu = _gdp_mu(units)
         return result(_gdp.delta_from_mu(epsilon, mu), mu=mu)
     mechs, kw = _pld_mechanisms(units)
     if discretization is not None:
         kw["h"] = discretization
-    return result(_pld.pld_delta(mechs, epsilon, **kw))
+    d = _pld.pld_delta(mechs, epsilon, **kw)
+    if _has_truncated(units):  # the larger neighbour too; the worse of the two
+        d = max(d, _pld.pld_delta(_pld_mechanisms(units, "larger")[0], epsilon, **kw))
+    return result(d)
 
 
 def _check_positive_int(name: str, value) -> int:

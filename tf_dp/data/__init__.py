@@ -6,6 +6,11 @@
 - :func:`poisson_sample`: the same from a random-access source (:class:`ArraySource` over numpy
   arrays, memmaps and h5py datasets, :func:`hdf5_source`, :class:`TFRecordSource`,
   :class:`ArrayRecordSource`), reading only the sampled records.
+- :func:`truncated_poisson_batches`: Poisson-sampled batches of one fixed shape ``[B, ...]`` (a
+  sample larger than ``B`` is cut to a random ``B``; the ledger records ``truncated_poisson`` with
+  ``B`` and the accountants charge the truncation).
+- :func:`balls_in_bins_batches`: every pass throws each example into one of ``T`` batches at
+  random (each example once per pass; the ledger records ``balls_in_bins``).
 - :func:`shuffled_passes`: fixed-size batches of full passes of a sequential ``tf.data`` pipeline
   (the ledger records ``shuffle``: no amplification assumed).
 - :class:`Sampling`: the sampling claim every sampler hands over (population, rate, policy,
@@ -21,6 +26,7 @@ Example::
 """
 
 from tf_dp.data.arrayrecord import ArrayRecordSource
+from tf_dp.data.balls_in_bins import BallsInBinsBatches, balls_in_bins_batches
 from tf_dp.data.datasets import (
     DEBIAN_FASHION_MNIST_DIR,
     DataNotFoundError,
@@ -34,6 +40,11 @@ from tf_dp.data.sampling import ORIGINS, POLICIES, UNITS, Sampling
 from tf_dp.data.shuffled import ShuffledPasses, shuffled_passes
 from tf_dp.data.source import ArraySource, RandomAccessSource, hdf5_source
 from tf_dp.data.tfrecord import TFRecordSource
+from tf_dp.data.truncated_poisson import (
+    TruncatedPoissonBatches,
+    default_truncation_size,
+    truncated_poisson_batches,
+)
 from tf_dp.data.users import UserIndex, sample_user_rows
 
 __all__ = [
@@ -43,14 +54,18 @@ __all__ = [
     "UNITS",
     "Sampling",
     "ArraySource",
+    "BallsInBinsBatches",
     "DEBIAN_FASHION_MNIST_DIR",
     "DataNotFoundError",
     "PoissonBatches",
     "RandomAccessSource",
     "ShuffledPasses",
     "TFRecordSource",
+    "TruncatedPoissonBatches",
     "UserIndex",
+    "balls_in_bins_batches",
     "default_max_batch_size",
+    "default_truncation_size",
     "hdf5_source",
     "load_fashion_mnist_idx",
     "load_mnist_or_fashion_mnist",
@@ -58,5 +73,6 @@ __all__ = [
     "poisson_sample",
     "read_idx",
     "shuffled_passes",
+    "truncated_poisson_batches",
     "sample_user_rows",
 ]

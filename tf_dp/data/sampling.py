@@ -26,9 +26,13 @@ import dataclasses
 import math
 from typing import Optional
 
-#: How batches are drawn: ``poisson`` (each unit independently with probability q at every step)
-#: or ``shuffle`` (fixed-size batches of a shuffled pass, every unit once per pass).
-POLICIES = ("poisson", "shuffle")
+#: How batches are drawn: ``poisson`` (each unit independently with probability q at every step),
+#: ``shuffle`` (fixed-size batches of a shuffled pass, every unit once per pass),
+#: ``truncated_poisson`` (a Poisson sample cut to at most ``max_batch_size`` units,
+#: :func:`tf_dp.data.truncated_poisson_batches`) or ``balls_in_bins`` (every pass throws each unit
+#: into one of ``round(1 / q)`` batches uniformly at random,
+#: :func:`tf_dp.data.balls_in_bins_batches`).
+POLICIES = ("poisson", "shuffle", "truncated_poisson", "balls_in_bins")
 #: Who performed the sampling: ``sampled`` (a tf_dp sampler drew the batches) or ``declared``
 #: (the user said so; tf_dp records the claim without being able to check it).
 ORIGINS = ("sampled", "declared")
@@ -51,6 +55,8 @@ class Sampling:
         of one user, and each sampled user contributes at most ``records_per_unit`` records.
       records_per_unit: ``k`` >= 1, the most records a sampled user contributes to one batch
         (required with ``unit="user"``, None with ``unit="example"``).
+      max_batch_size: ``B`` >= 1, the most units a ``truncated_poisson`` batch keeps (required
+        with that policy, None with the others).
     """
 
     population_size: int
@@ -59,6 +65,7 @@ class Sampling:
     origin: str = "declared"
     unit: str = "example"
     records_per_unit: Optional[int] = None
+    max_batch_size: Optional[int] = None
 
     def __post_init__(self):
         n = self.population_size
@@ -85,6 +92,17 @@ class Sampling:
                 )
         elif k is not None:
             raise ValueError(f"records_per_unit must be None with unit='example', got {k!r}")
+        b = self.max_batch_size
+        if self.policy == "truncated_poisson":
+            if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+                raise ValueError(
+                    f"max_batch_size must be an integer >= 1 with policy='truncated_poisson', "
+                    f"got {b!r}"
+                )
+        elif b is not None:
+            raise ValueError(
+                f"max_batch_size must be None unless policy='truncated_poisson', got {b!r}"
+            )
 
     @property
     def expected_batch_size(self) -> float:
@@ -98,7 +116,12 @@ class Sampling:
 
     def describe(self) -> str:
         """One line for privacy statements, naming the unit and whether the claim is checked."""
-        kind = "Poisson sampling" if self.policy == "poisson" else "shuffled fixed-size batches"
+        kind = {
+            "poisson": "Poisson sampling",
+            "shuffle": "shuffled fixed-size batches",
+            "truncated_poisson": f"Poisson sampling truncated at {self.max_batch_size}",
+            "balls_in_bins": "balls-in-bins batches",
+        }[self.policy]
         units = "users" if self.unit == "user" else "examples"
         extra = (
             f", at most {self.records_per_unit} records per user" if self.unit == "user" else ""

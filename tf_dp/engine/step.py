@@ -173,7 +173,8 @@ class DPEngine:
             sampling.selection_probability
         )
         self._expected_batch.assign(expected)
-        self._poisson.assign(sampling.policy == "poisson")
+        # every policy but shuffle has batches of varying (private) size: divide by q * n
+        self._poisson.assign(sampling.policy != "shuffle")
         self._batch_limit.assign(max_batch_units(sampling) or 0)
         self.sampling = sampling
 

@@ -116,6 +116,14 @@ def prepare_fit(model: keras.Model, args: tuple, kwargs: dict) -> tuple[tuple, d
         if workers <= 1:  # equal pieces (whole user slots) for the local replicas
             replicas = model.distribute_strategy.num_replicas_in_sync
             dataset = pad_to_multiple(dataset, replicas * (claim.records_per_unit or 1))
+        given = kwargs.get("steps_per_epoch")
+        if claim.policy == "balls_in_bins" and given not in (None, x.steps_per_epoch):
+            # each fit epoch must be one whole pass (one assignment): the accountants count
+            # epochs of T steps from each fit epoch's start
+            raise ValueError(
+                f"steps_per_epoch must be None or {x.steps_per_epoch} (T, the batches of one "
+                f"pass) with balls_in_bins_batches, got {given!r}"
+            )
         optimizer.declare_fit_sampling(claim)
         kwargs.setdefault("shuffle", False)  # the sampler draws its own batches
         if args:

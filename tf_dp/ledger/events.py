@@ -61,8 +61,15 @@ def without_gc(fn: _F) -> _F:
 #: Sampling policies the ledger knows. ``poisson``: every example is selected independently with
 #: probability ``q`` (privacy amplification by subsampling applies). ``shuffle``: the data are
 #: shuffled and cut into fixed-size batches (each example used once per epoch); accountants report
-#: the bound that does not assume amplification for it.
-SAMPLING_POLICIES = ("poisson", "shuffle")
+#: the bound that does not assume amplification for it. ``truncated_poisson``: a Poisson sample
+#: (rate ``q``) cut to at most ``max_batch_size`` records by keeping a uniformly random subset
+#: (Chua et al. 2024, arXiv 2411.04205). ``balls_in_bins``: every pass assigns each record to one
+#: of ``round(1 / q)`` batches uniformly at random (Chua et al. 2025); each record is in exactly one
+#: batch per pass. Codes are the positions in this tuple: new policies are appended.
+SAMPLING_POLICIES = ("poisson", "shuffle", "truncated_poisson", "balls_in_bins")
+
+#: Policies whose draws are grouped in passes over the data (``pass_start`` is recorded).
+PASS_POLICIES = ("shuffle", "balls_in_bins")
 
 #: Who performed the sampling. ``declared``: the user declared it (``set_sampling``); tf_dp
 #: records the claim and cannot check it. ``sampled``: a tf_dp sampler drew the batches (or
@@ -113,6 +120,8 @@ class SamplingEvent:
         records of one user (added or removed under ``poisson``).
       records_per_unit: ``k``, the most records one sampled user contributes to a batch (an
         integer >= 1 with ``unit="user"``, None with ``unit="example"``).
+      max_batch_size: ``B``, the most units a ``truncated_poisson`` batch keeps (an integer >= 1;
+        None for every other policy).
     """
 
     population_size: int
@@ -122,6 +131,7 @@ class SamplingEvent:
     origin: str = "declared"
     unit: str = "example"
     records_per_unit: Optional[int] = None
+    max_batch_size: Optional[int] = None
 
     def __post_init__(self):
         n = self.population_size
@@ -150,6 +160,17 @@ class SamplingEvent:
                 )
         elif k is not None:
             raise ValueError(f"records_per_unit must be None with unit='example', got {k!r}")
+        b = self.max_batch_size
+        if self.policy == "truncated_poisson":
+            if isinstance(b, bool) or not (isinstance(b, int) and b >= 1):
+                raise ValueError(
+                    f"max_batch_size must be an integer >= 1 with policy='truncated_poisson', "
+                    f"got {b!r}"
+                )
+        elif b is not None:
+            raise ValueError(
+                f"max_batch_size must be None unless policy='truncated_poisson', got {b!r}"
+            )
 
     def describe(self) -> str:
         """What a privacy statement says about this draw: the unit and who vouches for it (the

@@ -30,7 +30,9 @@ declared and tf_dp did not check), ``unit`` (``"user"`` for user-level DP, with
 ``records_per_unit``, the most records one sampled user contributes; absent: ``"example"``). Files
 of versions 1 and 2 predate these keys: tf_dp did not record who drew their batches, so they
 read as ``declared`` and example-level, and their statements say the sampling was not checked.
-A file with any of these keys says version 3.
+A file with any of these keys says version 3, as does a file with the sampling policies
+``truncated_poisson`` (with the key ``max_batch_size``, the truncation ``B``) or
+``balls_in_bins`` (readers that predate a policy reject the file, naming it).
 
 Version 4 (the indexed form, written for :data:`INDEXED_MIN_RUNS` runs or more, e.g. a cyclic
 clip schedule's 1e6 runs over 1e4 values) holds, in place of ``"runs"``, ``"entries"`` (each
@@ -168,12 +170,15 @@ def _sampling_payload(s: SamplingEvent) -> dict[str, Any]:
     if s.unit != "example":
         out["unit"] = s.unit
         out["records_per_unit"] = s.records_per_unit
+    if s.max_batch_size is not None:  # truncated_poisson only
+        out["max_batch_size"] = s.max_batch_size
     return out
 
 
 def _file_version(runs: Sequence[tuple[SampleEntry, int]]) -> int:
     """The oldest version that can say everything in ``runs``."""
-    if any(e.sampling.origin != "declared" or e.sampling.unit != "example" for e, _ in runs):
+    if any(e.sampling.origin != "declared" or e.sampling.unit != "example"
+           or e.sampling.policy not in ("poisson", "shuffle") for e, _ in runs):
         return 3
     return 2 if any(e.sampling.pass_start for e, _ in runs) else 1
 
@@ -278,6 +283,7 @@ def parse_runs(runs: Any) -> tuple[list[tuple[SampleEntry, int]], int]:
                     origin=s.get("origin", "declared"),
                     unit=s.get("unit", "example"),
                     records_per_unit=s.get("records_per_unit"),
+                    max_batch_size=s.get("max_batch_size"),
                 ),
                 queries=tuple(
                     SumQueryEvent(

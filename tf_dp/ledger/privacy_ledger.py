@@ -47,6 +47,7 @@ from tf_dp.ledger.events import (
     MECHANISMS,
     PRIVACY_UNITS,
     SAMPLING_ORIGINS,
+    PASS_POLICIES,
     SAMPLING_POLICIES,
     SampleEntry,
     SamplingEvent,
@@ -66,10 +67,10 @@ from tf_dp.ledger.ledger_file import (
 
 # Column layouts of the two buffers.
 # population_size, selection_probability, policy code, pass start (0/1), origin code (0
-# declared, 1 sampled), unit code (0 example, 1 user), records per unit (0 for examples). Tables
-# with fewer columns (saved before a column existed) are read with zeros there: no pass start,
-# declared, example-level.
-_SAMPLE_COLS = 7
+# declared, 1 sampled), unit code (0 example, 1 user), records per unit (0 for examples),
+# max batch size (truncated_poisson's B; 0 for other policies). Tables with fewer columns (saved
+# before a column existed) are read with zeros there: no pass start, declared, example-level.
+_SAMPLE_COLS = 8
 # sample index, l2_sensitivity, noise_stddev, mechanism code, jl_projections (jl) or tree_step
 # (tree), noise seed (NaN: none), noise grid (NaN: continuous noise)
 _QUERY_COLS = 7
@@ -392,14 +393,16 @@ def _to_entries(samples: np.ndarray, queries: np.ndarray, first: int = 0) -> lis
                 population_size=int(round(n)),
                 selection_probability=float(q),
                 policy=SAMPLING_POLICIES[int(p)],
-                pass_start=bool(start) and SAMPLING_POLICIES[int(p)] == "shuffle",
+                pass_start=bool(start) and SAMPLING_POLICIES[int(p)] in PASS_POLICIES,
                 origin=SAMPLING_ORIGINS[int(origin)],
                 unit=PRIVACY_UNITS[int(unit)],
                 records_per_unit=int(k) if PRIVACY_UNITS[int(unit)] == "user" else None,
+                max_batch_size=(int(b) if SAMPLING_POLICIES[int(p)] == "truncated_poisson"
+                                else None),
             ),
             queries=tuple(qs),
         )
-        for (n, q, p, start, origin, unit, k), qs in zip(samples, per_sample)
+        for (n, q, p, start, origin, unit, k, b), qs in zip(samples, per_sample)
     ]
 
 
@@ -512,7 +515,7 @@ def _entry_rows(entries: Sequence[SampleEntry]) -> tuple[np.ndarray, np.ndarray,
             [e.sampling.population_size, e.sampling.selection_probability,
              policy_code(e.sampling.policy), float(e.sampling.pass_start),
              origin_code(e.sampling.origin), unit_code(e.sampling.unit),
-             e.sampling.records_per_unit or 0]
+             e.sampling.records_per_unit or 0, e.sampling.max_batch_size or 0]
             for e in entries
         ],
         np.float64,
@@ -722,13 +725,15 @@ class PrivacyLedger(tf.Module):
 
     def record_sampling(
         self, population_size, selection_probability, policy, pass_start=False, keep=None,
-        origin="declared", unit="example", records_per_unit=0,
+        origin="declared", unit="example", records_per_unit=0, max_batch_size=0,
     ) -> tf.Tensor:
-        """Starts a new sample. ``policy`` is a name or its code (0 poisson, 1 shuffle);
+        """Starts a new sample. ``policy`` is a name or its code (0 poisson, 1 shuffle, 2
+        truncated_poisson, 3 balls_in_bins);
         ``pass_start`` (bool or 0/1) marks the first draw of a new pass over the data;
         ``origin`` (name or code: 0 declared, 1 sampled) says who drew the batch; ``unit`` (name
         or code: 0 example, 1 user) the unit of privacy, with ``records_per_unit`` (``k``, 0
-        for examples)."""
+        for examples); ``max_batch_size`` the truncation ``B`` of a ``truncated_poisson`` draw (0
+        for other policies)."""
         if isinstance(policy, str):
             policy = policy_code(policy)
         if isinstance(origin, str):
@@ -744,6 +749,7 @@ class PrivacyLedger(tf.Module):
                 _f64(origin),
                 _f64(unit),
                 _f64(0 if records_per_unit is None else records_per_unit),
+                _f64(0 if max_batch_size is None else max_batch_size),
             ]
         )
         return self._samples.append(row, keep)

@@ -13,6 +13,7 @@ from tf_dp.ledger.events import (
     MECHANISMS,
     PRIVACY_UNITS,
     SAMPLING_ORIGINS,
+    PASS_POLICIES,
     SAMPLING_POLICIES,
     SampleEntry,
     SamplingEvent,
@@ -46,7 +47,8 @@ class QueryWithLedger(DPQuery):
       ledger: the ``PrivacyLedger`` to record into (a new one by default).
       population_size: ``n`` (integer >= 1).
       selection_probability: ``q`` in (0, 1].
-      sampling_policy: ``"poisson"`` or ``"shuffle"``.
+      sampling_policy: one of ``tf_dp.ledger.events.SAMPLING_POLICIES`` (``truncated_poisson``
+        needs a :class:`tf_dp.data.Sampling` with ``max_batch_size``).
 
     Example (one sample of two records, recorded with the population and rate as given):
 
@@ -89,6 +91,8 @@ class QueryWithLedger(DPQuery):
             self._origin = ledger_variable(tf.constant(0, tf.int32))
             self._unit = ledger_variable(tf.constant(0, tf.int32))
             self._records_per_unit = ledger_variable(tf.constant(0, tf.int32))
+            # truncated_poisson's B (0 for other policies)
+            self._max_batch_size = ledger_variable(tf.constant(0, tf.int64))
             self._sensitivity_multiplier = ledger_variable(tf.constant(1.0, tf.float32))
             self._jl_projections = ledger_variable(tf.constant(0, tf.int32))
             # 1 until the next recorded draw: that draw starts a new pass over the data
@@ -127,6 +131,7 @@ class QueryWithLedger(DPQuery):
         origin: str = "declared",
         unit: str = "example",
         records_per_unit: Optional[int] = None,
+        max_batch_size: Optional[int] = None,
     ) -> None:
         """Sets the sampling recorded from the next step on (validated first, all or nothing).
 
@@ -142,6 +147,7 @@ class QueryWithLedger(DPQuery):
             population_size, selection_probability = s.population_size, s.selection_probability
             sampling_policy, origin, unit = s.policy, s.origin, s.unit
             records_per_unit = s.records_per_unit
+            max_batch_size = getattr(s, "max_batch_size", None)
         if isinstance(population_size, bool) or not isinstance(population_size, int) or (
             population_size < 1
         ):
@@ -152,13 +158,14 @@ class QueryWithLedger(DPQuery):
         code = policy_code(sampling_policy)
         # validates origin, unit and k together (ValueError naming the field)
         event = SamplingEvent(population_size, q, sampling_policy, origin=origin, unit=unit,
-                              records_per_unit=records_per_unit)
+                              records_per_unit=records_per_unit, max_batch_size=max_batch_size)
         self._population_size.assign(population_size)
         self._selection_probability.assign(q)
         self._policy.assign(code)
         self._origin.assign(origin_code(event.origin))
         self._unit.assign(unit_code(event.unit))
         self._records_per_unit.assign(event.records_per_unit or 0)
+        self._max_batch_size.assign(event.max_batch_size or 0)
         self.settings_version += 1
         self._declared_unit = (unit_code(event.unit), event.records_per_unit or 0)
 
@@ -331,10 +338,11 @@ class QueryWithLedger(DPQuery):
             selection_probability=float(self._selection_probability.numpy()),
             policy=SAMPLING_POLICIES[int(self._policy.numpy())],
             pass_start=(self.pass_start_pending or self._ledger.num_samples == 0)
-            and SAMPLING_POLICIES[int(self._policy.numpy())] == "shuffle",
+            and SAMPLING_POLICIES[int(self._policy.numpy())] in PASS_POLICIES,
             origin=SAMPLING_ORIGINS[int(self._origin.numpy())],
             unit=PRIVACY_UNITS[int(self._unit.numpy())],
             records_per_unit=self.records_per_user,
+            max_batch_size=int(self._max_batch_size.numpy()) or None,
         )
         return SampleEntry(sampling, tuple(entries))
 
@@ -411,7 +419,8 @@ class QueryWithLedger(DPQuery):
                     tf.equal(self._pass_start.read_value(), 1),
                     tf.equal(self._ledger.recorded_samples(), 0),
                 ),
-                tf.equal(self._policy.read_value(), policy_code("shuffle")),
+                tf.reduce_any(tf.equal(self._policy.read_value(),
+                                       [policy_code(p) for p in PASS_POLICIES])),
             )
             values = self._event_values(specs)
             keep = None
@@ -427,6 +436,7 @@ class QueryWithLedger(DPQuery):
                 self._population_size, self._selection_probability, self._policy, pass_start,
                 keep=keep, origin=self._origin, unit=self._unit,
                 records_per_unit=self._records_per_unit,
+                max_batch_size=self._max_batch_size,
             )
             with tf.control_dependencies([index]):
                 recorded = [

@@ -1,0 +1,259 @@
+"""Fixed-shape Poisson batches: a Poisson sample cut to at most ``B`` examples, padded to ``B``.
+
+:func:`tf_dp.data.poisson_batches` pads every batch to a high quantile of ``Binomial(n, q)`` and
+emits a rarer, larger sample whole, so its batches are large (335 rows for an expected 256) and
+their shape can change. :func:`truncated_poisson_batches` instead fixes the shape: at every step
+each of the ``n`` examples joins the sample independently with probability ``q`` (the same
+inclusion rule as ``poisson_batches``); when the sample holds more than ``B`` examples, a uniformly
+random ``B`` of them are kept and the others are dropped for that step; the batch is then padded
+with zero-weight rows up to exactly ``B`` rows. Every batch has shape ``[B, ...]``, so an XLA step
+compiles once::
+
+    batches = tf_dp.data.truncated_poisson_batches(x_train, y_train,
+                                                   sampling_probability=256 / len(x_train))
+    model.fit(batches, epochs=3)   # the ledger records ("truncated_poisson", n, q, B) per step
+
+``B`` defaults to the smallest size with ``P[Binomial(n, q) > B] <= truncation_probability``
+(``1e-6`` per step by default): for ``n = 60000`` and ``q = 256 / 60000``, ``B = 335``. The
+truncation is not free: where the other records fill ``B``, an added record can displace one of
+them, which the accountants charge as sensitivity ``2C`` on those steps. With ``z = 1`` and 2000
+steps at that setting (``pld``, ``delta = 1e-5``), plain Poisson gives epsilon 1.016,
+``B = 335`` 1.017, ``B = 317`` (``1e-4``) 1.178 and ``B = 307`` (``1e-3``) 2.24: keep the
+truncation probability small (docs/data.md has the table and its command).
+
+Privacy: the ledger records the policy ``truncated_poisson`` with ``B``, and the accountants
+(``tf_dp.accounting``, ``rdp`` and ``pld``) charge the truncated mechanism, not plain Poisson:
+truncation can swap an added record for one of the others (sensitivity ``2C`` on the steps where
+the other records already fill ``B``). The analysis is in :mod:`tf_dp.accounting.truncated`.
+The DP optimizer divides the noised sum by the public ``q * n``, never by the batch's real size.
+
+Randomness: as in :func:`tf_dp.data.poisson_batches`, a counter-based (Philox) stateless
+generator keyed from OS entropy; ``seed`` fixes the key (tests and debugging only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from tf_dp.data.inclusion import included
+from tf_dp.data.poisson import _as_numpy_leaves, _check_positive_int, _check_probability
+from tf_dp.data.sampling import Sampling
+
+__all__ = [
+    "DEFAULT_TRUNCATION_PROBABILITY",
+    "TruncatedPoissonBatches",
+    "default_truncation_size",
+    "truncated_poisson_batches",
+]
+
+#: Default per-step probability that a Poisson sample holds more than ``B`` examples (some are
+#: then dropped for that step).
+DEFAULT_TRUNCATION_PROBABILITY = 1e-6
+
+
+def default_truncation_size(
+    population_size: int,
+    sampling_probability: float,
+    truncation_probability: float = DEFAULT_TRUNCATION_PROBABILITY,
+) -> int:
+    """Smallest ``B`` with ``P[Binomial(n, q) > B] <= truncation_probability`` (at least 1).
+
+    Example:
+
+    >>> from tf_dp.data.truncated_poisson import default_truncation_size
+    >>> default_truncation_size(60000, 256 / 60000)
+    335
+    """
+    from scipy import stats
+
+    if not 0.0 < truncation_probability < 1.0:
+        raise ValueError(
+            f"truncation_probability must be in (0, 1), got {truncation_probability!r}"
+        )
+    k = int(stats.binom.isf(truncation_probability, population_size, sampling_probability))
+    while k > 0 and stats.binom.sf(k - 1, population_size, sampling_probability) <= (
+        truncation_probability
+    ):
+        k -= 1  # isf may round up; keep the smallest
+    while stats.binom.sf(k, population_size, sampling_probability) > truncation_probability:
+        k += 1
+    return max(1, min(k, population_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class TruncatedPoissonBatches:
+    """Fixed-shape Poisson batches, ready for ``model.fit`` of a private model.
+
+    Attributes:
+      dataset: a ``tf.data.Dataset`` of ``(x, y, sample_weight)`` batches of exactly
+        ``max_batch_size`` rows (padding rows have weight 0), ``steps_per_epoch`` per pass.
+      tf_dp_sampling: ``(n, q)``.
+      steps_per_epoch: batches per pass (default ``round(1 / q)``).
+      max_batch_size: ``B``, the truncation and the batch's row count.
+      sampling: the :class:`tf_dp.data.Sampling` of these batches (``truncated_poisson``, ``n``,
+        ``q``, ``max_batch_size=B``, ``origin="sampled"``).
+    """
+
+    dataset: tf.data.Dataset
+    tf_dp_sampling: tuple[int, float]
+    steps_per_epoch: int
+    max_batch_size: int
+    num_shards: int = 1
+
+    @property
+    def sampling(self) -> Sampling:
+        n, q = int(self.tf_dp_sampling[0]), float(self.tf_dp_sampling[1])
+        return Sampling(n, q, "truncated_poisson", origin="sampled",
+                        max_batch_size=int(self.max_batch_size))
+
+    @property
+    def expected_batch_size(self) -> float:
+        n, q = self.tf_dp_sampling
+        return n * q
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+
+def check_arrays(x: Any, y: Any, sample_weight: Any):
+    """Validates in-memory ``x``, ``y`` and ``sample_weight`` for a tf_dp sampler; returns them
+    as numpy (weights float32 ``[n]`` or None) with ``n``. Errors name the argument."""
+    x = _as_numpy_leaves("x", x)
+    if y is None:
+        raise ValueError(
+            "y is required: padded rows are masked with sample_weight 0, which Keras applies "
+            "only together with targets"
+        )
+    y = _as_numpy_leaves("y", y)
+    leaves = tf.nest.flatten(x) + tf.nest.flatten(y)
+    n = int(leaves[0].shape[0])
+    for leaf in leaves:
+        if leaf.shape[0] != n:
+            raise ValueError(
+                f"x and y must have the same number of examples in every array; got {n} and "
+                f"{leaf.shape[0]}"
+            )
+    if n < 1:
+        raise ValueError("x must hold at least one example")
+    if sample_weight is not None:
+        sample_weight = np.asarray(sample_weight, dtype=np.float32).reshape(-1)
+        if sample_weight.shape[0] != n:
+            raise ValueError(
+                f"sample_weight must have one weight per example ({n}), got "
+                f"{sample_weight.shape[0]}"
+            )
+        if not np.all(np.isfinite(sample_weight)) or np.any(sample_weight < 0):
+            raise ValueError("sample_weight must be finite and >= 0")
+    return x, y, sample_weight, n
+
+
+def sampler_key(seed: Optional[int]) -> int:
+    """The Philox key of a sampler: OS entropy, or ``seed`` (tests and debugging only)."""
+    if seed is None:
+        return int.from_bytes(os.urandom(8), "little") >> 1  # int64-safe
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed must be None or an integer, got {type(seed).__name__}")
+    return int(seed) & ((1 << 63) - 1)
+
+
+def gather_padded(x_t, y_t, sw_t, idx: tf.Tensor, rows: int, fixed: bool):
+    """``(x, y, weight)`` rows ``idx`` padded with zero rows of weight 0 up to ``rows`` rows
+    (static shape ``[rows, ...]`` when ``fixed``; a longer ``idx`` is emitted whole otherwise)."""
+    k = tf.shape(idx, out_type=tf.int32)[0]
+
+    def pad(t):
+        extra = tf.maximum(rows - k, 0)
+        paddings = tf.concat([[[0, extra]], tf.zeros([tf.rank(t) - 1, 2], tf.int32)], axis=0)
+        out = tf.pad(t, paddings)
+        out.set_shape([rows if fixed else None] + t.shape[1:].as_list())
+        return out
+
+    bx = tf.nest.map_structure(lambda t: pad(tf.gather(t, idx)), x_t)
+    by = tf.nest.map_structure(lambda t: pad(tf.gather(t, idx)), y_t)
+    w = tf.ones([k], tf.float32) if sw_t is None else tf.gather(sw_t, idx)
+    return bx, by, pad(w)
+
+
+def truncated_poisson_batches(
+    x: Any,
+    y: Any = None,
+    sampling_probability: Optional[float] = None,
+    sample_weight: Any = None,
+    steps_per_epoch: Optional[int] = None,
+    max_batch_size: Optional[int] = None,
+    seed: Optional[int] = None,
+    truncation_probability: float = DEFAULT_TRUNCATION_PROBABILITY,
+) -> TruncatedPoissonBatches:
+    """Poisson-sampled batches of one fixed shape ``[B, ...]`` (cut at ``B``, padded to ``B``).
+
+    Args:
+      x: inputs, an array or a nested structure (dict, tuple) of arrays with ``n`` rows each.
+      y: targets, ``n`` rows; required (padding is masked through the sample weight).
+      sampling_probability: ``q`` in (0, 1]: each example joins each step's sample
+        independently with probability ``q``.
+      sample_weight: optional per-example weights ``[n]``; padding rows get weight 0.
+      steps_per_epoch: batches per epoch; default ``round(1 / q)``.
+      max_batch_size: ``B`` >= 1, the rows of every batch and the most examples kept; default
+        :func:`default_truncation_size` at ``truncation_probability``.
+      seed: fixes the sampling randomness. Tests and debugging only (default: OS entropy).
+      truncation_probability: per-step probability that the default ``B`` drops examples.
+
+    Returns:
+      A :class:`TruncatedPoissonBatches`; pass it to a private model's ``fit``.
+
+    Example:
+
+    >>> import numpy as np, tf_dp
+    >>> x, y = np.ones((100, 2), np.float32), np.zeros(100, np.int32)
+    >>> batches = tf_dp.data.truncated_poisson_batches(x, y, sampling_probability=0.1, seed=0)
+    >>> batches.max_batch_size, batches.sampling.policy, batches.sampling.max_batch_size
+    (27, 'truncated_poisson', 27)
+    >>> xb, yb, weights = next(iter(batches.dataset))
+    >>> xb.shape[0] == weights.shape[0] == 27   # every batch has B rows; padding has weight 0
+    True
+    """
+    x, y, sample_weight, n = check_arrays(x, y, sample_weight)
+    q = _check_probability(sampling_probability)
+    if steps_per_epoch is None:
+        steps_per_epoch = max(1, int(round(1.0 / q)))
+    steps_per_epoch = _check_positive_int("steps_per_epoch", steps_per_epoch)
+    if max_batch_size is None:
+        max_batch_size = default_truncation_size(n, q, truncation_probability)
+    max_batch_size = _check_positive_int("max_batch_size", max_batch_size)
+    if max_batch_size > n:
+        raise ValueError(
+            f"max_batch_size must be in [1, n={n}] (a larger B never truncates: use "
+            f"poisson_batches), got {max_batch_size}"
+        )
+    key = sampler_key(seed)
+    x_t = tf.nest.map_structure(tf.convert_to_tensor, x)
+    y_t = tf.nest.map_structure(tf.convert_to_tensor, y)
+    sw_t = None if sample_weight is None else tf.convert_to_tensor(sample_weight)
+    q64 = tf.constant(q, tf.float64)
+    key_t = tf.constant(key, tf.int64)
+    b = max_batch_size
+
+    def sample(counter: tf.Tensor):
+        # A Philox key per step: (the sampler's key, a per-step random counter).
+        u = tf.random.stateless_uniform([n], seed=tf.stack([key_t, counter]), dtype=tf.float64)
+        idx = tf.reshape(tf.where(included(u, q64)), [-1])
+        # More than B: keep a uniformly random B of them (a stateless shuffle, its own key).
+        shuffled = tf.random.experimental.stateless_shuffle(
+            idx, seed=tf.stack([key_t ^ 0x5DEECE66D, counter])
+        )
+        idx = tf.cond(tf.size(idx) > b, lambda: shuffled[:b], lambda: idx)
+        return gather_padded(x_t, y_t, sw_t, idx, b, fixed=True)
+
+    counters = tf.data.Dataset.random(seed=key % (1 << 31), rerandomize_each_iteration=True)
+    dataset = counters.take(steps_per_epoch).map(sample).prefetch(2)
+    return TruncatedPoissonBatches(
+        dataset=dataset,
+        tf_dp_sampling=(n, q),
+        steps_per_epoch=steps_per_epoch,
+        max_batch_size=max_batch_size,
+    )
