@@ -32,6 +32,11 @@ MODULES = (
     "tf_dp.gradients.ghost",
     "tf_dp.engine",
     "tf_dp.keras",
+    # the DP optimizers' bases: their attributes and methods (gradient_clipper, ledger,
+    # set_sampling, ...) appear under every DP optimizer class as inherited members
+    "tf_dp.keras.optimizer_settings",
+    "tf_dp.keras.optimizer_sampling",
+    "tf_dp.keras.optimizer_saving",
     "tf_dp.auditing",
 )
 

@@ -44,6 +44,7 @@ UNIT = {
 
 E2E = {
     "test_distributed",
+    "test_docs_blocks",
     "test_multi_worker",
     "test_notebooks",
     "test_readme",

@@ -33,3 +33,28 @@ def test_api_reference_documents_every_public_name(tmp_path):
         ]
         assert missing == [], f"{name}: {missing}"
     assert "GaussianSumQuery" in (tmp_path / "tf_dp.html").read_text()
+
+
+def test_dp_optimizer_attributes_are_in_the_reference(tmp_path):
+    """What the docs tell users to read on a DP optimizer (``optimizer.gradient_clipper``, its
+    ledger, its noise...) is documented: the optimizer's bases have their pages, and each
+    public attribute its entry."""
+    import inspect
+
+    from tf_dp.keras.optimizers import DPOptimizerMixin
+
+    build_api = _build_api()
+    build_api.build(tmp_path)
+    pages = "".join(p.read_text() for p in tmp_path.rglob("*.html"))
+    public = sorted(
+        name
+        for base in inspect.getmro(DPOptimizerMixin)
+        if base.__module__.startswith("tf_dp.")
+        for name in vars(base)
+        if not name.startswith("_")
+    )
+    for name in ("gradient_clipper", "ledger", "noise_multiplier", "set_sampling",
+                 "for_target_epsilon"):
+        assert name in public
+    missing = [n for n in public if not re.search(rf'id="\w+\.{n}"', pages)]
+    assert missing == [], missing

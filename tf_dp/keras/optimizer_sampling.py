@@ -22,6 +22,9 @@ from typing import Any, Optional, Union
 from tf_dp.data.sampling import Sampling
 
 
+__all__ = ["OptimizerSampling"]
+
+
 class OptimizerSampling:
     """Sampling declarations, passes and flushes of a DP optimizer (a base of
     ``DPOptimizerMixin``; it reads the optimizer's engine)."""

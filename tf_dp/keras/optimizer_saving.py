@@ -26,6 +26,9 @@ from tf_dp.engine.validation import is_schedule
 from tf_dp.keras import ledger_store
 
 
+__all__ = ["OptimizerSaving"]
+
+
 class OptimizerSaving:
     """Saving, loading and Keras config of a DP optimizer (a base of ``DPOptimizerMixin``; it
     reads the optimizer's engine)."""

@@ -23,6 +23,9 @@ from tf_dp.ledger.privacy_ledger import PrivacyLedger
 from tf_dp.ledger.query_with_ledger import QueryWithLedger
 
 
+__all__ = ["OptimizerSettings"]
+
+
 class OptimizerSettings:
     """Read-only settings and schedules of a DP optimizer (a base of ``DPOptimizerMixin``; it
     reads the optimizer's engine)."""
