@@ -171,9 +171,21 @@ def _audit_comparison(audit, results, delta):
     else:
         lines.append("  consistent: below every epsilon above (an audit can show a certificate "
                      "wrong, never prove it right).")
+    if audit.get("violation") is True:
+        lines.append("  the audit's own verdict: VIOLATION of its training's certificate (a bound "
+                     "above its epsilon, or a broken (eps, delta) pair of its profile).")
+    power = audit.get("smallest_detectable")
+    if isinstance(power, dict) and isinstance(power.get("epsilon"), (int, float)):
+        lines.append(f"  power: a run with epsilon {power['epsilon']:.4g} (noise multiplier / "
+                     f"{power.get('noise_factor', float('nan')):.3g}) is flagged with probability "
+                     f">= {power.get('probability', 0.9):g}; smaller violations may go unseen.")
+    if isinstance(audit.get("sees"), str):
+        lines.append(f"  it {audit['sees'].split('; power:')[0]}.")
     out = {"lower_bound": audit["lower_bound"], "delta": audit["delta"],
            "confidence": audit["confidence"], "file": FLAGS.audit_report,
-           "compared": same_delta, "above": above}
+           "compared": same_delta, "above": above,
+           "threat_model": audit.get("threat_model"), "violation": audit.get("violation"),
+           "smallest_detectable": power}
     return lines, out
 
 
