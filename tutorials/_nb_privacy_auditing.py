@@ -139,6 +139,22 @@ print(f"\nbroken run's audited lower bound {broken.lower_bound:.2f} vs the corre
       f"certificate {correct.certified.epsilon:.2f}")
 
 # %% [markdown]
+# ### A defect the ledger hides: `threat_model="white_box_gradient"`
+#
+# Above, the broken run's own ledger says "no noise" (epsilon infinite). A worse bug adds less
+# noise (or clips at a larger norm, or samples at a higher rate) than its ledger records: the
+# certificate looks fine. `audit_dp_sgd(..., threat_model="white_box_gradient")` is built to catch
+# that: the same gradient canaries through the real DP step, every one a record (an excluded
+# canary has a zero gradient), scored by the likelihood ratio of its per-step updates, and tested
+# against the certificate's whole privacy profile (its epsilon at 24 deltas, at thresholds fixed
+# in advance). Its report states its power, the smallest violation it detects with probability
+# 0.9 at this budget (`report.power`), and what it cannot see (`report.sees()`). In the
+# configuration of docs/auditing.md ("An audit with power": noise multiplier 2, q = 0.5, 10
+# steps, 4000 canaries, a few seconds) it flags no noise, noise / 10, no clipping, a clip 10x the
+# recorded and a sampling rate 2x the recorded, each planted below the optimizer while the ledger
+# records the configured run (tests/test_audit_power.py), and not the correct run.
+
+# %% [markdown]
 # ## 3. Membership inference on real models
 #
 # The classic view (Yeom et al. 2018; Carlini et al. 2022 for reporting at low false positive
