@@ -261,3 +261,40 @@ def test_a_schedule_of_close_values_discretises_one_mechanism_per_group(monkeypa
     monkeypatch.setattr(pld, "discretize", lambda *a, **k: calls.append(1) or discretize(*a, **k))
     pld.compose_mechanisms(mechs, "remove", h=2e-3)
     assert len(calls) == groups
+
+
+def test_a_discretization_too_fine_for_memory_is_refused_before_allocating():
+    import tracemalloc
+
+    import tf_dp
+    from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
+
+    m = pld.SubsampledGaussian(0.01, 1.0)
+    lo, hi = m.loss_range("remove")
+    # The grid at h = 1e-12 over this loss range: ~6e12 float64 values, some 44 TiB.
+    assert (hi - lo) / 1e-12 * 8 > 40 * 2**40
+    entry = SampleEntry(SamplingEvent(60000, 0.01), (SumQueryEvent(1.0, 1.0),))
+    calls = [
+        lambda: pld.pld_epsilon([(m, 1000)], 1e-5, h=1e-12),
+        lambda: pld.pld_delta([(m, 1000)], 1.0, h=1e-12),
+        lambda: pld.discretize(m, "remove", 1e-12),
+        lambda: tf_dp.accounting.compute_epsilon([entry] * 10, 1e-5, "pld", discretization=1e-12),
+    ]
+    for call in calls:
+        tracemalloc.start()
+        try:
+            with pytest.raises(ValueError, match=r"discretization \(h\) must be >= [0-9.e-]+") as e:
+                call()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 2**24, peak  # refused before any grid: under 16 MiB traced
+        bound = float(str(e.value).split(">= ")[1].split(" ")[0])
+        # the bound stated is the spacing whose grid over the loss range holds the cap
+        assert bound == pytest.approx((hi - lo) / pld.MAX_GRID_POINTS, rel=1e-2)
+    # A fine spacing within the bound is still accepted, and agrees with the default one to
+    # within the coarser grid's discretisation error (one grid step per composed step at most).
+    fine = pld.pld_epsilon([(m, 10)], 1e-5, h=1e-5)
+    assert fine == pytest.approx(pld.pld_epsilon([(m, 10)], 1e-5, h=1e-4), abs=10 * 1e-4)
+    with pytest.raises(TypeError, match=r"discretization \(h\)"):
+        pld.pld_epsilon([(m, 10)], 1e-5, h="1e-4")

@@ -18,9 +18,11 @@ import pytest
 import tensorflow as tf
 
 import tf_dp
+import tf_dp.data.poisson
 import tf_dp.keras as dpk
 from bench import models as reference
 from tf_dp.keras import batch_mixing
+from tf_dp.keras import callbacks as dpcb
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MSE = "mse"
@@ -358,3 +360,176 @@ def test_probe_under_mirrored_strategy():
     assert p.returncode == 0, p.stderr[-2000:]
     assert "REFUSED layer 'bm_m' (BatchMean) 0" in p.stdout, p.stdout  # nothing recorded
     assert "TRAINED 2" in p.stdout, p.stdout
+
+
+# -- issue 34, items 3, 4, 6 and 7: bounded resources and clear errors, before anything runs --
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("called although the arguments should have been refused")
+
+
+def _audit(**kw):
+    from tf_dp.auditing import audit_dp_sgd
+
+    x, y = xy(100)
+    return lambda: audit_dp_sgd(_never, _never, x, y, loss=MSE, **kw)
+
+
+def _ledger_file_with_population(tmp_path, population):
+    # a well-formed, correctly signed ledger file whose one run claims `population` records
+    import hashlib
+
+    from tf_dp.ledger.ledger_file import _canonical
+
+    body = {"format": "tf_dp.privacy_ledger", "version": 1, "num_samples": 5, "runs": [
+        {"count": 5, "sampling": {"population_size": population, "selection_probability": 0.01,
+                                  "policy": "poisson"},
+         "queries": [{"l2_sensitivity": 1.0, "noise_stddev": 1.0, "mechanism": "gaussian",
+                      "jl_projections": None}]}], "metadata": {}}
+    body["sha256"] = hashlib.sha256(_canonical(body)).hexdigest()
+    path = tmp_path / "ledger.json"
+    path.write_text(json.dumps(body))
+    return str(path)
+
+
+def _report_file(tmp_path, data: bytes):
+    from tf_dp.auditing.report_file import read_report_file
+
+    path = tmp_path / "audit.json"
+    path.write_bytes(data)
+    return lambda: read_report_file(str(path))
+
+
+#: (id, call, exception type, fragment); `tmp_path` calls take it as their argument
+BOUNDS = [
+    # item 3: an audit of 10**9 canaries needs ~1e19 bytes; refused before any model is built
+    ("audit 1e9 canaries", _audit(num_canaries=10**9), ValueError, "num_canaries must be in [2, "),
+    ("audit 1e12 steps", _audit(steps=10**12), ValueError, "steps must be in [1, "),
+    # item 6: integers beyond int64 / the ledger's float64 counts
+    ("poisson q=1e-300", poisson(*xy(), sampling_probability=1e-300), ValueError,
+     "sampling_probability=1e-300 gives a default steps_per_epoch"),
+    ("poisson steps 1e30", poisson(*xy(), sampling_probability=0.5, steps_per_epoch=10**30),
+     ValueError, "steps_per_epoch must be None or an integer >= 1 and <= 2**63 - 1"),
+    ("set_sampling 1e30", lambda: sgd().set_sampling(10**30, 0.01, "poisson"), ValueError,
+     "population_size must be an integer >= 1 and <= 2**53"),
+    # item 7: silently accepted before
+    ("validate_for_dp(42)", lambda: dpk.validate_for_dp(42), TypeError,
+     "model must be a Keras model"),
+    ("epsilon_from_rdp negative",
+     lambda: tf_dp.accounting.epsilon_from_rdp([2.0, 4.0], [0.5, -1.0], 1e-5), ValueError,
+     "rdp must hold Renyi divergences, numbers >= 0"),
+    ("delta_from_rdp nan",
+     lambda: tf_dp.accounting.delta_from_rdp([2.0, 4.0], [float("nan"), 1.0], 1.0), ValueError,
+     "rdp must hold Renyi divergences"),
+    ("default_max_batch_size(0)",
+     lambda: tf_dp.data.poisson.default_max_batch_size(0, 0.5), ValueError,
+     "population_size must be an integer >= 1"),
+    ("default_max_batch_size q=0",
+     lambda: tf_dp.data.poisson.default_max_batch_size(100, 0.0), ValueError,
+     "sampling_probability must be in (0, 1]"),
+    # item 6: LedgerCheckpoint refuses in its constructor
+    ("LedgerCheckpoint empty path", lambda: dpcb.LedgerCheckpoint(""), ValueError,
+     "filepath must be a non-empty path"),
+    ("LedgerCheckpoint {}", lambda: dpcb.LedgerCheckpoint("l-{}.json"), ValueError,
+     "every {field} must be a name"),
+    ("LedgerCheckpoint open brace", lambda: dpcb.LedgerCheckpoint("l-{epoch.json"), ValueError,
+     "not a valid format string"),
+    ("LedgerCheckpoint bad spec", lambda: dpcb.LedgerCheckpoint("l-{epoch:q}.json"), ValueError,
+     "format specs do not apply"),
+    ("LedgerCheckpoint NaN metadata",
+     lambda: dpcb.LedgerCheckpoint("l.json", metadata={"lr": float("nan")}), ValueError,
+     "metadata must hold finite numbers"),
+    ("LedgerCheckpoint object metadata",
+     lambda: dpcb.LedgerCheckpoint("l.json", metadata={"opt": object()}), ValueError,
+     "metadata must be JSON-serialisable"),
+]
+
+FILES = [
+    # item 6: a signed ledger file claiming 10**400 records
+    ("ledger population 1e400", lambda p: lambda: tf_dp.PrivacyLedger.load(
+        _ledger_file_with_population(p, 10**400)), ValueError,
+     "population_size must be an integer >= 1 and <= 2**53"),
+    # item 4: an audit report that is not UTF-8, or nested too deep to parse
+    ("report not utf-8", lambda p: _report_file(p, b'{"kind": "\xff\xfe"}'), ValueError,
+     "cannot read it as JSON"),
+    ("report nested deep", lambda p: _report_file(p, b"[" * 200_000 + b"]" * 200_000),
+     ValueError, "cannot read it as JSON (nested too deep)"),
+]
+
+
+@pytest.mark.parametrize("call,exc,fragment", [row[1:] for row in BOUNDS],
+                         ids=[row[0] for row in BOUNDS])
+def test_bounds_and_silent_inputs_fail_with_a_clear_error(call, exc, fragment):
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(exc) as err:
+            call()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert fragment in str(err.value), str(err.value)
+    assert type(err.value) is exc or exc is ValueError and isinstance(err.value, ValueError)
+    assert peak < 2**26, peak  # refused before allocating: under 64 MiB traced
+
+
+@pytest.mark.parametrize("make,exc,fragment", [row[1:] for row in FILES],
+                         ids=[row[0] for row in FILES])
+def test_bad_files_fail_with_the_documented_error(make, exc, fragment, tmp_path):
+    with pytest.raises(exc) as err:
+        make(tmp_path)()
+    assert fragment in str(err.value), str(err.value)
+
+
+def test_audit_bound_is_the_memory_of_its_arrays():
+    # The range stated for num_canaries: the largest m whose per-step canary code (batch rows x
+    # m float32, 4 copies) and traced weights ((steps + 1) x m float64, 3 copies) fit in 4 GiB,
+    # counted here directly; the default audit is far inside it.
+    from tf_dp.auditing import audit
+
+    n, q, steps = 100, 1.0, 10
+    with pytest.raises(ValueError) as err:
+        _audit(num_canaries=10**9, sampling_probability=q, steps=steps)()
+    largest = int(str(err.value).split("[2, ")[1].split("]")[0])
+
+    def nbytes(m):
+        rows = q * (n + m) + 1  # q = 1: the whole population (no padding beyond it)
+        return 4 * 4 * rows * m + 3 * 8 * (steps + 1) * m
+
+    assert nbytes(largest) <= 4 * 2**30 < nbytes(largest + 1)
+    assert audit.MAX_AUDIT_BYTES == 4 * 2**30
+    # accepted counts pass validation and reach the model (here: _never)
+    with pytest.raises(AssertionError, match="called although"):
+        _audit(num_canaries=1000, sampling_probability=q, steps=steps)()
+
+
+def test_integers_up_to_the_bounds_are_accepted():
+    opt = sgd()
+    opt.set_sampling(2**53, 0.01, "poisson")  # the largest population the ledger holds exactly
+    assert opt.sampling.population_size == 2**53 and float(2**53) == 2**53
+    assert float(2**53 + 1) != 2**53 + 1  # (and the first one float64 cannot hold)
+    assert tf_dp.data.poisson.default_max_batch_size(1, 0.5) == 1
+    b = tf_dp.data.poisson_batches(*xy(), sampling_probability=1e-300, steps_per_epoch=3, seed=0)
+    assert b.steps_per_epoch == 3
+
+
+def test_ledger_checkpoint_refuses_an_unknown_log_key_after_the_first_step(tmp_path):
+    x, y = xy()
+    model = dpk.make_private(dense_with())
+    model.compile(optimizer=sgd(), loss=MSE)
+    steps = []
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            steps.append(batch)
+
+    ckpt = dpcb.LedgerCheckpoint(str(tmp_path / "ledger-{nokey}.json"))
+    with pytest.raises(ValueError, match=r"names \['nokey'\] but the training logs hold"):
+        model.fit(x, y, batch_size=2, epochs=3, verbose=0, callbacks=[Count(), ckpt])
+    assert len(steps) == 1  # one step of 8 ran, not a whole epoch
+    # a log key that exists is filled in
+    ok = dpcb.LedgerCheckpoint(str(tmp_path / "ledger-{epoch}-{loss:.2f}.json"))
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[ok])
+    assert os.path.basename(ok.last_path).startswith("ledger-1-")

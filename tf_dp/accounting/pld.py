@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 from scipy import optimize, special
@@ -312,6 +312,7 @@ class DiscretePLD:
         if abs(self.h - other.h) > 1e-15 * self.h:
             raise ValueError("cannot compose PLDs with different grid spacings")
         n = self.pmf.size + other.pmf.size - 1
+        _check_grid(self.h, n * self.h, "the composition")  # before the FFT allocates
         size = 1 << (n - 1).bit_length()
         spectrum = np.fft.rfft(self.pmf, size)
         if other is self:  # a squaring: one forward transform
@@ -428,6 +429,29 @@ class DiscretePLD:
         return result
 
 
+#: Most grid points a discretisation or a composition may need (float64: 400 MB per array; a
+#: convolution holds a few such arrays). A ``discretization`` (``h``) that needs more is refused
+#: before the grid is allocated: ``h = 1e-12`` would need terabytes.
+MAX_GRID_POINTS = 5e7
+
+
+def _check_grid(h: Any, width: float, what: str) -> float:
+    """``h`` as a float, if a grid of spacing ``h`` over a loss range of ``width`` has at most
+    :data:`MAX_GRID_POINTS` points; else ``ValueError`` naming the argument and the range."""
+    if isinstance(h, bool) or not isinstance(h, (int, float, np.floating)):
+        raise TypeError(f"discretization (h) must be a number > 0, got {h!r}")
+    if not (h > 0 and math.isfinite(h)):
+        raise ValueError(f"discretization (h) must be a finite number > 0, got {h!r}")
+    if width / h > MAX_GRID_POINTS:
+        raise ValueError(
+            f"discretization (h) must be >= {width / MAX_GRID_POINTS:.3g} for {what}, got "
+            f"{h!r}: the privacy-loss grid would span {width:.3g} in loss with "
+            f"{width / h:.3g} points ({8 * width / h / 2**30:.3g} GiB per array; at most "
+            f"{MAX_GRID_POINTS:.0e} points). Leave it None for the automatic spacing"
+        )
+    return float(h)
+
+
 _COARSE = 64  # grid points per step of the coarse scan that narrows a discretisation's range
 
 
@@ -470,11 +494,11 @@ def discretize(
     ``[-loss_cap, loss_cap]`` (below the grid the chord construction is pessimistic too).
     """
     _check_direction(direction)
-    if not (h > 0 and math.isfinite(h)):
-        raise ValueError(f"discretization interval must be > 0, got {h!r}")
+    _check_grid(h, 0.0, "this mechanism")
     if not (loss_cap > 0):
         raise ValueError(f"loss_cap must be > 0, got {loss_cap!r}")
     lo, hi = mechanism.loss_range(direction)
+    h = _check_grid(h, max(min(hi, loss_cap) - max(lo, -loss_cap), 0.0), "this mechanism")
     if lo >= loss_cap:  # every loss above the cap (e.g. almost no noise): all mass at +inf
         return DiscretePLD(h, int(math.floor(loss_cap / h)), np.zeros(1), 1.0, loss_cap)
     lo, hi = max(lo, -loss_cap), min(hi, loss_cap)
@@ -627,7 +651,7 @@ def compose_mechanisms(
     for _, count in mechanisms:
         if not (isinstance(count, (int, np.integer)) and count >= 1):
             raise ValueError(f"step counts must be integers >= 1, got {count!r}")
-    h = _auto_h(mechanisms) if h is None else h
+    h = _auto_h(mechanisms) if h is None else _check_grid(h, 0.0, "")
     mechanisms = merge_close_noise(mechanisms, merge_tolerance)
     counts: dict = {}  # identical mechanisms anywhere in the list: one entry, counts summed
     for mech, count in mechanisms:

@@ -643,6 +643,19 @@ def rdp_gaussian(noise_multiplier: float, orders: Sequence[float] = DEFAULT_ORDE
     return rdp_poisson_gaussian(1.0, noise_multiplier, orders)
 
 
+def _check_rdp(r: np.ndarray, a: np.ndarray) -> None:
+    """An RDP curve holds Renyi divergences: numbers >= 0 (``+inf`` allowed), one per order."""
+    if r.shape != a.shape:
+        raise ValueError("orders and rdp must have the same length")
+    bad = np.isnan(r) | (r < 0)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(
+            f"rdp must hold Renyi divergences, numbers >= 0 (+inf allowed), one per order; got "
+            f"{float(r[i])!r} at order {a[i]:g}"
+        )
+
+
 def _check_delta(delta: float) -> None:
     if not (isinstance(delta, (int, float)) and 0.0 < delta < 1.0):
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
@@ -665,8 +678,7 @@ def epsilon_from_rdp(
     _check_delta(delta)
     a = _check_orders(orders)
     r = np.asarray(rdp, dtype=np.float64)
-    if r.shape != a.shape:
-        raise ValueError("orders and rdp must have the same length")
+    _check_rdp(r, a)
     eps = _conversion_values(a, r, delta, "epsilon", conversion)
     i = int(np.argmin(eps))
     return max(0.0, float(eps[i])), float(a[i])
@@ -685,8 +697,7 @@ def delta_from_rdp(
         raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
     a = _check_orders(orders)
     r = np.asarray(rdp, dtype=np.float64)
-    if r.shape != a.shape:
-        raise ValueError("orders and rdp must have the same length")
+    _check_rdp(r, a)
     logd = _conversion_values(a, r, epsilon, "delta", conversion)
     i = int(np.argmin(logd))
     return float(min(1.0, math.exp(min(logd[i], 0.0)))), float(a[i])

@@ -50,8 +50,11 @@ def read_report_file(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"audit report {path}: cannot read it as JSON ({e})") from None
+    except (OSError, ValueError, RecursionError) as e:
+        # ValueError: bad JSON or bytes that are not UTF-8 (UnicodeDecodeError);
+        # RecursionError: JSON nested too deep for the parser
+        reason = "nested too deep" if isinstance(e, RecursionError) else str(e)
+        raise ValueError(f"audit report {path}: cannot read it as JSON ({reason})") from None
     if not isinstance(data, dict) or data.get("kind") != KIND:
         raise ValueError(f"audit report {path}: not a file written by AuditReport.save "
                          f"(no \"kind\": \"{KIND}\")")

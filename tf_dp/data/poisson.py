@@ -74,6 +74,12 @@ def default_max_batch_size(
     """
     from scipy import stats
 
+    n = population_size
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= _INT64_MAX:
+        raise ValueError(
+            f"population_size must be an integer >= 1 and <= 2**63 - 1, got {population_size!r}"
+        )
+    sampling_probability = _check_probability(sampling_probability)
     if not 0.0 < overflow_probability < 1.0:
         raise ValueError(f"overflow_probability must be in (0, 1), got {overflow_probability!r}")
     k = int(stats.binom.isf(overflow_probability, population_size, sampling_probability))
@@ -182,9 +188,18 @@ def _check_probability(q: Any) -> float:
     return q
 
 
+_INT64_MAX = 2**63 - 1  # counts reach TensorFlow as int64
+
+
 def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer))
+        or not 1 <= value <= _INT64_MAX
+    ):
+        raise ValueError(
+            f"{name} must be None or an integer >= 1 and <= 2**63 - 1, got {value!r}"
+        )
     return int(value)
 
 
@@ -289,6 +304,12 @@ def poisson_batches(
             raise ValueError("sample_weight must be finite and >= 0")
     if steps_per_epoch is None:
         steps_per_epoch = max(1, int(round(1.0 / q)))
+        if steps_per_epoch > _INT64_MAX:
+            raise ValueError(
+                f"sampling_probability={q!r} gives a default steps_per_epoch of round(1 / q) = "
+                f"{float(steps_per_epoch):.3g} steps, beyond int64: pass sampling_probability >= "
+                f"{1 / _INT64_MAX:.3g} or steps_per_epoch in [1, 2**63 - 1]"
+            )
     steps_per_epoch = _check_positive_int("steps_per_epoch", steps_per_epoch)
     shard_rows = np.arange(shard_index, n, num_shards) if users is None else users.order
     if max_batch_size is None:

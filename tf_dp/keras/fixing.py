@@ -183,6 +183,8 @@ def validate_for_dp(model: keras.Model, groups: GroupsArg = 32) -> DPCompatibili
         report = tf_dp.keras.validate_for_dp(keras.applications.MobileNetV3Small(weights=None))
         print(report)            # one line per BatchNormalization layer
     """
+    if not isinstance(model, keras.layers.Layer):  # a keras.Model is a Layer
+        raise TypeError(f"model must be a Keras model (keras.Model), got {type(model).__name__}")
     _check_groups(groups)
     return _report(model, groups, fixed=False)
 

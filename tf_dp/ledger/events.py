@@ -97,6 +97,19 @@ MECHANISMS = ("gaussian", "jl", "none", "tree")
 #: the largest float32 over the smallest positive one is about 2.4e83.)
 MAX_SENSITIVITY_TO_NOISE = 1e150
 
+#: Largest population size, records per user or batch bound a sampling event may hold: the
+#: ledger's step table holds them as float64, exact up to 2**53 (larger integers would be
+#: rounded, and beyond int64 TensorFlow cannot take them at all).
+MAX_COUNT = 2**53
+
+
+def _show(value: object) -> str:
+    """``repr(value)``; an integer beyond 1e20 by its size only (it may have thousands of
+    digits)."""
+    if isinstance(value, int) and abs(value) >= 10**20:
+        return f"an integer of about 10**{int(abs(value).bit_length() * math.log10(2))}"
+    return repr(value)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingEvent:
@@ -135,9 +148,10 @@ class SamplingEvent:
 
     def __post_init__(self):
         n = self.population_size
-        if isinstance(n, bool) or not (isinstance(n, int) and n >= 1):
+        if isinstance(n, bool) or not (isinstance(n, int) and 1 <= n <= MAX_COUNT):
             raise ValueError(
-                f"population_size must be an integer >= 1, got {self.population_size!r}"
+                f"population_size must be an integer >= 1 and <= 2**53 (the ledger holds counts "
+                f"exactly as float64), got {_show(n)}"
             )
         q = self.selection_probability
         if isinstance(q, bool) or not (
@@ -154,18 +168,19 @@ class SamplingEvent:
             raise ValueError(f"unit must be one of {PRIVACY_UNITS}, got {self.unit!r}")
         k = self.records_per_unit
         if self.unit == "user":
-            if isinstance(k, bool) or not (isinstance(k, int) and k >= 1):
+            if isinstance(k, bool) or not (isinstance(k, int) and 1 <= k <= MAX_COUNT):
                 raise ValueError(
-                    f"records_per_unit must be an integer >= 1 with unit='user', got {k!r}"
+                    f"records_per_unit must be an integer >= 1 (and <= 2**53) with unit='user', "
+                    f"got {_show(k)}"
                 )
         elif k is not None:
             raise ValueError(f"records_per_unit must be None with unit='example', got {k!r}")
         b = self.max_batch_size
         if self.policy == "truncated_poisson":
-            if isinstance(b, bool) or not (isinstance(b, int) and b >= 1):
+            if isinstance(b, bool) or not (isinstance(b, int) and 1 <= b <= MAX_COUNT):
                 raise ValueError(
-                    f"max_batch_size must be an integer >= 1 with policy='truncated_poisson', "
-                    f"got {b!r}"
+                    f"max_batch_size must be an integer >= 1 (and <= 2**53) with "
+                    f"policy='truncated_poisson', got {_show(b)}"
                 )
         elif b is not None:
             raise ValueError(
