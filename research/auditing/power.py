@@ -8,7 +8,9 @@ tests/test_audit_power.py). Prints one markdown row per run: flagged or not, the
 test, the assumption-free lower bound, and the power calculation.
 
     python -m research.auditing.power                                   # 1 training x 4000
-    python -m research.auditing.power --trainings 3 --seeds 2           # the README's larger run
+    python -m research.auditing.power --trainings 3                     # the README's larger run
+    python -m research.auditing.power --only "none (correct run)" --seeds 20      # false alarms
+    python -m research.auditing.power --noise_divisor 1.88 --only "noise / 1.88" --seeds 20
 """
 
 from __future__ import annotations
@@ -96,11 +98,18 @@ def main() -> None:
     parser.add_argument("--canaries", type=int, default=4000)
     parser.add_argument("--trainings", type=int, default=1)
     parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--only", action="append", default=None,
+                        help="run only this defect (repeatable); default: all")
+    parser.add_argument("--noise_divisor", type=float, default=None,
+                        help="add the defect 'noise / X' (e.g. the power calculation's factor)")
     args = parser.parse_args()
+    if args.noise_divisor is not None:
+        DEFECTS[f"noise / {args.noise_divisor:g}"] = {"noise_scale": 1.0 / args.noise_divisor}
+    flagged = {}
     print("| defect | seed | violation | certified-profile test | lower bound (one-run / "
           "many-run) | certified | smallest detected (p = 0.9) | minutes |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for defect in DEFECTS:
+    for defect in [d for d in DEFECTS if args.only is None or d in args.only]:
         for seed in range(args.seeds):
             start = time.time()
             r = run(defect, args.canaries, args.trainings, seed)
@@ -110,6 +119,9 @@ def main() -> None:
                   f"FPR <= {p.fpr_high:.3g}) | {r.one_run.epsilon:.2f} / {r.many_run.epsilon:.2f}"
                   f" | {r.certified.epsilon:.2f} | noise / {w.noise_factor:.2f} (eps "
                   f"{w.epsilon:.2f}) | {(time.time() - start) / 60:.1f} |", flush=True)
+            flagged.setdefault(defect, []).append(r.violation)
+    for defect, flags in flagged.items():
+        print(f"\n{defect}: flagged in {sum(flags)} of {len(flags)} runs")
 
 
 if __name__ == "__main__":
