@@ -292,3 +292,26 @@ def test_a_ledger_file_is_not_replaced_by_a_shorter_ledger(tmp_path):
     write_ledger_file(path, entries, metadata={"again": True})  # as many steps: replaced
     write_ledger_file(path, entries[:2], overwrite=True)
     assert read_ledger_file(path) == entries[:2]
+
+
+def test_a_full_disk_names_the_ledger_file_and_keeps_the_old_one(tmp_path, monkeypatch):
+    import errno
+
+    path = str(tmp_path / "ledger.json")
+    entries = make_entries()
+    write_ledger_file(path, entries[:1])
+    with open(path, "rb") as f:
+        before = f.read()
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(ledger_file.os, "fsync", no_space)
+    with pytest.raises(OSError) as info:
+        write_ledger_file(path, entries)
+    monkeypatch.undo()
+    assert info.value.errno == errno.ENOSPC
+    assert info.value.filename == path and path in str(info.value)
+    with open(path, "rb") as f:
+        assert f.read() == before  # the old file is intact
+    assert sorted(os.listdir(tmp_path)) == ["ledger.json"]  # no temporary file left

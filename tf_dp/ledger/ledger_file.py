@@ -547,9 +547,12 @@ def write_ledger_runs(
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.errno is not None and e.filename != path:
+            # e.g. ENOSPC from write or fsync, which name no file: name the ledger file
+            raise OSError(e.errno, f"cannot write ledger file: {e.strerror}", path) from e
         raise
 
 
