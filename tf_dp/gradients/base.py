@@ -293,13 +293,16 @@ def vectorized_map_blocker(model: Optional[Any]) -> Optional[str]:
     On TF 2.21, vectorising the gradient of an ``EinsumDense`` whose kernel has rank >= 3 (every
     ``MultiHeadAttention`` has some) kills the process with a segmentation fault inside
     TensorFlow, so the clippers built on it refuse such models up front (each clipper adds
-    what to use instead).
+    what to use instead), and every fallback that would vectorise such a model or layer (the ghost
+    clipper's per-layer and whole-model fallbacks, :func:`~tf_dp.gradients.vectorized.map_records`)
+    computes the per-example gradients in a loop over the examples instead. ``model`` may be a
+    model or a single layer (the layer itself is checked too).
     """
     if model is None:
         return None
     import keras  # local: the gradients layer does not otherwise need Keras
 
-    layers = _compat.flatten_layers(model, include_self=False) or []
+    layers = [model] + list(_compat.flatten_layers(model, include_self=False) or [])
     for layer in layers:
         kernel = getattr(layer, "kernel", None)
         if isinstance(layer, keras.layers.EinsumDense) and kernel is not None and len(

@@ -174,8 +174,24 @@ def map_records(fn, elems: Any, model: Any = None, fast_conv: bool = True, what:
     Tries, in order: ``tf.vectorized_map`` (with the fast convolution converter); the same with the
     model's recurrent layers unrolled, if it has looping ones; and finally a ``tf.while_loop`` over
     the records, one at a time (same values, slower). Trace-time failures only: a model that fails
-    every route raises the error of the sequential route.
+    every route raises the error of the sequential route. A model that
+    :func:`~tf_dp.gradients.base.vectorized_map_blocker` names (``vectorized_map`` would crash the
+    process) goes straight to the loop.
     """
+    blocker = base.vectorized_map_blocker(model)
+    if blocker is not None:
+        # a known TensorFlow crash (segmentation fault), not an exception: never attempt it
+        key = (id(model), what, "blocked")
+        if key not in _LOGGED_FALLBACK:
+            _LOGGED_FALLBACK.add(key)
+            _logger.info(
+                "tf_dp: per-%s gradients of model %r computed one after another, not with "
+                "tf.vectorized_map: %s",
+                what,
+                getattr(model, "name", None),
+                blocker,
+            )
+        return sequential_map(fn, elems)
     converters = fast_pfor_converters if fast_conv else contextlib.nullcontext
     rnns = looping_rnns(model)
     errors = []
@@ -268,9 +284,16 @@ class VectorizedClipper(base.GradientClipper):
     def _converters(self):
         return fast_pfor_converters() if self._fast_conv else contextlib.nullcontext()
 
-    def per_example_gradients(self, loss_fn, data, variables: Sequence[Any]):
-        """``(per_example_grads [B, *var.shape] per variable, y_pred, losses [B])``."""
+    def per_example_gradients(self, loss_fn, data, variables: Sequence[Any], model: Any = None):
+        """``(per_example_grads [B, *var.shape] per variable, y_pred, losses [B])``.
+
+        ``model`` (default ``loss_fn.model``): the model the loss runs; when
+        :func:`~tf_dp.gradients.base.vectorized_map_blocker` names it, the examples are computed
+        in a loop (``fallback_to_while_loop=False``: ``ValueError``), never vectorised.
+        """
         x, y, sw = data
+        if model is None:
+            model = getattr(loss_fn, "model", None)
         tf_vars = base.as_tf_variables(variables)
 
         def one(example):
@@ -289,11 +312,16 @@ class VectorizedClipper(base.GradientClipper):
 
         elems = (x, y) if sw is None else (x, y, sw)
         if not self._fallback:
+            blocker = base.vectorized_map_blocker(model)
+            if blocker is not None:
+                raise ValueError(
+                    f"{blocker}; fallback_to_while_loop=False forbids the per-example loop "
+                    "that replaces it: pass fallback_to_while_loop=True or use "
+                    "gradient_mode='ghost'"
+                )
             with self._converters():
                 return tf.vectorized_map(one, elems, fallback_to_while_loop=False)
-        return map_records(
-            one, elems, getattr(loss_fn, "model", None), self._fast_conv, what="example"
-        )
+        return map_records(one, elems, model, self._fast_conv, what="example")
 
     def chunk_size(self, variables: Sequence[Any]) -> Optional[int]:
         """Examples per chunk for these variables (``None``: the whole batch at once)."""

@@ -18,6 +18,10 @@ One step:
    with its recorded output gradient (a local vectorized VJP, not a re-run of the model).
    Variables owned by no layer, or by several layers (tied weights), get per-example gradients
    from the vectorized clipper on the whole model.
+   Where ``tf.vectorized_map`` is known to crash the process (a model or layer that
+   :func:`~tf_dp.gradients.base.vectorized_map_blocker` names: an ``EinsumDense`` with a rank-3
+   kernel, e.g. in attention), both fallbacks compute the per-example gradients in a loop over the
+   examples instead (exact, slower), and the plan's ``description`` says so.
 
 Every clipped record is exactly the vector whose norm was measured (the same factors give both), so
 a rule that missed a use of a variable would bias the gradient but never break the clipping bound.
@@ -36,7 +40,7 @@ from tf_dp import _compat
 from tf_dp.gradients import base
 from tf_dp.gradients.ghost import factors as F
 from tf_dp.gradients.ghost.registry import RuleEntry
-from tf_dp.gradients.ghost.rules import find_rule
+from tf_dp.gradients.ghost.rules import find_rule, is_container
 from tf_dp.gradients.vectorized import VectorizedClipper
 
 _logger = logging.getLogger("tf_dp")
@@ -78,6 +82,10 @@ class Plan:
     local: list  # [(layer, reason, variables)] -- vectorized over the layer's own call
     model_level: list  # variables (keys) for the whole-model vectorized fallback
     model_level_names: list
+    #: why the whole-model fallback loops over the examples instead of vectorized_map (or None)
+    model_loop: Optional[str] = None
+    #: fallback layers (by id) whose local per-example gradients loop: id -> reason
+    local_loop: dict = dataclasses.field(default_factory=dict)
 
     @property
     def mode(self) -> str:
@@ -92,6 +100,14 @@ class Plan:
         parts = [layer.name for layer, _, _ in self.local]
         if self.model_level_names:
             parts.append("model-level variables: " + ", ".join(self.model_level_names))
+        loops = [layer.name for layer, _, _ in self.local if id(layer) in self.local_loop]
+        if self.model_level_names and self.model_loop is not None:
+            loops.append("model-level variables")
+        if loops:
+            reason = self.model_loop or next(iter(self.local_loop.values()))
+            suffix += (
+                "; per-example loop, not vectorized_map, for: " + ", ".join(loops) + f" ({reason})"
+            )
         return "ghost+vectorized (layers: " + ", ".join(parts) + ")" + suffix
 
 
@@ -116,12 +132,14 @@ def _parents(model) -> tuple[dict, dict]:
 
 def _maybe_tied(layer, every) -> bool:
     """A layer tracked by several parents, one of them an unregistered plain layer: that layer
-    may read its variables directly (weight tying) rather than call it."""
+    may read its variables directly (weight tying) rather than call it. A parent declared a
+    container (it only calls its sublayers) does not count."""
     import keras
 
     ps = every.get(id(layer), [])
     return len(ps) > 1 and any(
-        not isinstance(p, keras.Model) and find_rule(p)[0] is None for p in ps
+        not isinstance(p, keras.Model) and find_rule(p)[0] is None and not is_container(p)
+        for p in ps
     )
 
 
@@ -200,7 +218,14 @@ def make_plan(model, variables) -> Plan:
         if _key(v) not in owners and _key(v) not in model_level:
             model_level.append(_key(v))
             names.append(getattr(v, "path", None) or v.name)
-    return Plan(ghost, local, model_level, names)
+    local_loop = {}
+    for unit, _, _ in local:
+        blocker = base.vectorized_map_blocker(unit)
+        if blocker is not None:
+            local_loop[id(unit)] = blocker
+    return Plan(
+        ghost, local, model_level, names, base.vectorized_map_blocker(model), local_loop
+    )
 
 
 @dataclasses.dataclass
@@ -293,8 +318,9 @@ class _Capture:
         return call
 
 
-def _local_per_example(rec: _Record, grads: list, variables: list) -> list:
-    """Per-example gradients of ``variables`` through one recorded call of its layer alone."""
+def _local_per_example(rec: _Record, grads: list, variables: list, loop: bool = False) -> list:
+    """Per-example gradients of ``variables`` through one recorded call of its layer alone
+    (``loop``: a ``map_fn`` over the examples, never ``vectorized_map``)."""
     flat = tf.nest.flatten((rec.args, rec.kwargs))
     batch = rec.outputs[0].shape[0] if rec.outputs else None
     slots = [
@@ -321,21 +347,25 @@ def _local_per_example(rec: _Record, grads: list, variables: list) -> list:
         return [tf.convert_to_tensor(g) for g in gs]
 
     elems = [flat[i] for i in slots] + list(grads)
+    signature = [tf.TensorSpec(v.shape, tf.float32) for v in tf_vars]
+    if loop:  # vectorized_map would crash the process (base.vectorized_map_blocker)
+        return tf.map_fn(one, elems, fn_output_signature=signature)
     try:
         return tf.vectorized_map(one, elems, fallback_to_while_loop=True)
     except (TypeError, ValueError, NotImplementedError) as e:  # e.g. Keras RNN loops under pfor
         _logger.info("tf_dp: vectorized_map failed on layer %r (%s); using map_fn", rec.layer.name, e)
-        signature = [tf.TensorSpec(v.shape, tf.float32) for v in tf_vars]
         return tf.map_fn(one, elems, fn_output_signature=signature)
 
 
-def _whole_model_per_example(loss_fn, data, variables) -> list:
+def _whole_model_per_example(loss_fn, data, variables, loop: bool = False) -> list:
     """Per-example gradients of ``variables`` through the whole model (vectorized clipper; a
-    sequential ``map_fn`` where ``vectorized_map`` cannot convert the model)."""
-    try:
-        return VectorizedClipper().per_example_gradients(loss_fn, data, variables)[0]
-    except (TypeError, ValueError, NotImplementedError) as e:
-        _logger.info("tf_dp: vectorized_map failed on the model (%s); using map_fn", e)
+    sequential ``map_fn`` where ``vectorized_map`` cannot convert the model, or, with ``loop``,
+    where it would crash the process)."""
+    if not loop:
+        try:
+            return VectorizedClipper().per_example_gradients(loss_fn, data, variables)[0]
+        except (TypeError, ValueError, NotImplementedError) as e:
+            _logger.info("tf_dp: vectorized_map failed on the model (%s); using map_fn", e)
     x, y, sw = data
     tf_vars = base.as_tf_variables(variables)
 
@@ -471,7 +501,9 @@ class GhostClipper(base.GradientClipper):
                         parts.setdefault(_key(v), []).append(factor)
             elif unit_vars.get(id(rec.layer)):
                 own = unit_vars[id(rec.layer)]
-                per_ex = _local_per_example(rec, grads, own)
+                per_ex = _local_per_example(
+                    rec, grads, own, loop=id(rec.layer) in plan.local_loop
+                )
                 for v, pe in zip(own, per_ex):
                     parts.setdefault(_key(v), []).append(F.PerExample(pe))
 
@@ -489,7 +521,9 @@ class GhostClipper(base.GradientClipper):
                 )
         if model_level:
             fallback_vars = [v for v in variables if _key(v) in model_level]
-            per_ex = _whole_model_per_example(loss_fn, data, fallback_vars)
+            per_ex = _whole_model_per_example(
+                loss_fn, data, fallback_vars, loop=plan.model_loop is not None
+            )
             for v, pe in zip(fallback_vars, per_ex):
                 parts.setdefault(_key(v), []).append(F.PerExample(pe))
 

@@ -109,7 +109,43 @@ class LayerRuleRegistry:
 
     def __init__(self, lazy: Optional[dict[str, Callable[["LayerRuleRegistry"], None]]] = None):
         self._entries: dict[type, RuleEntry] = {}
+        self._containers: set = set()
         self._lazy = dict(lazy or {})
+
+    def _load_lazy(self, cls: type) -> None:
+        for prefix in [p for p in self._lazy if cls.__module__.startswith(p)]:
+            self._lazy.pop(prefix)(self)
+
+    def register_container(self, layer_class: type) -> None:
+        """Declares that ``layer_class`` only *calls* its sublayers (never reads their variables
+        directly, e.g. keras-hub's ``TokenAndPositionEmbedding``). A sublayer that it and the
+        model both track (``backbone.token_embedding``) is then planned by the sublayer's own
+        rule, not as a possibly tied weight of the whole model. Applies to subclasses that keep
+        ``call``.
+
+        Example:
+
+        >>> import keras
+        >>> registry = LayerRuleRegistry()
+        >>> registry.register_container(keras.layers.Wrapper)
+        >>> registry.is_container(keras.layers.Wrapper(keras.layers.Dense(2)))
+        True
+        """
+        if not (isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)):
+            raise TypeError(
+                f"layer_class must be a keras.layers.Layer subclass, got {layer_class!r}"
+            )
+        self._containers.add(layer_class)
+
+    def is_container(self, layer: Any) -> bool:
+        """True when ``layer``'s class (or a base whose ``call`` it keeps) was declared with
+        :meth:`register_container`."""
+        cls = type(layer)
+        self._load_lazy(cls)
+        for base in cls.__mro__:
+            if base in self._containers:
+                return getattr(cls, "call", None) is getattr(base, "call", None)
+        return False
 
     def register(
         self,
@@ -167,8 +203,7 @@ class LayerRuleRegistry:
     def find(self, layer: Any) -> tuple[Optional[RuleEntry], Optional[str]]:
         """The rule entry for ``layer`` (or None, with the reason)."""
         cls = type(layer)
-        for prefix in [p for p in self._lazy if cls.__module__.startswith(p)]:
-            self._lazy.pop(prefix)(self)
+        self._load_lazy(cls)
         for base in cls.__mro__:
             entry = self._entries.get(base)
             if entry is None:

@@ -120,6 +120,12 @@ def registered_layer_classes() -> tuple[type, ...]:
     return default_registry().layer_classes()
 
 
+def is_container(layer: Any) -> bool:
+    """True when the default registry knows ``layer`` only calls its sublayers
+    (:meth:`LayerRuleRegistry.register_container`)."""
+    return default_registry().is_container(layer)
+
+
 def find_rule(layer: Any) -> tuple[Optional[RuleEntry], Optional[str]]:
     """The default registry's rule entry for ``layer`` (or None, with the reason)."""
     return default_registry().find(layer)
