@@ -249,6 +249,13 @@ def test_fallback_with_rank3_einsum_loops_over_examples_and_is_exact(monkeypatch
         f"per-example loop, not vectorized_map, for: {name}, model-level variables" in d
     ), d
 
+    _assert_equals_reference(model, x, y, C, out)
+
+
+def _assert_equals_reference(model, x, y, C, out):
+    """``out`` (clipped sum and norms) equals each example's GradientTape gradient, clipped to
+    ``C`` and summed, to float32 tolerances derived from the computation."""
+    B, T = x.shape
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
     total = [np.zeros(v.shape, np.float64) for v in model.trainable_variables]
     magnitude = [np.zeros(v.shape, np.float64) for v in model.trainable_variables]
@@ -267,9 +274,8 @@ def test_fallback_with_rank3_einsum_loops_over_examples_and_is_exact(monkeypatch
         magnitude = [m + f * np.abs(a) for m, a in zip(magnitude, g)]
     assert min(norms) > C  # every record clipped: the weights matter
     params_count = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-    terms = (
-        model_gradient_terms(model, classes=3) + T * T + norm_terms(params_count) + B
-    )
+    # a per-example gradient, ghost's sums over pairs of the T positions, the norm, the B records
+    terms = model_gradient_terms(model, classes=3) + T * T + norm_terms(params_count) + B
     atol = tolerance("float32", terms, max(float(m.max()) for m in magnitude))
     for v, got, want in zip(model.trainable_variables, out.clipped_sum, total):
         np.testing.assert_allclose(
@@ -279,10 +285,41 @@ def test_fallback_with_rank3_einsum_loops_over_examples_and_is_exact(monkeypatch
         np.asarray(out.norms, np.float64),
         norms,
         rtol=tolerance(
-            "float32",
-            model_gradient_terms(model, classes=3) + T * T + norm_terms(params_count),
+            "float32", model_gradient_terms(model, classes=3) + T * T + norm_terms(params_count)
         ),
     )
+
+
+def test_vectorized_clipper_loops_over_examples_of_a_crashing_model(monkeypatch):
+    """VectorizedClipper used directly (its supports() refuses the model) and PerUserClipper on it
+    compute per-example gradients in a loop, never with vectorized_map, and stay exact."""
+    from tf_dp.gradients import VectorizedClipper
+    from tf_dp.gradients.per_user import PerUserClipper
+
+    keras.utils.set_random_seed(0)
+    model = _Model()
+    C = 0.1
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 30, (4, 6)).astype("int32")
+    y = rng.integers(0, 3, 4).astype("int32")
+    model(x)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("tf.vectorized_map called on a model it crashes on")
+
+    monkeypatch.setattr(tf, "vectorized_map", refuse)
+    query = GaussianSumQuery(C, 0.0)
+    params = query.derive_sample_params(query.initial_global_state())
+    data = (tf.constant(x), tf.constant(y), None)
+    out = VectorizedClipper().clipped_sum(
+        PerExampleLoss(model), data, model.trainable_variables, query, params
+    )
+    _assert_equals_reference(model, x, y, C, out)
+    per_user = PerUserClipper(VectorizedClipper(), records_per_user=1).clipped_sum(
+        PerExampleLoss(model), data, model.trainable_variables, query, params
+    )
+    _assert_equals_reference(model, x, y, C, per_user)
 
 
 def test_vectorized_clipper_without_while_loop_refuses_a_crashing_model():
