@@ -158,3 +158,19 @@ def test_result_str_is_plain_words():
     s = str(r)
     assert "proven upper bound" in s and "Poisson" in s and "order" in s
     assert r.to_dict()["order"] == r.order
+
+
+def test_statement_no_bound_after_infinite_epsilon_and_counts_float_queries():
+    # noise 0: no guarantee, so no line may call the (infinite) epsilon a proven bound
+    r = acc.compute_epsilon([_entry(noise=0.0)] * 10, 1e-5, "rdp")
+    s = str(r)
+    assert math.isinf(r.epsilon) and "infinite" in s
+    assert "proven upper bound" not in s and "APPROXIMATION" not in s
+    # one sum query per step: "the sum query", not "some queries"
+    s = str(acc.compute_epsilon([_entry()] * 100, 1e-5, "rdp"))
+    assert "floating-point noise on the sum query" in s and "some queries" not in s
+    # two distinct queries per step, both continuous: "every noised query"
+    two = SampleEntry(SamplingEvent(10000, 0.01, "poisson"),
+                      (SumQueryEvent(1.0, 1.0, "gaussian"), SumQueryEvent(1.0, 2.0, "gaussian")))
+    s = str(acc.compute_epsilon([two] * 100, 1e-5, "rdp"))
+    assert "floating-point noise on every noised query" in s

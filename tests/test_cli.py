@@ -223,3 +223,19 @@ def test_audit_report_save_round_trips_through_the_cli(tmp_path):
     out = json.loads(p.stdout)
     assert out["audit"]["lower_bound"] == pytest.approx(report.lower_bound, rel=1e-12)
     assert out["audit"]["above"] == ["rdp"]
+
+
+@pytest.mark.parametrize("module,args,flag", [
+    ("compute_dp_sgd_privacy", ["--batch_size=10", "--noise_multiplier=1", "--epochs=1",
+                                "--delta=1e-5"], "--N"),
+    ("compute_dp_sgd_privacy", ["--N=100", "--batch_size=10", "--epochs=1", "--delta=1e-5"],
+     "--noise_multiplier"),
+    ("compute_dp_sgd_privacy", ["--N=100", "--batch_size=10", "--noise_multiplier=1",
+                                "--epochs=1"], "--delta"),
+    ("compute_noise_from_budget", ["--N=100", "--batch_size=10", "--epochs=1",
+                                   "--delta=1e-5"], "--epsilon"),
+])
+def test_missing_flag_is_reported_as_required(module, args, flag):
+    p = _run(module, *args)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert f"{flag} is required" in p.stderr and "got None" not in p.stderr

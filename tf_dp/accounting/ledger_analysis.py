@@ -149,6 +149,8 @@ class PrivacyResult:
                 f"{seeds}), so it is predictable and can be subtracted. The figure is what an "
                 "unseeded run with the same settings would give."
             )
+        elif math.isinf(self.epsilon):
+            pass  # no bound to qualify: the first line says there is no guarantee
         elif self.certified:
             lines.append("This epsilon is a proven upper bound on the privacy loss.")
         else:
@@ -553,11 +555,22 @@ def sampling_claims(runs: Sequence[tuple[SampleEntry, int]]) -> str:
     return f"Unit and sampling{steps}: " + " | ".join(seen) + "."
 
 
+def _which_queries(continuous: int, noisy: int, per_step: set) -> str:
+    """Which noised queries had continuous float noise, by their count (distinct per run)."""
+    if continuous == noisy:
+        return "the sum query" if per_step == {1} else "every noised query"
+    return f"{continuous} of the {noisy} distinct noised queries"
+
+
 def _noise_mode_note(runs: Sequence[tuple[SampleEntry, int]]) -> str:
     """Which noise mode the run's Gaussian sum queries used (grid or continuous), in words."""
     grids = sorted({q.noise_grid for e, _ in runs for q in e.queries if q.noise_grid is not None})
-    continuous = any(q.noise_grid is None and q.mechanism != "none" and q.l2_sensitivity > 0
-                     and q.noise_stddev > 0 for e, _ in runs for q in e.queries)
+    noisy = [q.noise_grid is None for e, _ in runs for q in e.queries
+             if q.mechanism != "none" and q.l2_sensitivity > 0 and q.noise_stddev > 0]
+    continuous = sum(noisy)
+    # distinct kinds of query per step: 1 when every step makes the same single query
+    per_step = {sum(1 for q in e.queries if q.mechanism != "none" and q.l2_sensitivity > 0
+                    and q.noise_stddev > 0) for e, _ in runs}
     parts = []
     if grids:
         shown = ", ".join(f"{g:.6g}" for g in grids[:3]) + (", ..." if len(grids) > 3 else "")
@@ -568,7 +581,8 @@ def _noise_mode_note(runs: Sequence[tuple[SampleEntry, int]]) -> str:
         )
     if continuous:
         parts.append(
-            "Continuous floating-point noise on some queries: the guarantee covers the ideal "
+            f"Continuous floating-point noise on {_which_queries(continuous, len(noisy), per_step)}"
+            ": the guarantee covers the ideal "
             "real-valued Gaussian mechanism; the low bits of the released floats are not "
             "covered (Mironov 2012)."
         )

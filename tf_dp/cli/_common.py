@@ -124,8 +124,19 @@ def to_json(obj: Any) -> str:
     return json.dumps(clean(obj), indent=2, allow_nan=False)
 
 
+def require(flag: str, value) -> None:
+    """Raises UsageError naming ``--flag`` when it was not given (None)."""
+    if value is None:
+        raise UsageError(f"--{flag} is required")
+
+
 def check_sizes(n, batch_size, steps, epochs, delta) -> None:
-    if n is None or n <= 0:
+    require("N", n)
+    require("batch_size", batch_size)
+    if steps is None and epochs is None:
+        raise UsageError("one of --epochs or --steps is required")
+    require("delta", delta)
+    if n <= 0:
         raise UsageError(f"--N must be a positive integer, got {n}")
     if batch_size is None or batch_size <= 0:
         raise UsageError(f"--batch_size must be a positive integer, got {batch_size}")

@@ -52,6 +52,7 @@ def main(argv):
     from tf_dp.ledger.ledger_file import read_ledger_runs
 
     delta = FLAGS.delta
+    _common.require("delta", delta)
     if delta is None or not (0.0 < delta < 1.0):
         raise _common.UsageError(f"--delta must be in (0, 1), got {delta}")
     audit = None
@@ -72,6 +73,7 @@ def main(argv):
     else:
         _common.check_sizes(FLAGS.N, FLAGS.batch_size, FLAGS.steps, FLAGS.epochs, delta)
         nm = FLAGS.noise_multiplier
+        _common.require("noise_multiplier", nm)
         if nm is None or not (nm == 0 or acc.MIN_NOISE_MULTIPLIER <= nm < math.inf):
             raise _common.UsageError(
                 f"--noise_multiplier must be 0 (no noise) or a finite number >= "

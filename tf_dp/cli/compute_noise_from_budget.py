@@ -31,6 +31,7 @@ def main(argv):
     from tf_dp import accounting as acc
 
     _common.check_sizes(FLAGS.N, FLAGS.batch_size, FLAGS.steps, FLAGS.epochs, FLAGS.delta)
+    _common.require("epsilon", FLAGS.epsilon)
     if FLAGS.epsilon is None or not (0 < FLAGS.epsilon < math.inf):
         raise _common.UsageError(f"--epsilon must be a finite number > 0, got {FLAGS.epsilon}")
     if FLAGS.microbatch_size is not None and FLAGS.microbatch_size <= 0:
