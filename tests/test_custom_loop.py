@@ -193,3 +193,37 @@ def test_mirrored_strategy_refuses_another_unit():
     assert r["units_after_error"] == [["example", None]]
     assert r["units_after_rebuild"] == [["example", None], ["user", 4]]
     assert r["moved_after_rebuild"] > 1e-4
+
+
+def test_xla_steps_without_flush_are_applied_and_recorded_until_the_staging_table_is_full():
+    """docs/keras.md: a compiled DPTrainStep called repeatedly without flush() applies and
+    records 63 steps, records the 64th (staging table full) without applying it, records and
+    applies nothing after, and the next flush raises LedgerOverflowError. Counted by the calls
+    made and the weights seen."""
+    from tf_dp.ledger.privacy_ledger import LedgerOverflowError
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 4)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    opt = tf_dp.keras.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1,
+                                          learning_rate=0.1)
+    dp_step = tf_dp.keras.DPTrainStep(
+        model, opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        sampling=Sampling(len(x), 1.0, policy="shuffle"))
+
+    @tf.function(jit_compile=True)
+    def train(xb, yb):
+        return dp_step(xb, yb)
+
+    applied = []
+    for _ in range(65):
+        before = [w.numpy().copy() for w in model.trainable_weights]
+        train(x, y)
+        after = [w.numpy() for w in model.trainable_weights]
+        applied.append(any(not np.array_equal(a, b) for a, b in zip(before, after)))
+    # noise makes a zero update impossible: an unchanged weight is a withheld step
+    assert applied == [True] * 63 + [False, False]
+    with pytest.raises(LedgerOverflowError):
+        dp_step.flush()
+    assert opt.ledger.num_samples == 64  # 63 applied + the 64th (withheld, still counted)
