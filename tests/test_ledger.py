@@ -253,3 +253,25 @@ def test_record_methods_directly():
 
 if __name__ == "__main__":  # Bazel py_test entry point (see BUILD)
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+
+
+def test_resume_takes_the_longer_of_ledger_and_journal(tmp_path):
+    """docs/keras.md (multi-worker): after a kill the copies may differ by one step (70 vs
+    69); attaching the journal keeps the longer, whichever side it is on."""
+
+    entry = SampleEntry(SamplingEvent(1000, 0.01, "poisson"), (SumQueryEvent(1.0, 1.1),))
+    for ledger_steps, journal_steps in [(69, 70), (70, 69)]:
+        path = tmp_path / f"j{ledger_steps}.jsonl"
+        writer = tf_dp.PrivacyLedger()
+        writer.restore_runs([(entry, journal_steps)])
+        writer.attach_journal(path)
+        writer.detach_journal()
+        ledger = tf_dp.PrivacyLedger()
+        ledger.restore_runs([(entry, ledger_steps)])
+        ledger.attach_journal(path)
+        ledger.detach_journal()
+        assert ledger.num_samples == 70
+        reread = tf_dp.PrivacyLedger()
+        reread.attach_journal(path)
+        assert reread.num_samples == 70
+        reread.detach_journal()
