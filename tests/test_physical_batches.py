@@ -12,11 +12,13 @@ import tensorflow as tf
 
 import tf_dp
 import tf_dp.keras as dpk
-from tf_dp.dp_query.gaussian_query import GaussianSumQuery
-from tf_dp.gradients import make_clipper
-from tf_dp.gradients.physical_batches import PhysicalBatches
-from tf_dp.keras.losses import PerExampleLoss
-from tests.helpers.tolerance import dense_gradient_terms, norm_terms, sgd_tolerance
+from tests.helpers.tolerance import (
+    dense_gradient_terms,
+    model_gradient_terms,
+    norm_terms,
+    sgd_tolerance,
+    tolerance,
+)
 from tests.test_gradients_exact import (
     compiled,
     conv_model,
@@ -29,8 +31,34 @@ from tests.test_gradients_exact import (
     sequential_model,
 )
 from tests.test_recurrent_ghost import loop_reference, rng, seq_model, tokens
+from tf_dp.dp_query.gaussian_query import GaussianSumQuery
+from tf_dp.gradients import make_clipper
+from tf_dp.gradients.physical_batches import PhysicalBatches
+from tf_dp.keras.losses import PerExampleLoss
 
 L = keras.layers
+
+
+def _forward_atol(model, values, extra_terms=0):
+    """The float32 tolerance of a forward value (a logit or a per-example loss) computed in pieces
+    vs whole (other kernel shapes, tests/helpers/tolerance.py): at most the roundings
+    ``model_gradient_terms`` counts (forward and backward, an upper count of the forward path),
+    plus ``extra_terms`` for reductions it does not see (a pooling), times the largest value."""
+    terms = model_gradient_terms(model, classes=3) + extra_terms
+    return tolerance("float32", terms, float(np.max(np.abs(values))))
+
+
+def _loss_atol(weight_atol, gradients, losses, forward_terms):
+    """The tolerance of a training loss evaluated at weights that differ by at most
+    ``weight_atol`` per entry: to first order ``weight_atol`` times the largest L1 norm of a
+    per-example gradient (``gradients``: per-example lists of flat arrays, or per-variable
+    ``[B, ...]`` arrays when given as a tuple), plus the forward pass's own roundings. A batch's
+    mean loss moves at most as much as its worst example."""
+    if isinstance(gradients, tuple):
+        l1 = np.sum([np.abs(g).reshape(len(g), -1).sum(axis=1) for g in gradients], axis=0).max()
+    else:
+        l1 = max(sum(float(np.abs(g).sum()) for g in rec) for rec in gradients)
+    return weight_atol * float(l1) + tolerance("float32", forward_terms, float(np.max(losses)))
 
 
 def _run(strategy, model, x, y, sw=None, clip=0.3, compile_as=None):
@@ -72,11 +100,14 @@ def test_pieces_give_the_reference_clipped_sum(builder, mode, compile_as):
     for got, ref in zip(out["clipped_sum"], want):
         np.testing.assert_allclose(got, ref, rtol=0, atol=atol)
     np.testing.assert_allclose(out["norms"], norms, rtol=norm_rtol(model))
-    np.testing.assert_allclose(out["losses"], per_example_loss_value(model, x, y, sw), rtol=1e-5,
-                               atol=1e-6)
+    # forward values in pieces vs whole: a wrong row (a piece's rows shifted) moves them by O(1)
+    want_losses = np.asarray(per_example_loss_value(model, x, y, sw))
+    np.testing.assert_allclose(out["losses"], want_losses, rtol=0,
+                               atol=_forward_atol(model, want_losses))
     real = sw != 0  # zero-weight rows are computed as copies of a real row (by design)
-    np.testing.assert_allclose(out["y_pred"][real], np.asarray(model(x, training=True))[real],
-                               rtol=1e-5, atol=1e-6)
+    logits = np.asarray(model(x, training=True))
+    np.testing.assert_allclose(out["y_pred"][real], logits[real], rtol=0,
+                               atol=_forward_atol(model, logits))
     np.testing.assert_array_equal(out["record_mask"], sw != 0)
     assert int(out["num_records"]) == 10
 
@@ -92,9 +123,18 @@ def test_any_piece_size_gives_the_unsplit_ghost_sum_on_a_masked_bilstm(size):
     want = [np.tensordot(np.minimum(1.0, clip / total), g, axes=1) for g in ref]
     split = _run(PhysicalBatches(make_clipper("ghost", model=model), size), model, x, y,
                  clip=clip, compile_as="graph")
-    for got, ref_sum in zip(split["clipped_sum"], want):
-        np.testing.assert_allclose(got, ref_sum, rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(split["norms"], total, rtol=1e-4)
+    # tests/helpers/tolerance.py: per time step and direction the LSTM takes 14 roundings, 7
+    # steps forward and back, the embedding's 7 positions, the dense head (6 + 2), the
+    # log-softmax (2), 2 casts; then the norm, the sum of 7 records and of at most 7 pieces
+    params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    gradient = 2 * 7 * 14 + 7 + 8 + 2 + 2
+    magnitude = max(float(np.max(np.tensordot(np.minimum(1.0, clip / total), np.abs(g), axes=1)))
+                    for g in ref)
+    atol = tolerance("float32", gradient + norm_terms(params) + 7 + 7, magnitude)
+    for got, ref_sum in zip(split["clipped_sum"], want):  # a lost or doubled row moves it by O(clip)
+        np.testing.assert_allclose(got, ref_sum, rtol=0, atol=atol)
+    np.testing.assert_allclose(split["norms"], total,
+                               rtol=tolerance("float32", gradient + norm_terms(params)))
 
 
 def test_a_non_finite_record_in_one_piece_adds_nothing():
@@ -150,9 +190,14 @@ def test_fit_with_pieces_equals_fit_without(jit):
     for inputs, kwargs in ((poisson, {}), (lambda: (x, y), {"batch_size": 12, "shuffle": False})):
         whole, opt_whole, h_whole = _fit(model_fn, inputs, None, jit, **kwargs)
         split, opt_split, h_split = _fit(model_fn, inputs, 5, jit, **kwargs)
+        atol = _fit_atol(8, max_batch=40)
         for a, b in zip(whole.get_weights(), split.get_weights()):  # 2 epochs of 4 steps
-            np.testing.assert_allclose(b, a, rtol=0, atol=_fit_atol(8, max_batch=40))
-        np.testing.assert_allclose(h_split.history["loss"], h_whole.history["loss"], rtol=1e-4)
+            np.testing.assert_allclose(b, a, rtol=0, atol=atol)
+        # the loss of weights that differ by atol (a step lost or taken twice moves it by ~0.1)
+        loss_atol = _loss_atol(atol, reference_grads(whole, x, y), h_whole.history["loss"],
+                               dense_gradient_terms([6, 5, 3]) + 40)
+        np.testing.assert_allclose(h_split.history["loss"], h_whole.history["loss"], rtol=0,
+                                   atol=loss_atol)
         assert opt_split.ledger.samples() == opt_whole.ledger.samples()
         assert "physical batches of at most 5" in opt_split.gradient_clipper.description
 
@@ -223,9 +268,16 @@ def test_pieces_made_only_of_padding_rows_stay_valid_input(mode):
     split = _run(PhysicalBatches(make_clipper(mode, model=model), 2), model, x, y, sw,
                  compile_as="graph")
     assert np.all(np.isfinite(split["losses"])), split["losses"]
-    np.testing.assert_allclose(split["losses"], whole["losses"], rtol=1e-5, atol=1e-7)
+    # the embedding's mean over 5 positions, forward and back, besides the dense layer
+    np.testing.assert_allclose(split["losses"], whole["losses"], rtol=0,
+                               atol=_forward_atol(model, whole["losses"], extra_terms=10))
+    params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    # a clipped sum of 6 rows (each entry <= the clip 0.3), in pieces of 2: the gradient, its
+    # norm, the sums over 6 rows and 3 pieces; a padding row counted as real moves it by O(0.3)
+    atol = tolerance("float32", model_gradient_terms(model, classes=3) + 10 + norm_terms(params)
+                     + 6 + 3, 6 * 0.3)
     for a, b in zip(whole["clipped_sum"], split["clipped_sum"]):
-        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(b, a, rtol=0, atol=atol)
 
 
 def _fit_query(query_fn, size):
@@ -260,14 +312,24 @@ QUERIES = {
 def test_every_clipping_query_gives_the_same_training_with_pieces(kind):
     whole, opt_whole, q_whole = _fit_query(QUERIES[kind], None)
     split, opt_split, q_split = _fit_query(QUERIES[kind], 3)
+    steps = len(opt_whole.ledger.samples())
+    # tests/helpers/tolerance.py: a 6-8-2 gradient, its norm (74 parameters), the sum of at most
+    # 80 rows and 27 pieces of 3, the division; updates <= 0.1 x 0.5 (every clip here, the
+    # adaptive one included, stays below 0.5), |w| <= 2. A wrong count or clip moves them by
+    # O(learning rate x clip) = 1e-2 per step.
+    atol = sgd_tolerance("float32", steps, 0.1, 0.5,
+                         dense_gradient_terms([6, 8, 2]) + norm_terms(74) + 80 + 27 + 1,
+                         weight_scale=2.0)
     for a, b in zip(whole.get_weights(), split.get_weights()):
-        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(b, a, rtol=0, atol=atol)
     assert opt_split.ledger.samples() == opt_whole.ledger.samples()
     if kind == "adaptive":
         clips = [e.queries[0].l2_sensitivity for e in opt_split.ledger.samples()]
         assert len(set(clips)) > 2  # the clip moved during training, identically in both runs
+        # the clip follows integer counts (the same in both runs) through the same ops: one
+        # rounding per step at most; a count off by one moves it by exp(0.3 / 20) - 1 = 1.5e-2
         assert float(q_split.l2_norm_clip.numpy()) == pytest.approx(
-            float(q_whole.l2_norm_clip.numpy()), rel=1e-6)
+            float(q_whole.l2_norm_clip.numpy()), rel=tolerance("float32", steps))
 
 
 def _fit_sequence(model_fn, inputs, size, metrics, sampling=None, **fit_kwargs):
@@ -295,10 +357,21 @@ def test_masked_sequence_outputs_keep_their_mask_for_metrics():
 
     whole, h_whole = _fit_sequence(model_fn, (x, y), None, ["accuracy"], batch_size=12,
                                    shuffle=False)
-    split, h_split = _fit_sequence(model_fn, (x, y), 5, ["accuracy"], batch_size=12,
+    _, h_split = _fit_sequence(model_fn, (x, y), 5, ["accuracy"], batch_size=12,
                                    shuffle=False)
-    assert h_split.history["accuracy"] == pytest.approx(h_whole.history["accuracy"], rel=1e-6)
-    assert h_split.history["loss"] == pytest.approx(h_whole.history["loss"], rel=1e-5)
+    # accuracy counts agreements: one flipped token of the 72 moves it by 1/72; the two runs
+    # only differ in the rounding of the count's sum and division
+    assert h_split.history["accuracy"] == pytest.approx(h_whole.history["accuracy"],
+                                                        rel=tolerance("float32", 2))
+    # 1 epoch of 2 steps: weights within sgd_tolerance (an embedding row is a 1-term gradient,
+    # the dense head sums 6 positions, the log-softmax 3, norm over 92 parameters, 12 rows and 3
+    # pieces), the loss within that times the largest per-example gradient's L1 norm
+    gradient = 2 * (4 + 2) + 6 + 3 + 2
+    atol = sgd_tolerance("float32", 2, 0.2, 0.5, gradient + norm_terms(92) + 12 + 3 + 1, 2.0)
+    loss_atol = _loss_atol(atol, loop_reference(whole, x, y), h_whole.history["loss"],
+                           gradient + 6 * 3)
+    np.testing.assert_allclose(h_split.history["loss"], h_whole.history["loss"], rtol=0,
+                               atol=loss_atol)
 
 
 def test_outputs_of_dynamic_length_and_a_batch_shorter_than_a_piece():
@@ -319,9 +392,18 @@ def test_outputs_of_dynamic_length_and_a_batch_shorter_than_a_piece():
     whole, h_whole = _fit_sequence(model_fn, (make_ds(),), None, ["mae"], sampling)
     # the batch of 3 has no full piece of 4
     split, h_split = _fit_sequence(model_fn, (make_ds(),), 4, ["mae"], sampling)
-    assert h_split.history["mae"] == pytest.approx(h_whole.history["mae"], rel=1e-5)
+    # 1 epoch of 2 steps of a linear 3-2 layer applied at up to 7 steps, mean squared error over
+    # 7 x 2 values: the gradient sums 7 positions; its norm over 8 parameters, 8 rows, 2 pieces.
+    # Weights within atol give outputs within atol x (sum |x_t| + 1), and so the mean absolute
+    # error. A dropped or doubled row moves the weights by O(0.2 x 0.5 / 8) = 1e-2.
+    gradient = 2 * (3 + 2) + 14 + 7 + 2
+    atol = sgd_tolerance("float32", 2, 0.2, 0.5, gradient + norm_terms(8) + 8 + 2 + 1, 2.0)
+    x_l1 = max(float(np.abs(s).sum(axis=1).max()) for s, _ in seqs)
+    mae_atol = atol * (x_l1 + 1) + tolerance("float32", gradient, max(h_whole.history["mae"]))
+    np.testing.assert_allclose(h_split.history["mae"], h_whole.history["mae"], rtol=0,
+                               atol=mae_atol)
     for a, b in zip(whole.get_weights(), split.get_weights()):
-        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(b, a, rtol=0, atol=atol)
 
 
 def test_mixed_float16_with_pieces():
@@ -359,7 +441,10 @@ def test_ftrl_with_pieces_equals_ftrl_without():
     moved = max(float(np.max(np.abs(a - b))) for a, b in
                 zip(whole.get_weights(), sequential_model(seed=2).get_weights()))
     assert moved > 1e-3
+    # FTRL's update is the learning rate times the tree's running sum of the clipped means (at
+    # most 4 steps of 0.5): _fit_atol's per-step error counted over the 4 steps of the tree
+    atol = 4 * _fit_atol(4, max_batch=12)
     for a, b in zip(whole.get_weights(), split.get_weights()):
-        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(b, a, rtol=0, atol=atol)
     assert opt_split.ledger.samples() == opt_whole.ledger.samples()
     assert opt_split.gradient_clipper.description.endswith("physical batches of at most 5")
