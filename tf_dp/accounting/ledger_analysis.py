@@ -104,6 +104,25 @@ _KIND_TEXT = {
 
 _PLD_CAP_NOTE = "privacy losses above the PLD loss cap"
 
+_UNVERIFIED_NOTE = (
+    "UNVERIFIED LEDGER: it was loaded from a file saved by a tf_dp version before ledger "
+    "checksums, so it could not be verified; the figure holds only if that ledger is intact."
+)
+
+
+def _check_provenance(ledger) -> bool:
+    """Whether ``ledger`` (anything; a ``PrivacyLedger`` carries ``verified`` and
+    ``missing_steps``) is verified; raises if trained steps are missing from it."""
+    missing = getattr(ledger, "missing_steps", 0)
+    if isinstance(missing, int) and missing > 0:
+        raise ValueError(
+            f"privacy spent unknown: the ledger of {missing} trained steps is missing (the "
+            "weights were loaded from a file saved without their ledger, or with part of it), "
+            "so no epsilon can be stated and 0 would be false. Restore the run's ledger "
+            "(ledger.restore_entries(tf_dp.ledger.read_ledger_file(path)))"
+        )
+    return getattr(ledger, "verified", True) is not False
+
 
 @dataclasses.dataclass(frozen=True)
 class PrivacyResult:
@@ -117,6 +136,7 @@ class PrivacyResult:
       order: optimal Renyi order (``rdp`` / ``moments``; moments ``lambda = order - 1``).
       mu: the GDP parameter (``gdp`` only).
       steps: number of samples (steps) analysed.
+      verified: False when the ledger came from a file whose checksum could not be checked.
     """
 
     accountant: str
@@ -128,6 +148,7 @@ class PrivacyResult:
     mu: Optional[float] = None
     steps: int = 0
     noise_seeds: tuple = ()
+    verified: bool = True
 
     def __str__(self) -> str:
         if not math.isinf(self.epsilon):
@@ -155,6 +176,8 @@ class PrivacyResult:
             lines.append("This epsilon is a proven upper bound on the privacy loss.")
         else:
             lines.append("This epsilon is an APPROXIMATION (not a proven bound).")
+        if not self.verified:
+            lines.append(_UNVERIFIED_NOTE)
         if self.order is not None:
             lines.append(f"Optimal Renyi order: {self.order:g}.")
         if self.mu is not None:
@@ -167,6 +190,8 @@ class PrivacyResult:
              "certified": self.certified, "assumptions": self.assumptions}
         if self.noise_seeds:
             d["noise_seeds"] = list(self.noise_seeds)
+        if not self.verified:
+            d["verified"] = False
         if self.order is not None:
             d["order"] = self.order
         if self.mu is not None:
@@ -505,7 +530,11 @@ def compute_epsilon(
     file is read as runs, so memory grows with its distinct runs, not its steps).
 
     A run whose noise came from an explicit ``noise_seed`` gets ``certified=False`` and a
-    statement that says no guarantee holds (the seed is in ``noise_seeds``).
+    statement that says no guarantee holds (the seed is in ``noise_seeds``). A ledger loaded
+    from a file saved before ledger checksums (``ledger.verified`` False) gives a result with
+    ``verified=False`` whose statement says "UNVERIFIED LEDGER". A ledger missing steps its
+    weights were trained with (``ledger.missing_steps`` > 0: trained private weights loaded
+    without their ledger) raises ValueError: the privacy spent is unknown, never 0.
 
     Args:
       ledger: the run's record.
@@ -517,9 +546,11 @@ def compute_epsilon(
     _check_accountant(accountant)
     if not (isinstance(delta, (int, float)) and 0.0 < delta < 1.0):
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    verified = _check_provenance(ledger)
     runs = as_runs(ledger)
-    return _epsilon_of_runs(runs, sum(c for _, c in runs), delta, accountant, orders,
-                            discretization)
+    result = _epsilon_of_runs(runs, sum(c for _, c in runs), delta, accountant, orders,
+                              discretization)
+    return result if verified else dataclasses.replace(result, verified=False)
 
 
 def _epsilon_of_runs(runs, steps, delta, accountant, orders=None, discretization=None):
@@ -648,6 +679,7 @@ def compute_delta(
     _check_accountant(accountant)
     if not (isinstance(epsilon, (int, float)) and epsilon >= 0 and not math.isnan(epsilon)):
         raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
+    verified = _check_provenance(ledger)
     runs = as_runs(ledger)
     distinct = distinct_runs(runs)
     result = _seeded(
@@ -658,7 +690,7 @@ def compute_delta(
     note = sampling_claims(distinct)
     if note:
         result = dataclasses.replace(result, assumptions=f"{result.assumptions} {note}")
-    return result
+    return result if verified else dataclasses.replace(result, verified=False)
 
 
 def _delta(runs, steps, epsilon, accountant, orders, discretization, distinct=None

@@ -496,12 +496,14 @@ class DPEngine:
 
     # -- the ledger across optimizers and files (eager) -----------------------------------------
 
-    def restore_ledger_tables(self, samples: np.ndarray, queries: np.ndarray) -> None:
+    def restore_ledger_tables(
+        self, samples: np.ndarray, queries: np.ndarray, verified: bool = True
+    ) -> None:
         """Restores a saved ledger (tables from ``ledger.tables()``), never losing steps: the
         current ledger is kept if it already records more steps (e.g. older weights loaded into
         a model that trained on), so the ledger can over-count but never under-count."""
         if samples.shape[0] >= self.ledger.num_samples:
-            self.ledger.load_tables(samples, queries)
+            self.ledger.load_tables(samples, queries, verified=verified)
         else:
             _logger.warning(
                 "tf_dp: kept the optimizer's ledger (%d steps) rather than the saved one (%d "

@@ -319,14 +319,14 @@ def private_compile(model: keras.Model, compile_fn: Any, args: tuple, kwargs: di
     if isinstance(current, DPOptimizerMixin):
         weights = _weights_ledger(model)
         if weights is not None and weights.steps > current.ledger.num_samples:
-            current.restore_ledger_tables(weights.samples, weights.queries)
+            current.restore_ledger_tables(weights.samples, weights.queries, weights.verified)
 
 
 class _WeightsLedger:
     """The ledger that came with a private model's loaded weights (the longest one loaded)."""
 
-    def __init__(self, samples: np.ndarray, queries: np.ndarray):
-        self.samples, self.queries = samples, queries
+    def __init__(self, samples: np.ndarray, queries: np.ndarray, verified: bool = True):
+        self.samples, self.queries, self.verified = samples, queries, verified
 
     @property
     def steps(self) -> int:
@@ -337,15 +337,19 @@ def _weights_ledger(model: keras.Model) -> _WeightsLedger | None:
     return model.__dict__.get("_tf_dp_weights_ledger")
 
 
-def _take_weights_ledger(model: keras.Model, samples: np.ndarray, queries: np.ndarray) -> None:
+def _take_weights_ledger(
+    model: keras.Model, samples: np.ndarray, queries: np.ndarray, verified: bool = True
+) -> None:
     """A ledger loaded with the model's weights: kept on the model (never a shorter one) and
     restored into its DP optimizer, if it has one (a later DP compile adopts it otherwise)."""
     current = _weights_ledger(model)
     if current is None or samples.shape[0] >= current.steps:
-        object.__setattr__(model, "_tf_dp_weights_ledger", _WeightsLedger(samples, queries))
+        object.__setattr__(
+            model, "_tf_dp_weights_ledger", _WeightsLedger(samples, queries, verified)
+        )
     optimizer = getattr(model, "optimizer", None)
     if isinstance(optimizer, DPOptimizerMixin):
-        optimizer.restore_ledger_tables(samples, queries)
+        optimizer.restore_ledger_tables(samples, queries, verified)
 
 
 def _ledger_tables_to_save(model: keras.Model) -> tuple[np.ndarray, np.ndarray] | None:
@@ -379,7 +383,10 @@ def _state_snapshot(model: keras.Model) -> tuple:
     optimizer = getattr(model, "optimizer", None)
     variables = list(model.variables) + list(getattr(optimizer, "variables", None) or [])
     values = [(v, np.array(v.numpy())) for v in variables]
-    tables = optimizer.ledger.tables() if isinstance(optimizer, DPOptimizerMixin) else None
+    tables = None
+    if isinstance(optimizer, DPOptimizerMixin):
+        ledger = optimizer.ledger
+        tables = (ledger.tables(), ledger.verified, ledger._trained_steps)
     return values, optimizer, tables, _weights_ledger(model)
 
 
@@ -388,7 +395,9 @@ def _restore_snapshot(model: keras.Model, snapshot: tuple) -> None:
     for variable, value in values:
         variable.assign(value)
     if tables is not None:
-        optimizer.ledger.load_tables(*tables)
+        (samples, queries), verified, trained = tables
+        optimizer.ledger.load_tables(samples, queries, verified=verified)
+        optimizer.ledger._trained_steps = trained
     object.__setattr__(model, "_tf_dp_weights_ledger", weights)
 
 

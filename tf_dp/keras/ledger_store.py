@@ -3,9 +3,14 @@
 A private model and its DP optimizer each write the ledger's two tables and their SHA-256
 (:func:`tf_dp.ledger.privacy_ledger.tables_checksum`) next to their own variables. Reading
 checks the checksum before anything is used: a copy whose tables do not match it (corrupted or
-edited), or that lacks it, raises :class:`tf_dp.ledger.LedgerFileError`. The checksum detects
-corruption and accidental edits; it is not a signature (anyone who edits the tables on purpose
-can recompute it).
+edited), or that lacks one of its tables, raises :class:`tf_dp.ledger.LedgerFileError`. The
+checksum detects corruption and accidental edits; it is not a signature (anyone who edits the
+tables on purpose can recompute it).
+
+Formats written by earlier versions: files saved between the ledger's first copy in the
+optimizer's variables (commit c2fb504) and the checksum (commit 3b9dd89) hold both tables but no
+checksum. Their ledger loads *unverified* (:func:`read_ledger` returns ``verified=False`` and
+warns); the statements computed from it say so. Files older than that hold no ledger at all.
 
 Example::
 
@@ -14,12 +19,15 @@ Example::
         write_ledger(store, *self.ledger.tables())
 
     def load_own_variables(self, store):
-        tables = read_ledger(store)          # None when the store holds no ledger
+        stored = read_ledger(store)          # None when the store holds no ledger
         super().load_own_variables(without_ledger(store))
+        if stored is not None:
+            samples, queries, verified = stored
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import numpy as np
@@ -41,30 +49,50 @@ def write_ledger(store: Any, samples: np.ndarray, queries: np.ndarray) -> None:
     store[CHECKSUM_KEY] = np.frombuffer(digest, np.uint8)
 
 
-def read_ledger(store: Any) -> Optional[tuple[np.ndarray, np.ndarray]]:
-    """The tables stored in ``store`` after checking their checksum, or None if it holds none."""
+UNVERIFIED_WARNING = (
+    "tf_dp: this file was saved by a tf_dp version before ledger checksums (its ledger tables "
+    "have no tf_dp_ledger_sha256); the ledger could not be verified. It is loaded and marked "
+    "unverified (ledger.verified is False; privacy statements say so): re-save the model to "
+    "store it with a checksum, once you trust it"
+)
+
+
+def read_ledger(store: Any) -> Optional[tuple[np.ndarray, np.ndarray, bool]]:
+    """``(samples, queries, verified)`` stored in ``store``, or None if it holds no ledger.
+
+    ``verified`` is True when the tables match their stored checksum; False for tables saved
+    before checksums existed (no checksum key: a warning says so). A checksum mismatch, or a
+    missing table, raises :class:`tf_dp.ledger.LedgerFileError`.
+    """
     keys = set(store.keys()) if store is not None else set()
     if not keys & set(KEYS):
         return None
-    missing = [k for k in KEYS if k not in keys]
+    missing = [k for k in (SAMPLES_KEY, QUERIES_KEY) if k not in keys]
     if missing:
         raise LedgerFileError(
-            f"the saved ledger is incomplete (missing {', '.join(missing)}): it cannot be checked, "
-            "so it is not loaded"
+            f"tf_dp: the saved ledger is incomplete (missing {', '.join(missing)}): the privacy "
+            "spent by these weights is unknown, so nothing was loaded from it. Load an intact "
+            "copy of the file, or restore the run's ledger from its ledger file "
+            "(ledger.restore_entries(tf_dp.ledger.read_ledger_file(path)))"
         )
     samples = np.asarray(store[SAMPLES_KEY], np.float64)
     queries = np.asarray(store[QUERIES_KEY], np.float64)
+    if CHECKSUM_KEY not in keys:  # the format before checksums (commits c2fb504..3b9dd89)
+        warnings.warn(UNVERIFIED_WARNING, UserWarning, stacklevel=2)
+        return samples, queries, False
     stored = np.asarray(store[CHECKSUM_KEY]).astype(np.uint8).tobytes().hex()
     try:
         expected = tables_checksum(samples, queries)
     except ValueError as e:
-        raise LedgerFileError(f"the saved ledger's tables are malformed: {e}") from None
+        raise LedgerFileError(f"tf_dp: the saved ledger's tables are malformed: {e}") from None
     if stored != expected:
         raise LedgerFileError(
-            "ledger checksum mismatch in the saved variables: the ledger stored with these "
-            "weights was corrupted or edited after it was written; nothing was loaded from it"
+            "tf_dp: ledger checksum mismatch in the saved variables: the ledger stored with "
+            "these weights was corrupted or edited after it was written; nothing was loaded "
+            "from it. Load an intact copy of the file, or restore the run's ledger from its "
+            "ledger file (ledger.restore_entries(tf_dp.ledger.read_ledger_file(path)))"
         )
-    return samples, queries
+    return samples, queries, True
 
 
 def without_ledger(store: Any) -> dict[str, Any]:

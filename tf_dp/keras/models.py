@@ -212,11 +212,12 @@ class _PrivateTrainingMixin:
 
     def load_own_variables(self, store):
         """Restores the model's own variables and the ledger saved with them, after checking
-        its checksum (a corrupted or edited ledger raises ``LedgerFileError``)."""
-        tables = ledger_store.read_ledger(store)
+        its checksum (a corrupted or edited ledger raises ``LedgerFileError``; tables saved
+        without a checksum by earlier versions load marked unverified)."""
+        stored = ledger_store.read_ledger(store)
         super().load_own_variables(ledger_store.without_ledger(store))
-        if tables is not None:
-            _take_weights_ledger(self, *tables)
+        if stored is not None:
+            _take_weights_ledger(self, *stored)
 
     def load_weights(self, filepath, *args, **kwargs):
         """Keras's ``load_weights``; if loading fails (e.g. a ledger checksum mismatch), the

@@ -46,16 +46,24 @@ class OptimizerSaving:
         """Restores the optimizer's variables and its ledger (see :meth:`restore_ledger_tables`).
 
         The ledger's checksum is checked first: a saved ledger that was corrupted or edited
-        raises :class:`tf_dp.ledger.LedgerFileError` before anything is restored.
+        raises :class:`tf_dp.ledger.LedgerFileError` before anything is restored. Tables saved
+        without a checksum (earlier versions) load with ``ledger.verified`` False. Trained
+        variables (``iterations`` > 0) saved without any ledger leave the ledger's
+        ``missing_steps`` positive: the privacy spent is unknown, never zero.
         """
-        tables = ledger_store.read_ledger(store)
-        if tables is not None:
-            self.restore_ledger_tables(*tables)
+        stored = ledger_store.read_ledger(store)
+        if stored is not None:
+            self.restore_ledger_tables(*stored)
         super().load_own_variables(ledger_store.without_ledger(store))  # type: ignore[misc]
+        self._engine.ledger.expect_trained_steps(  # type: ignore[attr-defined]
+            int(self.iterations.numpy())  # type: ignore[attr-defined]
+        )
 
-    def restore_ledger_tables(self, samples: np.ndarray, queries: np.ndarray) -> None:
+    def restore_ledger_tables(
+        self, samples: np.ndarray, queries: np.ndarray, verified: bool = True
+    ) -> None:
         """Restores a saved ledger (tables from ``ledger.tables()``), never losing steps."""
-        self._engine.restore_ledger_tables(samples, queries)  # type: ignore[attr-defined]
+        self._engine.restore_ledger_tables(samples, queries, verified)  # type: ignore
 
     def inherit_ledger(self, previous: "OptimizerSaving") -> None:
         """Continues ``previous``'s ledger (a private model recompiled with a new DP optimizer)."""

@@ -602,6 +602,10 @@ class PrivacyLedger(tf.Module):
         self._journal_queries = 0  # query rows already in the journal
         self._journal_key = b""  # the rows last appended to the journal...
         self._journal_runs = ""  # ...and their encoding
+        #: False when the content was loaded from tables saved without their checksum (files
+        #: written before ledger checksums): privacy statements computed from it say so.
+        self.verified = True
+        self._trained_steps = 0  # steps the loaded weights were trained with (see missing_steps)
 
     # -- compiled (XLA) steps ----------------------------------------------------------------------
 
@@ -1017,8 +1021,22 @@ class PrivacyLedger(tf.Module):
         self.flush()
         return self._samples.numpy().copy(), self._queries.numpy().copy()
 
-    def load_tables(self, samples: np.ndarray, queries: np.ndarray) -> None:
-        """Replaces the content with tables from :meth:`tables` (validated through the events)."""
+    @property
+    def missing_steps(self) -> int:
+        """Steps the loaded weights were trained with that this ledger does not record (e.g.
+        private weights loaded from a file whose ledger was removed): while positive, the
+        privacy spent is unknown and ``compute_epsilon`` refuses the ledger."""
+        return max(0, self._trained_steps - self.num_samples)
+
+    def expect_trained_steps(self, steps: int) -> None:
+        """Declares that the weights this ledger goes with were trained for ``steps`` steps."""
+        self._trained_steps = max(self._trained_steps, int(steps))
+
+    def load_tables(
+        self, samples: np.ndarray, queries: np.ndarray, *, verified: bool = True
+    ) -> None:
+        """Replaces the content with tables from :meth:`tables` (validated through the events);
+        ``verified=False`` for tables whose checksum could not be checked (:attr:`verified`)."""
         samples = np.asarray(samples, np.float64)
         if samples.ndim == 2 and 3 <= samples.shape[1] < _SAMPLE_COLS:
             # tables saved before a column existed (pass starts; origin, unit and k): zeros,
@@ -1031,6 +1049,7 @@ class PrivacyLedger(tf.Module):
             queries = np.concatenate([queries, np.full([len(queries), 1], np.nan)], axis=1)
         queries = queries.reshape(-1, _QUERY_COLS)
         self.restore_runs(_tables_to_runs(samples, queries))  # every event is validated on the way
+        self.verified = bool(verified)
 
     def reset(self) -> None:
         """Forgets every recorded event (refused while a journal is attached: see
