@@ -78,6 +78,8 @@ def backup_and_restore():
     except RuntimeError:
         pass
     crashed_at = int(model.optimizer.iterations.numpy())
+    # The crashed "process" ends: its ledger's journal (one writer at a time) is released.
+    del model
     resumed = build()  # a new process would start from scratch like this
     resumed.fit(batches(x, y), epochs=2, verbose=0,
                 callbacks=[tf_dp.keras.callbacks.BackupAndRestore(backup)])
