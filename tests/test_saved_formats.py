@@ -23,7 +23,8 @@ import pytest
 
 import tf_dp
 import tf_dp.keras
-from tf_dp.accounting import compute_epsilon
+from tf_dp.accounting import compute_delta, compute_epsilon
+from tf_dp.ledger import LedgerFileError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = sorted(glob.glob(os.path.join(HERE, "data", "*.keras")))
@@ -91,6 +92,7 @@ def test_every_saved_format_loads(path):
         assert "before ledger checksums" in unverified_warnings[0]
         assert "could not be verified" in unverified_warnings[0]
         assert "UNVERIFIED LEDGER" in str(result) and result.to_dict()["verified"] is False
+        assert "UNVERIFIED LEDGER" in str(compute_delta(ledger, 1.0))
 
 
 def test_a_checksum_mismatch_still_raises_a_tf_dp_error(tmp_path):
@@ -111,6 +113,15 @@ def test_a_checksum_mismatch_still_raises_a_tf_dp_error(tmp_path):
     with pytest.raises(ValueError, match="tf_dp: ledger checksum mismatch") as e:
         keras.saving.load_model(str(edited))
     assert "read_ledger_file" in str(e.value)  # the way forward
+    # a private model's load_weights raises tf_dp's own error, not Keras's generic one
+    target = _private_model()
+    target.optimizer.build(target.trainable_variables)
+    before = [w.numpy().copy() for w in target.weights]
+    with pytest.raises(LedgerFileError, match="^tf_dp: ledger checksum mismatch"):
+        target.load_weights(str(edited))
+    for a, w in zip(before, target.weights):  # nothing was loaded
+        np.testing.assert_array_equal(a, w.numpy())
+    assert target.optimizer.ledger.num_samples == 0
 
 
 def _private_model(seed=0):
@@ -151,5 +162,7 @@ def test_trained_weights_without_their_ledger_never_read_as_nothing_spent(tmp_pa
     assert ledger.num_samples == 0 and ledger.missing_steps == iterations
     with pytest.raises(ValueError, match="ledger of 20 trained steps is missing"):
         compute_epsilon(ledger, 1e-5)
+    with pytest.raises(ValueError, match="ledger of 20 trained steps is missing"):
+        compute_delta(ledger, 1.0)
     with pytest.raises(ValueError, match="ledger records only 0"):  # the next fit refuses
         target.fit(x, y, batch_size=4, epochs=1, verbose=0)

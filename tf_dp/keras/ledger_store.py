@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Any, Optional
 
@@ -49,6 +50,25 @@ def write_ledger(store: Any, samples: np.ndarray, queries: np.ndarray) -> None:
     store[CHECKSUM_KEY] = np.frombuffer(digest, np.uint8)
 
 
+_last_error = threading.local()
+
+
+def _refuse(message: str) -> LedgerFileError:
+    """The error to raise, remembered so that a caller whose load Keras wraps can re-raise it."""
+    error = LedgerFileError(message)
+    _last_error.value = error
+    return error
+
+
+def take_last_error() -> Optional[LedgerFileError]:
+    """The last ledger error :func:`read_ledger` raised in this thread (then forgotten): Keras
+    turns errors raised while loading into its own ``ValueError``; a private model's
+    ``load_weights`` re-raises tf_dp's."""
+    error = getattr(_last_error, "value", None)
+    _last_error.value = None
+    return error
+
+
 UNVERIFIED_WARNING = (
     "tf_dp: this file was saved by a tf_dp version before ledger checksums (its ledger tables "
     "have no tf_dp_ledger_sha256); the ledger could not be verified. It is loaded and marked "
@@ -69,7 +89,7 @@ def read_ledger(store: Any) -> Optional[tuple[np.ndarray, np.ndarray, bool]]:
         return None
     missing = [k for k in (SAMPLES_KEY, QUERIES_KEY) if k not in keys]
     if missing:
-        raise LedgerFileError(
+        raise _refuse(
             f"tf_dp: the saved ledger is incomplete (missing {', '.join(missing)}): the privacy "
             "spent by these weights is unknown, so nothing was loaded from it. Load an intact "
             "copy of the file, or restore the run's ledger from its ledger file "
@@ -84,9 +104,9 @@ def read_ledger(store: Any) -> Optional[tuple[np.ndarray, np.ndarray, bool]]:
     try:
         expected = tables_checksum(samples, queries)
     except ValueError as e:
-        raise LedgerFileError(f"tf_dp: the saved ledger's tables are malformed: {e}") from None
+        raise _refuse(f"tf_dp: the saved ledger's tables are malformed: {e}") from None
     if stored != expected:
-        raise LedgerFileError(
+        raise _refuse(
             "tf_dp: ledger checksum mismatch in the saved variables: the ledger stored with "
             "these weights was corrupted or edited after it was written; nothing was loaded "
             "from it. Load an intact copy of the file, or restore the run's ledger from its "

@@ -221,12 +221,17 @@ class _PrivateTrainingMixin:
 
     def load_weights(self, filepath, *args, **kwargs):
         """Keras's ``load_weights``; if loading fails (e.g. a ledger checksum mismatch), the
-        weights, optimizer variables and ledger are left as they were."""
+        weights, optimizer variables and ledger are left as they were, and a ledger error
+        surfaces as tf_dp's ``LedgerFileError`` (not Keras's generic "could not be loaded")."""
         snapshot = _state_snapshot(self)
+        ledger_store.take_last_error()  # forget any earlier load's
         try:
             return super().load_weights(filepath, *args, **kwargs)
-        except BaseException:
+        except BaseException as e:
             _restore_snapshot(self, snapshot)
+            ledger_error = ledger_store.take_last_error()
+            if ledger_error is not None and ledger_error is not e:
+                raise ledger_error from e
             raise
 
 
