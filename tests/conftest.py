@@ -44,6 +44,7 @@ UNIT = {
 
 E2E = {
     "test_distributed",
+    "test_mirrored_one_replica",
     "test_docs_blocks",
     "test_multi_worker",
     "test_notebooks",

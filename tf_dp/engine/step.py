@@ -448,9 +448,10 @@ class DPEngine:
         # a step traced for another unit of privacy than declared now fails before its update
         # (outside XLA; under XLA ``room`` is false and the next flush raises)
         with tf.control_dependencies(self.recorder.unit_checks()):
-            if _replicas_in_sync() > 1:
-                # the update all-reduces across replicas, which cannot sit inside a conditional:
-                # a withheld step applies zeros instead (nothing about the data)
+            if _in_replica_step():
+                # the update all-reduces across replicas (a merge_call, even with one replica),
+                # which cannot sit inside a conditional: a withheld step applies zeros instead
+                # (nothing about the data)
                 self._skipped.assign_add(tf.cast(tf.logical_and(room, tf.logical_not(finite)),
                                                  tf.int64))
                 apply_fn([_zero_unless(ok, g) for g in grads], variables)
@@ -708,6 +709,13 @@ def _replicas_in_sync() -> int:
         return 1
     ctx = tf.distribute.get_replica_context()
     return 1 if ctx is None else int(ctx.num_replicas_in_sync)
+
+
+def _in_replica_step() -> bool:
+    """Inside a replica of a ``tf.distribute`` step, whatever the number of replicas (one under
+    ``MirroredStrategy()`` on a machine with one GPU or none): variable updates there are
+    ``merge_call``s, which cannot run inside a ``tf.cond``."""
+    return tf.distribute.has_strategy() and tf.distribute.get_replica_context() is not None
 
 
 def _snaps_to_grid(query: Any) -> bool:

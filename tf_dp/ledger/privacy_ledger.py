@@ -112,16 +112,18 @@ def _f64(x) -> tf.Tensor:
 
 
 def _fixed_shape_context() -> bool:
-    """XLA, or a replica of a multi-replica ``tf.distribute`` step (where a mirrored variable
-    cannot be resized inside the step): rows go to the fixed-size staging table."""
+    """XLA, or a replica of a ``tf.distribute`` step (where a mirrored variable cannot be
+    resized inside the step): rows go to the fixed-size staging table.
+
+    Any number of replicas, one included (``MirroredStrategy()`` on a machine with one GPU or
+    none): a mirrored variable's assign in a replica context is a ``merge_call``, which cannot
+    sit inside the ``tf.cond`` of a direct append."""
     if in_xla_context():
         return True
-    ctx = tf.distribute.get_replica_context()
     return (
         not tf.executing_eagerly()
         and tf.distribute.has_strategy()
-        and ctx is not None
-        and ctx.num_replicas_in_sync > 1
+        and tf.distribute.get_replica_context() is not None
     )
 
 
