@@ -714,8 +714,13 @@ def _replicas_in_sync() -> int:
 def _in_replica_step() -> bool:
     """Inside a replica of a ``tf.distribute`` step, whatever the number of replicas (one under
     ``MirroredStrategy()`` on a machine with one GPU or none): variable updates there are
-    ``merge_call``s, which cannot run inside a ``tf.cond``."""
-    return tf.distribute.has_strategy() and tf.distribute.get_replica_context() is not None
+    ``merge_call``s, which cannot run inside a ``tf.cond``. ``OneDeviceStrategy`` keeps plain
+    variables: not such a step."""
+    return (
+        tf.distribute.has_strategy()
+        and tf.distribute.get_replica_context() is not None
+        and not isinstance(tf.distribute.get_strategy(), tf.distribute.OneDeviceStrategy)
+    )
 
 
 def _snaps_to_grid(query: Any) -> bool:

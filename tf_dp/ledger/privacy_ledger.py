@@ -117,13 +117,15 @@ def _fixed_shape_context() -> bool:
 
     Any number of replicas, one included (``MirroredStrategy()`` on a machine with one GPU or
     none): a mirrored variable's assign in a replica context is a ``merge_call``, which cannot
-    sit inside the ``tf.cond`` of a direct append."""
+    sit inside the ``tf.cond`` of a direct append. ``OneDeviceStrategy`` keeps plain variables
+    (direct appends)."""
     if in_xla_context():
         return True
     return (
         not tf.executing_eagerly()
         and tf.distribute.has_strategy()
         and tf.distribute.get_replica_context() is not None
+        and not isinstance(tf.distribute.get_strategy(), tf.distribute.OneDeviceStrategy)
     )
 
 
