@@ -76,3 +76,16 @@ def test_mirrored_adaptive_clipping_counts_across_replicas_and_noises_the_count_
     noise = r["count_noise"]
     var = sum(v * v for v in noise) / len(noise)
     assert abs(var / 4.0 - 1.0) < 5 * math.sqrt(2.0 / len(noise))
+
+
+def test_a_declared_shuffle_batch_limits_the_global_batch_not_each_replicas_share():
+    """2 replicas, declared shuffle batch 4 (n = 32): global batches of 4 train (8 steps, a
+    pass); global batches of 8 (a share of 4 on each replica, each within the declared size)
+    are refused before anything is recorded or applied, since a pass of 4 such steps has every
+    record take part twice within the 8 steps the ledger counts as one pass."""
+    r = _run("mirrored_shuffle_batch.py")
+    ok, twice = r["declared"], r["twice"]
+    assert ok["error"] is None and ok["ledger"] == ok["iterations"] == 8 and ok["changed"]
+    assert twice["error"] is not None and "batch size" in twice["error"]
+    assert "accepted 1 .." in twice["error"] and "[4]" in twice["error"]
+    assert twice["ledger"] == twice["iterations"] == 0 and not twice["changed"]

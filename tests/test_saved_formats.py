@@ -166,3 +166,52 @@ def test_trained_weights_without_their_ledger_never_read_as_nothing_spent(tmp_pa
         compute_delta(ledger, 1.0)
     with pytest.raises(ValueError, match="ledger records only 0"):  # the next fit refuses
         target.fit(x, y, batch_size=4, epochs=1, verbose=0)
+
+
+def test_recompiling_keeps_a_missing_or_unverified_ledger_known(tmp_path):
+    """A private model recompiled with a new DP optimizer continues the old ledger: steps the
+    loaded weights were trained with but the ledger lacks stay missing, and an unverified
+    ledger stays unverified (neither may read as a complete, verified account)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 5)).astype("float32")
+    y = rng.integers(0, 2, 40)
+    model = _private_model()
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)  # 10 steps
+    path = str(tmp_path / "w.weights.h5")
+    model.save_weights(path)
+    with h5py.File(path, "r+") as f:
+        for group in ("vars", "optimizer/vars"):
+            for key in ("tf_dp_ledger_samples", "tf_dp_ledger_queries", "tf_dp_ledger_sha256"):
+                if key in f[group]:
+                    del f[group][key]
+    target = _private_model(seed=1)
+    target.optimizer.build(target.trainable_variables)
+    target.load_weights(path)
+    assert target.optimizer.ledger.missing_steps == 10
+    target.compile(
+        optimizer=tf_dp.keras.DPKerasSGDOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.1
+        ),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    target.optimizer.build(target.trainable_variables)
+    assert target.optimizer.ledger.missing_steps == 10
+    with pytest.raises(ValueError, match="ledger of 10 trained steps is missing"):
+        compute_epsilon(target.optimizer.ledger, 1e-5)
+
+    unverified = [p for p in FIXTURES if "no_checksum" in p]
+    assert unverified, "the fixture saved before ledger checksums is missing"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        old = keras.saving.load_model(unverified[0])
+    assert not old.optimizer.ledger.verified and old.optimizer.ledger.num_samples == 3
+    old.compile(
+        optimizer=tf_dp.keras.DPKerasSGDOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.1
+        ),
+        loss="sparse_categorical_crossentropy",
+    )
+    old.optimizer.build(old.trainable_variables)
+    ledger = old.optimizer.ledger
+    assert ledger.num_samples == 3 and not ledger.verified
+    assert not compute_epsilon(ledger, 1e-5).verified

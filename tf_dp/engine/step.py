@@ -317,12 +317,13 @@ class DPEngine:
 
     def check_batch_size(self, data: Any) -> list:
         """Refuses a batch of more units than the declared ``shuffle`` sampling's batch size
-        ``b = q * n`` (rounded up; :func:`max_batch_units`): the accounting of shuffled batches
+        ``b = q * n`` (rounded down; :func:`max_batch_units`): the accounting of shuffled batches
         counts ``ceil(n / b)`` steps as one pass, each unit in at most one batch of it, which a
         larger batch breaks. Eagerly it raises ``ValueError``; in a graph it returns an
         assertion that fails the step before anything is recorded or applied; under XLA the
         step records and applies nothing and the next :meth:`flush` raises. Poisson sampling
-        has no limit. Under ``tf.distribute`` each replica's share of the batch is checked.
+        has no limit. Under ``tf.distribute`` the global batch (the sum of the replicas' shares)
+        is checked.
         """
         self._batch_checked_by_mask = False
         eager = tf.executing_eagerly()
@@ -331,6 +332,8 @@ class DPEngine:
         rows = tf.cast(tf.shape(tf.nest.flatten(data[0])[0])[0], tf.int64)
         k = self.sampling.records_per_unit or 1
         units = (rows + k - 1) // k
+        if _replicas_in_sync() > 1:  # the limit is on the global batch: every replica's share
+            units = _all_reduce_sum(units)
         limit = self._batch_limit.read_value()
         fits = tf.logical_or(tf.equal(limit, 0), units <= limit)
         if eager:
@@ -519,8 +522,12 @@ class DPEngine:
         self.unrecorded_steps = max(
             0, previous_applied + previous.unrecorded_steps - previous.ledger.num_samples
         )
+        # what is known of the weights' training travels with the ledger: steps it does not
+        # record keep the privacy spent unknown, and an unverified ledger stays unverified
+        self.ledger.expect_trained_steps(previous.ledger.trained_steps)
         if previous.ledger.num_samples:
             self.ledger.restore_entries(previous.ledger.samples())
+            self.ledger.verified = self.ledger.verified and previous.ledger.verified
             _logger.info(
                 "tf_dp: the new optimizer continues the model's ledger (%d recorded steps)",
                 self.ledger.num_samples,
@@ -612,7 +619,7 @@ class DPEngine:
 
 def max_batch_units(sampling: Sampling) -> Optional[int]:
     """The most units (records, or users with ``unit='user'``) one batch may hold under
-    ``sampling``: for ``shuffle``, the declared batch size ``b = q * n`` rounded up (the
+    ``sampling``: for ``shuffle``, the declared batch size ``b = q * n`` rounded down (the
     accounting counts ``ceil(n / b)`` steps as one pass); None (no limit) for ``poisson``.
 
     >>> from tf_dp.engine import Sampling
@@ -621,7 +628,9 @@ def max_batch_units(sampling: Sampling) -> Optional[int]:
     """
     if sampling.policy != "shuffle":
         return None
-    return max(1, int(math.ceil(sampling.expected_batch_size - 1e-9)))
+    # rounded down: a batch of at most floor(q n) units makes a pass of at least ceil(n / b)
+    # steps, so no unit takes part twice within the steps the ledger counts as one pass
+    return max(1, int(math.floor(sampling.expected_batch_size + 1e-9)))
 
 
 def _oversized_message(units: Optional[int], sampling: Sampling) -> str:

@@ -386,7 +386,7 @@ def _state_snapshot(model: keras.Model) -> tuple:
     tables = None
     if isinstance(optimizer, DPOptimizerMixin):
         ledger = optimizer.ledger
-        tables = (ledger.tables(), ledger.verified, ledger._trained_steps)
+        tables = (ledger.tables(), ledger.verified, ledger.trained_steps)
     return values, optimizer, tables, _weights_ledger(model)
 
 
@@ -397,7 +397,7 @@ def _restore_snapshot(model: keras.Model, snapshot: tuple) -> None:
     if tables is not None:
         (samples, queries), verified, trained = tables
         optimizer.ledger.load_tables(samples, queries, verified=verified)
-        optimizer.ledger._trained_steps = trained
+        optimizer.ledger.reset_trained_steps(trained)
     object.__setattr__(model, "_tf_dp_weights_ledger", weights)
 
 

@@ -1032,9 +1032,20 @@ class PrivacyLedger(tf.Module):
         privacy spent is unknown and ``compute_epsilon`` refuses the ledger."""
         return max(0, self._trained_steps - self.num_samples)
 
+    @property
+    def trained_steps(self) -> int:
+        """Steps the weights this ledger goes with are known to have been trained for (0 when
+        nothing was declared; see :meth:`expect_trained_steps` and :attr:`missing_steps`)."""
+        return self._trained_steps
+
     def expect_trained_steps(self, steps: int) -> None:
         """Declares that the weights this ledger goes with were trained for ``steps`` steps."""
         self._trained_steps = max(self._trained_steps, int(steps))
+
+    def reset_trained_steps(self, steps: int) -> None:
+        """Sets :attr:`trained_steps` back to ``steps`` (undoing a failed load only: never use it
+        to hide steps the weights were trained with)."""
+        self._trained_steps = int(steps)
 
     def load_tables(
         self, samples: np.ndarray, queries: np.ndarray, *, verified: bool = True
