@@ -166,6 +166,9 @@ def test_trained_weights_without_their_ledger_never_read_as_nothing_spent(tmp_pa
         compute_delta(ledger, 1.0)
     with pytest.raises(ValueError, match="ledger records only 0"):  # the next fit refuses
         target.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="lacks 20 of the 20 steps"):  # no laundering by file
+        ledger.save(str(tmp_path / "ledger.json"))
+    assert not (tmp_path / "ledger.json").exists()
 
 
 def test_recompiling_keeps_a_missing_or_unverified_ledger_known(tmp_path):

@@ -938,8 +938,17 @@ class PrivacyLedger(tf.Module):
         """Writes the ledger to a versioned, checksummed JSON file (atomically).
 
         Refuses (:class:`~tf_dp.ledger.ledger_file.LedgerOverwriteError`) to replace a ledger
-        file that records more steps than this ledger, unless ``overwrite=True``.
+        file that records more steps than this ledger, unless ``overwrite=True``. Refuses
+        (``ValueError``) a ledger with :attr:`missing_steps`: the file would read as the whole
+        account of weights trained for more steps than it records.
         """
+        if self.missing_steps:
+            raise ValueError(
+                f"tf_dp: this ledger lacks {self.missing_steps} of the {self.trained_steps} steps "
+                "its weights were trained with (their ledger is missing), so a ledger file "
+                "written from it would under-state the privacy spent; restore the run's ledger "
+                "first (ledger.restore_entries(tf_dp.ledger.read_ledger_file(path)))"
+            )
         write_ledger_runs(path, self.runs(), metadata, overwrite=overwrite)
 
     @classmethod
