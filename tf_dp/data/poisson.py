@@ -203,6 +203,38 @@ def _check_positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def check_arrays(x: Any, y: Any, sample_weight: Any):
+    """Validates in-memory ``x``, ``y`` and ``sample_weight`` for a tf_dp sampler; returns them
+    as numpy (weights float32 ``[n]`` or None) with ``n``. Errors name the argument."""
+    x = _as_numpy_leaves("x", x)
+    if y is None:
+        raise ValueError(
+            "y is required: padded rows are masked with sample_weight 0, which Keras applies "
+            "only together with targets"
+        )
+    y = _as_numpy_leaves("y", y)
+    leaves = tf.nest.flatten(x) + tf.nest.flatten(y)
+    n = int(leaves[0].shape[0])
+    for leaf in leaves:
+        if leaf.shape[0] != n:
+            raise ValueError(
+                f"x and y must have the same number of examples in every array; got {n} and "
+                f"{leaf.shape[0]}"
+            )
+    if n < 1:
+        raise ValueError("x must hold at least one example")
+    if sample_weight is not None:
+        sample_weight = np.asarray(sample_weight, dtype=np.float32).reshape(-1)
+        if sample_weight.shape[0] != n:
+            raise ValueError(
+                f"sample_weight must have one weight per example ({n}), got "
+                f"{sample_weight.shape[0]}"
+            )
+        if not np.all(np.isfinite(sample_weight)) or np.any(sample_weight < 0):
+            raise ValueError("sample_weight must be finite and >= 0")
+    return x, y, sample_weight, n
+
+
 def poisson_batches(
     x: Any,
     y: Any = None,
@@ -264,22 +296,7 @@ def poisson_batches(
     """
     x = _as_numpy_leaves("x", x)  # first: a data set or ragged x is the real problem
     q = _check_probability(sampling_probability)
-    if y is None:
-        raise ValueError(
-            "y is required: padded rows are masked with sample_weight 0, which Keras applies "
-            "only together with targets"
-        )
-    y = _as_numpy_leaves("y", y)
-    leaves = tf.nest.flatten(x) + tf.nest.flatten(y)
-    n = int(leaves[0].shape[0])
-    for leaf in leaves:
-        if leaf.shape[0] != n:
-            raise ValueError(
-                f"x and y must have the same number of examples in every array; got {n} and "
-                f"{leaf.shape[0]}"
-            )
-    if n < 1:
-        raise ValueError("x must hold at least one example")
+    x, y, sample_weight, n = check_arrays(x, y, sample_weight)
     from tf_dp.data.users import user_index_for
 
     all_users, k = user_index_for(user_ids, max_records_per_user, n)
@@ -294,14 +311,6 @@ def poisson_batches(
     if num_shards > n:
         raise ValueError(f"num_shards must be <= the number of examples ({n}), got {num_shards}")
     users = None if all_users is None else all_users.shard(num_shards, shard_index)
-    if sample_weight is not None:
-        sample_weight = np.asarray(sample_weight, dtype=np.float32).reshape(-1)
-        if sample_weight.shape[0] != n:
-            raise ValueError(
-                f"sample_weight must have one weight per example ({n}), got {sample_weight.shape[0]}"
-            )
-        if not np.all(np.isfinite(sample_weight)) or np.any(sample_weight < 0):
-            raise ValueError("sample_weight must be finite and >= 0")
     if steps_per_epoch is None:
         steps_per_epoch = max(1, int(round(1.0 / q)))
         if steps_per_epoch > _INT64_MAX:

@@ -41,7 +41,12 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp.data.inclusion import included
-from tf_dp.data.poisson import _as_numpy_leaves, _check_positive_int, _check_probability
+from tf_dp.data.poisson import (  # noqa: F401 (check_arrays: balls_in_bins uses it)
+    _as_numpy_leaves,
+    _check_positive_int,
+    _check_probability,
+    check_arrays,
+)
 from tf_dp.data.sampling import Sampling
 
 __all__ = [
@@ -118,38 +123,6 @@ class TruncatedPoissonBatches:
 
     def __len__(self) -> int:
         return self.steps_per_epoch
-
-
-def check_arrays(x: Any, y: Any, sample_weight: Any):
-    """Validates in-memory ``x``, ``y`` and ``sample_weight`` for a tf_dp sampler; returns them
-    as numpy (weights float32 ``[n]`` or None) with ``n``. Errors name the argument."""
-    x = _as_numpy_leaves("x", x)
-    if y is None:
-        raise ValueError(
-            "y is required: padded rows are masked with sample_weight 0, which Keras applies "
-            "only together with targets"
-        )
-    y = _as_numpy_leaves("y", y)
-    leaves = tf.nest.flatten(x) + tf.nest.flatten(y)
-    n = int(leaves[0].shape[0])
-    for leaf in leaves:
-        if leaf.shape[0] != n:
-            raise ValueError(
-                f"x and y must have the same number of examples in every array; got {n} and "
-                f"{leaf.shape[0]}"
-            )
-    if n < 1:
-        raise ValueError("x must hold at least one example")
-    if sample_weight is not None:
-        sample_weight = np.asarray(sample_weight, dtype=np.float32).reshape(-1)
-        if sample_weight.shape[0] != n:
-            raise ValueError(
-                f"sample_weight must have one weight per example ({n}), got "
-                f"{sample_weight.shape[0]}"
-            )
-        if not np.all(np.isfinite(sample_weight)) or np.any(sample_weight < 0):
-            raise ValueError("sample_weight must be finite and >= 0")
-    return x, y, sample_weight, n
 
 
 def sampler_key(seed: Optional[int]) -> int:
