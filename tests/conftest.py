@@ -24,6 +24,7 @@ UNIT = {
     "test_accounting_rdp",
     "test_accounting_tradeoff",
     "test_batch_selection_accounting",
+    "test_batch_selection_calibration",
     "test_cli",
     "test_data_datasets",
     "test_dp_query_graph",

@@ -41,8 +41,14 @@ def calibrate_noise_multiplier(
     microbatch_size: Optional[int] = None,
     jl_projections: Optional[int] = None,
     rtol: float = 1e-3,
+    max_batch_size: Optional[int] = None,
 ) -> float:
     """Smallest noise multiplier (within ``rtol``) whose epsilon at ``delta`` is <= the target.
+
+    The run is described as for :func:`tf_dp.accounting.dp_sgd_epsilon`: ``sampling`` is
+    ``poisson``, ``shuffle``, ``truncated_poisson`` (give ``max_batch_size``, the ``B`` of
+    :func:`tf_dp.data.truncated_poisson_batches`) or ``balls_in_bins`` (certified: one Gaussian
+    per epoch, no amplification).
 
     Raises:
       ValueError: bad arguments, or the target is unreachable (even ``MAX_NOISE_MULTIPLIER`` gives
@@ -61,7 +67,8 @@ def calibrate_noise_multiplier(
         return dp_sgd_epsilon(n, batch_size, sigma, delta, steps=steps, epochs=epochs,
                               accountant=accountant, sampling=sampling,
                               microbatch_size=microbatch_size,
-                              jl_projections=jl_projections).epsilon
+                              jl_projections=jl_projections,
+                              max_batch_size=max_batch_size).epsilon
 
     def log_gap(sigma: float) -> float:
         e = eps(sigma)
@@ -74,7 +81,8 @@ def calibrate_noise_multiplier(
         try:
             hi = calibrate_noise_multiplier(
                 target_epsilon, delta, n, batch_size, epochs=epochs, steps=steps,
-                accountant="rdp", sampling=sampling, microbatch_size=microbatch_size, rtol=rtol)
+                accountant="rdp", sampling=sampling, microbatch_size=microbatch_size, rtol=rtol,
+                max_batch_size=max_batch_size)
         except ValueError:
             # RDP cannot reach the target; pld may (it is tighter). Bracket from the top, so a
             # target out of reach is reported by the pld check below, under its own name.

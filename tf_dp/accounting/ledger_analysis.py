@@ -741,6 +741,9 @@ def _check_positive_int(name: str, value) -> int:
     return value
 
 
+#: The batch selections :func:`dp_sgd_run` (and so the calibration and the CLI) describe.
+DP_SGD_SAMPLINGS = ("poisson", "shuffle", "truncated_poisson", "balls_in_bins")
+
 #: Most steps :func:`dp_sgd_entries` lists (one list item per step); :func:`dp_sgd_epsilon`
 #: composes up to :data:`MAX_STEPS` steps without listing them.
 MAX_LISTED_STEPS = 10_000_000
@@ -764,14 +767,19 @@ def dp_sgd_run(
     sampling: str = "poisson",
     microbatch_size: Optional[int] = None,
     jl_projections: Optional[int] = None,
+    max_batch_size: Optional[int] = None,
 ) -> tuple[SampleEntry, int]:
     """The one sample entry DP-SGD records at every step (clip C = 1, noise sigma*C), and the
     number of steps, for these hyperparameters.
 
-    With ``epochs``: ``poisson`` runs ``ceil(epochs * n / batch_size)`` steps (the expected batch
-    size is ``batch_size``); ``shuffle`` runs ``ceil(n / batch_size)`` steps per epoch (the last
-    batch of an epoch partial, as Keras does), ``ceil(epochs * ceil(n / batch_size))`` in all, so
-    the accountants count exactly ``ceil(epochs)`` epochs.  ``microbatch_size > 1`` means several
+    ``sampling`` is one of :data:`DP_SGD_SAMPLINGS`. With ``epochs``: ``poisson`` and
+    ``truncated_poisson`` run ``ceil(epochs * n / batch_size)`` steps (the expected batch size is
+    ``batch_size``; ``truncated_poisson`` keeps at most ``max_batch_size`` examples a step, which
+    it requires); ``shuffle`` runs ``ceil(n / batch_size)`` steps per epoch (the last batch of an
+    epoch partial, as Keras does), ``ceil(epochs * ceil(n / batch_size))`` in all, so the
+    accountants count exactly ``ceil(epochs)`` epochs; ``balls_in_bins`` runs
+    ``T = round(n / batch_size)`` steps per epoch (as
+    :func:`tf_dp.data.balls_in_bins_batches`), ``ceil(epochs) * T`` in all (whole epochs).  ``microbatch_size > 1`` means several
     examples share one clipped gradient: the sensitivity is ``2C`` under add/remove adjacency, so
     the effective noise multiplier is halved.
 
@@ -787,18 +795,35 @@ def dp_sgd_run(
                          f"{MIN_NOISE_MULTIPLIER:g}, got {noise_multiplier!r}")
     if (steps is None) == (epochs is None):
         raise ValueError("give exactly one of steps or epochs")
-    if sampling not in ("poisson", "shuffle"):
-        raise ValueError(f"sampling must be 'poisson' or 'shuffle', got {sampling!r}")
+    if sampling not in DP_SGD_SAMPLINGS:
+        raise ValueError(f"sampling must be one of {DP_SGD_SAMPLINGS}, got {sampling!r}")
+    if sampling == "truncated_poisson":
+        if max_batch_size is None:
+            raise ValueError("max_batch_size is required with sampling='truncated_poisson' (the "
+                             "most examples a step keeps, an integer in [1, N])")
+        max_batch_size = _check_positive_int("max_batch_size", max_batch_size)
+        if max_batch_size > n:
+            raise ValueError(f"max_batch_size must be in [1, N={n}], got {max_batch_size}")
+    elif max_batch_size is not None:
+        raise ValueError(f"max_batch_size applies only to sampling='truncated_poisson', got "
+                         f"max_batch_size={max_batch_size!r} with sampling={sampling!r}")
     if epochs is not None:
         if not (isinstance(epochs, (int, float)) and epochs > 0 and math.isfinite(epochs)):
             raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}")
-        per_epoch = (shuffle_steps_per_epoch(n, batch_size / n) if sampling == "shuffle"
-                     else n / batch_size)
+        if sampling == "shuffle":
+            per_epoch = shuffle_steps_per_epoch(n, batch_size / n)
+        elif sampling == "balls_in_bins":
+            per_epoch = max(1, round(n / batch_size))
+        else:
+            per_epoch = n / batch_size
         if epochs * per_epoch > MAX_STEPS:
             raise ValueError(
                 f"epochs must be in (0, {MAX_STEPS / per_epoch:.4g}] for N={n} and batch_size="
                 f"{batch_size} (at most {MAX_STEPS:.0e} steps), got {epochs!r}")
-        steps = int(math.ceil(epochs * per_epoch - 1e-9))
+        if sampling == "balls_in_bins":
+            steps = int(math.ceil(epochs - 1e-9)) * per_epoch
+        else:
+            steps = int(math.ceil(epochs * per_epoch - 1e-9))
     steps = _check_positive_int("steps", steps)
     if steps > MAX_STEPS:
         raise ValueError(f"steps must be in [1, {MAX_STEPS:.0e}], got {steps!r}")
@@ -815,7 +840,11 @@ def dp_sgd_run(
         query = SumQueryEvent(sensitivity, float(noise_multiplier), "jl", jl_projections)
     else:
         query = SumQueryEvent(sensitivity, float(noise_multiplier))
-    return SampleEntry(SamplingEvent(n, batch_size / n, sampling), (query,)), steps
+    q = batch_size / n
+    if sampling == "balls_in_bins":
+        q = 1.0 / max(1, round(n / batch_size))  # the sampler's (n, 1 / T)
+    event = SamplingEvent(n, q, sampling, max_batch_size=max_batch_size)
+    return SampleEntry(event, (query,)), steps
 
 
 def dp_sgd_entries(
@@ -828,12 +857,13 @@ def dp_sgd_entries(
     sampling: str = "poisson",
     microbatch_size: Optional[int] = None,
     jl_projections: Optional[int] = None,
+    max_batch_size: Optional[int] = None,
 ) -> list[SampleEntry]:
     """The ledger DP-SGD would record for these hyperparameters, one entry per step (see
     :func:`dp_sgd_run`; at most :data:`MAX_LISTED_STEPS` steps)."""
     entry, steps = dp_sgd_run(n, batch_size, noise_multiplier, steps=steps, epochs=epochs,
                               sampling=sampling, microbatch_size=microbatch_size,
-                              jl_projections=jl_projections)
+                              jl_projections=jl_projections, max_batch_size=max_batch_size)
     if steps > MAX_LISTED_STEPS:
         raise ValueError(
             f"{steps} steps are too many to list one entry per step (at most "
@@ -854,6 +884,7 @@ def dp_sgd_epsilon(
     sampling: str = "poisson",
     microbatch_size: Optional[int] = None,
     jl_projections: Optional[int] = None,
+    max_batch_size: Optional[int] = None,
 ) -> PrivacyResult:
     """Epsilon of DP-SGD from its hyperparameters (see :func:`dp_sgd_run`), for any number of
     steps (the steps are composed at once, never listed).
@@ -865,5 +896,5 @@ def dp_sgd_epsilon(
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
     entry, steps = dp_sgd_run(n, batch_size, noise_multiplier, steps=steps, epochs=epochs,
                               sampling=sampling, microbatch_size=microbatch_size,
-                              jl_projections=jl_projections)
+                              jl_projections=jl_projections, max_batch_size=max_batch_size)
     return _epsilon_of_runs([(entry, steps)], steps, delta, accountant)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from absl import app, flags
 
@@ -77,7 +77,7 @@ def define(kind: str, name: str, default, help_text: str, *args) -> None:
 
 #: The flags both tools read, in the order ``--help`` lists them.
 TRAINING_FLAGS = ("N", "batch_size", "epochs", "steps", "delta", "accountant", "sampling",
-                  "microbatch_size", "format")
+                  "max_batch_size", "microbatch_size", "format")
 
 
 def define_training_flags() -> None:
@@ -95,8 +95,15 @@ def define_training_flags() -> None:
            "Accountant (gdp is an approximation; all: every one).",
            ["rdp", "moments", "pld", "gdp", "all"])
     define("enum", "sampling", "poisson",
-           "Batch sampling: poisson (amplification applied) or shuffle (fixed-size shuffled "
-           "batches, no amplification assumed).", ["poisson", "shuffle"])
+           "Batch sampling: poisson (amplification applied), shuffle (fixed-size shuffled "
+           "batches, no amplification assumed), truncated_poisson (Poisson batches cut at "
+           "--max_batch_size) or balls_in_bins (each record in one of round(N / batch_size) "
+           "batches per epoch; certified as one Gaussian per epoch).",
+           ["poisson", "shuffle", "truncated_poisson", "balls_in_bins"])
+    define("integer", "max_batch_size", None,
+           "truncated_poisson only: the most examples a batch keeps, in [1, N] (default: the "
+           "smallest B with P[Binomial(N, batch_size / N) > B] <= 1e-6, as "
+           "tf_dp.data.truncated_poisson_batches chooses).")
     define("integer", "microbatch_size", None,
            "Examples per microbatch (> 1: sensitivity 2C, effective noise halved).")
     define("enum", "format", "text", "Output format.", ["text", "json"])
@@ -128,6 +135,23 @@ def require(flag: str, value) -> None:
     """Raises UsageError naming ``--flag`` when it was not given (None)."""
     if value is None:
         raise UsageError(f"--{flag} is required")
+
+
+def max_batch_size(sampling: str, n: int, batch_size: int, given: Optional[int]) -> Optional[int]:
+    """``--max_batch_size`` checked against ``--sampling`` (truncated Poisson's default ``B``
+    when not given)."""
+    if sampling != "truncated_poisson":
+        if given is not None:
+            raise UsageError(f"--max_batch_size applies only to --sampling=truncated_poisson, "
+                             f"got --sampling={sampling}")
+        return None
+    if given is None:
+        from tf_dp.data.truncated_poisson import default_truncation_size
+
+        return default_truncation_size(n, batch_size / n)
+    if not 1 <= given <= n:
+        raise UsageError(f"--max_batch_size must be an integer in [1, --N={n}], got {given}")
+    return given
 
 
 def check_sizes(n, batch_size, steps, epochs, delta) -> None:

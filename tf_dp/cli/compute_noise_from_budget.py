@@ -3,7 +3,8 @@
 ::
 
     compute_noise_from_budget --N=60000 --batch_size=256 --epsilon=3 --epochs=60 --delta=1e-5 \\
-        [--accountant=rdp|moments|pld|gdp|all] [--sampling=poisson|shuffle] \\
+        [--accountant=rdp|moments|pld|gdp|all] \\
+        [--sampling=poisson|shuffle|truncated_poisson|balls_in_bins] [--max_batch_size=B] \\
         [--microbatch_size=M] [--format=text|json]
 
 Prints the smallest noise multiplier (within 0.1%) whose epsilon at delta is at most the target,
@@ -39,7 +40,11 @@ def main(argv):
             f"--microbatch_size must be a positive integer, got {FLAGS.microbatch_size}")
     names = list(acc.ACCOUNTANTS) if FLAGS.accountant == "all" else [FLAGS.accountant]
     kw = dict(epochs=FLAGS.epochs, steps=FLAGS.steps, sampling=FLAGS.sampling,
-              microbatch_size=FLAGS.microbatch_size)
+              microbatch_size=FLAGS.microbatch_size,
+              max_batch_size=_common.max_batch_size(FLAGS.sampling, FLAGS.N, FLAGS.batch_size,
+                                                    FLAGS.max_batch_size))
+    if FLAGS.sampling == "truncated_poisson" and FLAGS.accountant == "all":
+        names.remove("gdp")  # no analysis of truncation; rdp and pld have one
     out = {}
     for name in names:
         sigma = acc.calibrate_noise_multiplier(FLAGS.epsilon, FLAGS.delta, FLAGS.N,
