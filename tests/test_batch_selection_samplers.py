@@ -205,3 +205,20 @@ def test_fit_on_balls_in_bins_counts_one_gaussian_per_epoch():
     assert exact <= result.epsilon <= exact * 1.005
     with pytest.raises(ValueError, match=r"steps_per_epoch must be None or 6"):
         model.fit(batches, epochs=1, steps_per_epoch=4, verbose=0)
+
+
+def test_every_selection_returns_sampled_batches_with_one_interface():
+    x = np.arange(200, dtype=np.float32).reshape(100, 2)
+    y = np.zeros(100, np.int32)
+    made = {
+        "poisson": tf_dp.data.poisson_batches(x, y, sampling_probability=0.1, seed=1),
+        "truncated_poisson": truncated_poisson_batches(x, y, sampling_probability=0.1, seed=1),
+        "balls_in_bins": balls_in_bins_batches(x, y, batch_size=10, seed=1),
+    }
+    for policy, b in made.items():
+        assert isinstance(b, tf_dp.data.SampledBatches)
+        assert b.sampling.policy == policy and b.sampling.origin == "sampled"
+        assert (b.population_size, b.sampling_probability) == b.tf_dp_sampling
+        assert b.population_size == 100
+        assert b.expected_batch_size == pytest.approx(10.0)
+        assert len(b) == b.steps_per_epoch == 10

@@ -34,7 +34,12 @@ from tf_dp.data.datasets import (
     load_mnist_or_fashion_mnist,
     read_idx,
 )
-from tf_dp.data.poisson import PoissonBatches, default_max_batch_size, poisson_batches
+from tf_dp.data.poisson import (
+    PoissonBatches,
+    SampledBatches,
+    default_max_batch_size,
+    poisson_batches,
+)
 from tf_dp.data.sampler import poisson_sample
 from tf_dp.data.sampling import ORIGINS, POLICIES, UNITS, Sampling
 from tf_dp.data.shuffled import ShuffledPasses, shuffled_passes
@@ -59,6 +64,7 @@ __all__ = [
     "DataNotFoundError",
     "PoissonBatches",
     "RandomAccessSource",
+    "SampledBatches",
     "ShuffledPasses",
     "TFRecordSource",
     "TruncatedPoissonBatches",

@@ -34,7 +34,11 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
-from tf_dp.data.poisson import DEFAULT_OVERFLOW_PROBABILITY, _check_positive_int
+from tf_dp.data.poisson import (
+    DEFAULT_OVERFLOW_PROBABILITY,
+    SampledBatches,
+    _check_positive_int,
+)
 from tf_dp.data.sampling import Sampling
 from tf_dp.data.truncated_poisson import check_arrays, gather_padded, sampler_key
 
@@ -42,7 +46,7 @@ __all__ = ["BallsInBinsBatches", "balls_in_bins_batches"]
 
 
 @dataclasses.dataclass(frozen=True)
-class BallsInBinsBatches:
+class BallsInBinsBatches(SampledBatches):
     """Balls-in-bins batches, ready for ``model.fit`` of a private model.
 
     Attributes:
@@ -54,24 +58,10 @@ class BallsInBinsBatches:
       sampling: the :class:`tf_dp.data.Sampling` (``balls_in_bins``, ``origin="sampled"``).
     """
 
-    dataset: tf.data.Dataset
-    tf_dp_sampling: tuple[int, float]
-    steps_per_epoch: int
-    max_batch_size: int
-    num_shards: int = 1
-
     @property
     def sampling(self) -> Sampling:
         n, q = int(self.tf_dp_sampling[0]), float(self.tf_dp_sampling[1])
         return Sampling(n, q, "balls_in_bins", origin="sampled")
-
-    @property
-    def expected_batch_size(self) -> float:
-        n, q = self.tf_dp_sampling
-        return n * q
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch
 
 
 def balls_in_bins_batches(

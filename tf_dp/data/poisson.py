@@ -87,7 +87,52 @@ def default_max_batch_size(
 
 
 @dataclasses.dataclass(frozen=True)
-class PoissonBatches:
+class SampledBatches:
+    """What every tf_dp batch selection returns: batches ready for ``model.fit`` of a private
+    model, with the sampling claim they carry (a private model's ``fit`` takes the object itself
+    and declares the claim to its optimizer).
+
+    Subclasses (:class:`PoissonBatches`, :class:`~tf_dp.data.TruncatedPoissonBatches`,
+    :class:`~tf_dp.data.BallsInBinsBatches`) say which :class:`~tf_dp.data.Sampling` it is.
+
+    Attributes:
+      dataset: a ``tf.data.Dataset`` of ``(x, y, sample_weight)`` batches, ``steps_per_epoch`` of
+        them per pass (padding rows have weight 0).
+      tf_dp_sampling: ``(n, q)``, the population size and the per-unit selection probability.
+      steps_per_epoch: batches per pass.
+      max_batch_size: the rows of a padded batch.
+      num_shards: input pipelines the batches were split over (1: none).
+    """
+
+    dataset: tf.data.Dataset
+    tf_dp_sampling: tuple[int, float]
+    steps_per_epoch: int
+    max_batch_size: int
+    num_shards: int = 1
+
+    @property
+    def sampling(self) -> Sampling:
+        raise NotImplementedError
+
+    @property
+    def population_size(self) -> int:
+        return self.tf_dp_sampling[0]
+
+    @property
+    def sampling_probability(self) -> float:
+        return self.tf_dp_sampling[1]
+
+    @property
+    def expected_batch_size(self) -> float:
+        n, q = self.tf_dp_sampling
+        return n * q
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+
+@dataclasses.dataclass(frozen=True)
+class PoissonBatches(SampledBatches):
     """Poisson-sampled batches, ready for ``model.fit`` of a private model.
 
     Attributes:
@@ -105,11 +150,6 @@ class PoissonBatches:
       records_per_user: ``k`` with ``user_ids`` (user-level batches), else None.
     """
 
-    dataset: tf.data.Dataset
-    tf_dp_sampling: tuple[int, float]
-    steps_per_epoch: int
-    max_batch_size: int
-    num_shards: int = 1
     records_per_user: Optional[int] = None
 
     @property
@@ -122,22 +162,6 @@ class PoissonBatches:
             return Sampling(n, q, "poisson", origin="sampled")
         return Sampling(n, q, "poisson", origin="sampled", unit="user",
                         records_per_unit=self.records_per_user)
-
-    @property
-    def population_size(self) -> int:
-        return self.tf_dp_sampling[0]
-
-    @property
-    def sampling_probability(self) -> float:
-        return self.tf_dp_sampling[1]
-
-    @property
-    def expected_batch_size(self) -> float:
-        n, q = self.tf_dp_sampling
-        return n * q
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch
 
 
 def _as_numpy_leaves(name: str, value: Any) -> Any:

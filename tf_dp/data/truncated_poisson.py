@@ -45,6 +45,7 @@ from tf_dp.data.poisson import (  # noqa: F401 (check_arrays: balls_in_bins uses
     _as_numpy_leaves,
     _check_positive_int,
     _check_probability,
+    SampledBatches,
     check_arrays,
 )
 from tf_dp.data.sampling import Sampling
@@ -91,7 +92,7 @@ def default_truncation_size(
 
 
 @dataclasses.dataclass(frozen=True)
-class TruncatedPoissonBatches:
+class TruncatedPoissonBatches(SampledBatches):
     """Fixed-shape Poisson batches, ready for ``model.fit`` of a private model.
 
     Attributes:
@@ -104,25 +105,11 @@ class TruncatedPoissonBatches:
         ``q``, ``max_batch_size=B``, ``origin="sampled"``).
     """
 
-    dataset: tf.data.Dataset
-    tf_dp_sampling: tuple[int, float]
-    steps_per_epoch: int
-    max_batch_size: int
-    num_shards: int = 1
-
     @property
     def sampling(self) -> Sampling:
         n, q = int(self.tf_dp_sampling[0]), float(self.tf_dp_sampling[1])
         return Sampling(n, q, "truncated_poisson", origin="sampled",
                         max_batch_size=int(self.max_batch_size))
-
-    @property
-    def expected_batch_size(self) -> float:
-        n, q = self.tf_dp_sampling
-        return n * q
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch
 
 
 def sampler_key(seed: Optional[int]) -> int:
