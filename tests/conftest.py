@@ -36,6 +36,7 @@ UNIT = {
     "test_lint",
     "test_noise",
     "test_tree_aggregation",
+    "test_correlated_noise",
     "test_public_api",
     "test_imports",
     "test_build",

@@ -20,12 +20,13 @@ PACKAGE = ROOT / "tf_dp"
 #: through tf_dp.keras on tf_dp.data samplers; the CLI reads audit report files).
 ALLOWED = {
     "dp_query": set(),
+    "correlated": {"dp_query"},
     "ledger": {"dp_query"},
     "accounting": {"dp_query", "ledger"},
     "data": {"dp_query", "ledger", "accounting"},
     "gradients": {"dp_query", "ledger", "accounting", "data"},
     "engine": {"dp_query", "ledger", "accounting", "data", "gradients"},
-    "keras": {"dp_query", "ledger", "accounting", "data", "gradients", "engine"},
+    "keras": {"dp_query", "ledger", "accounting", "data", "gradients", "engine", "correlated"},
     "auditing": {"accounting", "data", "keras"},
     "cli": {"dp_query", "ledger", "accounting", "data", "auditing"},
 }
