@@ -46,7 +46,7 @@ def test_balls_in_bins_epsilon_is_the_gaussian_closed_form(z, epochs):
                              accountant="pld")
     exact = _gaussian_epsilon(math.sqrt(epochs) / z, DELTA)
     assert exact * (1 - SOLVE_REL) <= res.epsilon <= exact * (1 + PLD_REL)
-    assert res.steps == epochs * round(N / BATCH)
+    assert res.steps == epochs * math.ceil(N / BATCH)
     rdp = acc.dp_sgd_epsilon(N, BATCH, z, DELTA, epochs=epochs, sampling="balls_in_bins")
     assert rdp.epsilon >= exact  # an upper bound, never below the exact value
     # dp_accounting's RDP of the same E Gaussians (independent code, same conversion family)
@@ -56,7 +56,7 @@ def test_balls_in_bins_epsilon_is_the_gaussian_closed_form(z, epochs):
 
 
 def test_balls_in_bins_counts_whole_epochs():
-    per_epoch = round(N / BATCH)
+    per_epoch = math.ceil(N / BATCH)
     res = acc.dp_sgd_epsilon(N, BATCH, 1.0, DELTA, epochs=2.5, sampling="balls_in_bins",
                              accountant="pld")
     assert res.steps == 3 * per_epoch  # a partial epoch is charged as a whole one
@@ -160,3 +160,16 @@ def test_cli_noise_for_the_new_selections_and_clean_errors():
     p = _cli("compute_dp_sgd_privacy", *BASE, "--noise_multiplier=1", "--max_batch_size=0",
              "--sampling=truncated_poisson")
     assert p.returncode == 2 and "--max_batch_size must be an integer in [1, --N=60000]" in p.stderr
+
+
+@pytest.mark.parametrize("n,b", [(1000, 64), (1000, 100), (999, 7)])
+def test_hyperparameter_runs_have_the_samplers_steps_per_epoch(n, b):
+    import numpy as np
+
+    from tf_dp.data import balls_in_bins_batches
+
+    x, y = np.zeros((n, 1), np.float32), np.zeros(n, np.int32)
+    batches = balls_in_bins_batches(x, y, batch_size=b, seed=0)
+    entry, steps = acc.dp_sgd_run(n, b, 1.0, epochs=1, sampling="balls_in_bins")
+    assert steps == batches.steps_per_epoch
+    assert entry.sampling.selection_probability == batches.sampling_probability

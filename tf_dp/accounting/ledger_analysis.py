@@ -778,9 +778,10 @@ def dp_sgd_run(
     it requires); ``shuffle`` runs ``ceil(n / batch_size)`` steps per epoch (the last batch of an
     epoch partial, as Keras does), ``ceil(epochs * ceil(n / batch_size))`` in all, so the
     accountants count exactly ``ceil(epochs)`` epochs; ``balls_in_bins`` runs
-    ``T = round(n / batch_size)`` steps per epoch (as
-    :func:`tf_dp.data.balls_in_bins_batches`), ``ceil(epochs) * T`` in all (whole epochs).  ``microbatch_size > 1`` means several
-    examples share one clipped gradient: the sensitivity is ``2C`` under add/remove adjacency, so
+    ``T = ceil(n / batch_size)`` steps per epoch (as
+    :func:`tf_dp.data.balls_in_bins_batches`), ``ceil(epochs) * T`` in all (whole epochs).
+    ``microbatch_size > 1`` means several examples share one clipped gradient: the sensitivity
+    is ``2C`` under add/remove adjacency, so
     the effective noise multiplier is halved.
 
     Example: ``entry, steps = dp_sgd_run(60000, 256, 1.1, epochs=60)``.
@@ -813,7 +814,7 @@ def dp_sgd_run(
         if sampling == "shuffle":
             per_epoch = shuffle_steps_per_epoch(n, batch_size / n)
         elif sampling == "balls_in_bins":
-            per_epoch = max(1, round(n / batch_size))
+            per_epoch = math.ceil(n / batch_size)
         else:
             per_epoch = n / batch_size
         if epochs * per_epoch > MAX_STEPS:
@@ -842,7 +843,7 @@ def dp_sgd_run(
         query = SumQueryEvent(sensitivity, float(noise_multiplier))
     q = batch_size / n
     if sampling == "balls_in_bins":
-        q = 1.0 / max(1, round(n / batch_size))  # the sampler's (n, 1 / T)
+        q = 1.0 / math.ceil(n / batch_size)  # the sampler's (n, 1 / T)
     event = SamplingEvent(n, q, sampling, max_batch_size=max_batch_size)
     return SampleEntry(event, (query,)), steps
 

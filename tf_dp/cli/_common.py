@@ -97,7 +97,7 @@ def define_training_flags() -> None:
     define("enum", "sampling", "poisson",
            "Batch sampling: poisson (amplification applied), shuffle (fixed-size shuffled "
            "batches, no amplification assumed), truncated_poisson (Poisson batches cut at "
-           "--max_batch_size) or balls_in_bins (each record in one of round(N / batch_size) "
+           "--max_batch_size) or balls_in_bins (each record in one of ceil(N / batch_size) "
            "batches per epoch; certified as one Gaussian per epoch).",
            ["poisson", "shuffle", "truncated_poisson", "balls_in_bins"])
     define("integer", "max_batch_size", None,
