@@ -162,7 +162,7 @@ def test_cli_noise_for_the_new_selections_and_clean_errors():
     assert p.returncode == 2 and "--max_batch_size must be an integer in [1, --N=60000]" in p.stderr
 
 
-@pytest.mark.parametrize("n,b", [(1000, 64), (1000, 100), (999, 7)])
+@pytest.mark.parametrize("n,b", [(1000, 64), (1000, 100), (999, 7), (1000, 300)])
 def test_hyperparameter_runs_have_the_samplers_steps_per_epoch(n, b):
     import numpy as np
 
