@@ -41,6 +41,7 @@ from tf_dp.data.poisson import (
     poisson_batches,
 )
 from tf_dp.data.sampler import poisson_sample
+from tf_dp.data.source_samplers import balls_in_bins_sample, truncated_poisson_sample
 from tf_dp.data.sampling import ORIGINS, POLICIES, UNITS, Sampling
 from tf_dp.data.shuffled import ShuffledPasses, shuffled_passes
 from tf_dp.data.source import ArraySource, RandomAccessSource, hdf5_source
@@ -70,6 +71,7 @@ __all__ = [
     "TruncatedPoissonBatches",
     "UserIndex",
     "balls_in_bins_batches",
+    "balls_in_bins_sample",
     "default_max_batch_size",
     "default_truncation_size",
     "hdf5_source",
@@ -80,5 +82,6 @@ __all__ = [
     "read_idx",
     "shuffled_passes",
     "truncated_poisson_batches",
+    "truncated_poisson_sample",
     "sample_user_rows",
 ]

@@ -92,6 +92,66 @@ def _split(batch: Any, what: str) -> tuple:
     return batch
 
 
+def read_records(source: Any, indices: np.ndarray) -> tuple:
+    """``(x, y, sample_weight)`` of the records of ``source`` at ``indices``, one row each,
+    unpadded (weight 1 when the source gives none)."""
+    parts = _split(source.read(indices), "a batch")
+    k = len(indices)
+    leaves = [np.asarray(a) for a in tf.nest.flatten(parts)]
+    if any(leaf.ndim == 0 or leaf.shape[0] != k for leaf in leaves):
+        raise ValueError(
+            f"source.read returned a batch whose arrays do not all have {k} rows (one per "
+            "index asked)"
+        )
+    parts = tf.nest.pack_sequence_as(parts, leaves)
+    weight = np.ones(k, np.float32) if len(parts) == 2 else parts[2].astype(np.float32)
+    return parts[0], parts[1], weight.reshape(k)
+
+
+def check_source(source: Any) -> int:
+    """The number of records of a random-access source; ``TypeError``/``ValueError`` naming
+    ``source`` when it has no ``len``/``read`` or no record."""
+    if not (hasattr(source, "__len__") and callable(getattr(source, "read", None))):
+        raise TypeError(
+            "source must be a random-access source with __len__ and read(indices) (e.g. "
+            f"tf_dp.data.ArraySource(x, y) for arrays), got {type(source).__name__}"
+        )
+    n = len(source)
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"source must hold at least one record, len(source) = {n!r}")
+    return int(n)
+
+
+def source_rng(seed: Optional[int], stream: int = 0) -> np.random.Generator:
+    """A Philox generator keyed from OS entropy, or from ``seed`` (tests and debugging only)."""
+    if seed is None:
+        return np.random.Generator(np.random.Philox(int.from_bytes(os.urandom(16), "little")))
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed must be None or an integer, got {type(seed).__name__}")
+    return np.random.Generator(np.random.Philox([int(seed) & ((1 << 64) - 1), stream]))
+
+
+def generator_dataset(source: Any, batches, steps: int, prefetch: int) -> tf.data.Dataset:
+    """A ``tf.data`` pipeline over ``batches()`` (a generator of one pass of padded
+    ``(x, y, sample_weight)`` numpy batches), ``steps`` per pass, read ``prefetch`` ahead; the
+    element spec comes from the source's first record."""
+    first = read_records(source, np.array([0], np.int64))
+    signature = tf.nest.map_structure(_spec, first)
+    dataset = tf.data.Dataset.from_generator(batches, output_signature=signature)
+    dataset = dataset.apply(tf.data.experimental.assert_cardinality(steps))
+    return dataset.prefetch(prefetch)
+
+
+def check_length(source: Any, n: int) -> None:
+    """``ValueError`` when the source no longer holds ``n`` records (the recorded population
+    size would be false)."""
+    if len(source) != n:
+        raise ValueError(
+            f"source changed length from {n} to {len(source)} records during sampling: the "
+            "recorded population size would be false; a source must not change in training"
+        )
+
+
 def poisson_sample(
     source: Any,
     sampling_probability: float,
@@ -150,16 +210,8 @@ def poisson_sample(
         model.fit(tf_dp.data.poisson_sample(source, sampling_probability=64 / n_users,
                                             user_ids=users, max_records_per_user=4), epochs=3)
     """
-    if not (hasattr(source, "__len__") and callable(getattr(source, "read", None))):
-        raise TypeError(
-            "source must be a random-access source with __len__ and read(indices) (e.g. "
-            f"tf_dp.data.ArraySource(x, y) for arrays), got {type(source).__name__}"
-        )
+    n = check_source(source)
     q = _check_probability(sampling_probability)
-    n = len(source)
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise ValueError(f"source must hold at least one record, len(source) = {n!r}")
-    n = int(n)
     num_shards = _check_positive_int("num_shards", num_shards)
     if isinstance(shard_index, bool) or not isinstance(shard_index, (int, np.integer)) or not (
         0 <= shard_index < num_shards
@@ -181,38 +233,14 @@ def poisson_sample(
         units = rows if users is None else users.num_users
         max_batch_size = default_max_batch_size(units, q, overflow_probability)
     max_batch_size = _check_positive_int("max_batch_size", max_batch_size)
-    if seed is None:
-        key = int.from_bytes(os.urandom(16), "little")
-    else:
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-            raise TypeError(f"seed must be None or an integer, got {type(seed).__name__}")
-        key = [int(seed) & ((1 << 64) - 1), shard_index]  # a stream per shard
-    rng = np.random.Generator(np.random.Philox(key))
-
-    def check_length() -> None:
-        if len(source) != n:
-            raise ValueError(
-                f"source changed length from {n} to {len(source)} records during sampling: the "
-                "recorded population size would be false; a source must not change in training"
-            )
+    rng = source_rng(seed, shard_index)  # a stream per shard
 
     def draw() -> np.ndarray:
-        check_length()
+        check_length(source, n)
         return shard_index + num_shards * poisson_subset(rng, rows, q)
 
     def read(indices: np.ndarray) -> tuple:
-        """``(x, y, sample_weight)`` of the records at ``indices``, one row each, unpadded."""
-        parts = _split(source.read(indices), "a batch")
-        k = len(indices)
-        leaves = [np.asarray(a) for a in tf.nest.flatten(parts)]
-        if any(leaf.ndim == 0 or leaf.shape[0] != k for leaf in leaves):
-            raise ValueError(
-                f"source.read returned a batch whose arrays do not all have {k} rows (one per "
-                "index asked)"
-            )
-        parts = tf.nest.pack_sequence_as(parts, leaves)
-        weight = np.ones(k, np.float32) if len(parts) == 2 else parts[2].astype(np.float32)
-        return parts[0], parts[1], weight.reshape(k)
+        return read_records(source, indices)
 
     # the element spec, from one record
     first = read(np.array([shard_index if users is None else users.order[0]], np.int64))
@@ -225,7 +253,7 @@ def poisson_sample(
         empty = tf.nest.map_structure(lambda a: a[:0], first)
 
         def draw() -> np.ndarray:  # noqa: F811 (user-level: record indices, -1 for padding)
-            check_length()
+            check_length(source, n)
             return sample_user_rows(users, q, k_user, max_batch_size, rng)
 
         def to_batch(slots: np.ndarray) -> tuple:  # noqa: F811 (the records in their slots)
