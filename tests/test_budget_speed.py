@@ -12,6 +12,7 @@ import tensorflow as tf
 import tf_dp
 from tf_dp import accounting
 from tf_dp.accounting import rdp
+from tf_dp.engine import budget as budget_module
 from tf_dp.keras import callbacks as dpcb
 from tf_dp.ledger import query_with_ledger
 from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
@@ -134,7 +135,7 @@ def test_the_first_check_on_a_long_prefix_composes_it_once_at_few_orders(monkeyp
 
     monkeypatch.setattr(rdp, "_rdp_matrix", spy)
     whole = []
-    monkeypatch.setattr(dpcb, "compute_epsilon", lambda *a: whole.append(a) or (0.0, None))
+    monkeypatch.setattr(budget_module, "compute_epsilon", lambda *a: whole.append(a) or (0.0, None))
     model = _model(tf_dp.keras.DecreasingClip(1.0, decay_steps=1000))
     prefix = [(SampleEntry(SamplingEvent(N, Q), (SumQueryEvent(1.0, 2.0 + i / 1000),)), 50)
               for i in range(2000)]
@@ -242,8 +243,8 @@ def test_epsilon_spent_is_computed_when_read_for_the_ledger_as_fit_left_it(monke
     model = _model(tf_dp.keras.DecreasingClip(1.0, decay_steps=50.0), noise_stddev=1.2)
     budget = dpcb.PrivacyBudget(target_epsilon=50.0, delta=1e-5, verbose=False)
     calls = []
-    real = dpcb.PrivacyBudget._epsilon
-    monkeypatch.setattr(dpcb.PrivacyBudget, "_epsilon",
+    real = budget_module.BudgetPlanner.epsilon
+    monkeypatch.setattr(budget_module.BudgetPlanner, "epsilon",
                         lambda self, entries: calls.append(1) or real(self, entries))
     model.fit(_batches(steps_per_epoch=10), epochs=1, verbose=0, callbacks=[budget])
     assert calls == []  # the whole-ledger accountant was not called by the fit
@@ -254,10 +255,10 @@ def test_epsilon_spent_is_computed_when_read_for_the_ledger_as_fit_left_it(monke
 
 
 def _counting_whole_ledger_calls(monkeypatch):
-    """Counts the budget's whole-ledger accountant calls (``callbacks.compute_epsilon``)."""
+    """Counts the budget's whole-ledger accountant calls (``tf_dp.engine.budget.compute_epsilon``)."""
     calls = []
-    original = dpcb.compute_epsilon
-    monkeypatch.setattr(dpcb, "compute_epsilon",
+    original = budget_module.compute_epsilon
+    monkeypatch.setattr(budget_module, "compute_epsilon",
                         lambda *a, **k: calls.append(1) or original(*a, **k))
     return calls
 
