@@ -1,6 +1,7 @@
 """Private training under tf.distribute.MirroredStrategy on 2 logical CPU devices (subprocesses:
 logical devices must be configured before TensorFlow starts)."""
 
+import functools
 import json
 import math
 import os
@@ -89,3 +90,40 @@ def test_a_declared_shuffle_batch_limits_the_global_batch_not_each_replicas_shar
     assert twice["error"] is not None and "batch size" in twice["error"]
     assert "accepted 1 .." in twice["error"] and "[4]" in twice["error"]
     assert twice["ledger"] == twice["iterations"] == 0 and not twice["changed"]
+
+
+#: helpers/mirrored_fixed_shape.py: an 8-16-3 network (195 parameters), clip 0.5, learning rate
+#: 1, 2 epochs of at most 40 steps; batches of up to 58 rows over 2 replicas: per step a gradient's
+#: roundings, its norm, the batch's and the replicas' sums and the division. An update is at most
+#: 0.5 * 58 / 15 < 2 per weight (a sum of clipped rows over the public expected batch size), so
+#: |w| <= 1 + 40 * 2.
+FIXED_SHAPE_TERMS = dense_gradient_terms([8, 16, 3]) + norm_terms(195) + 58 + 2 + 1
+
+
+@functools.lru_cache(maxsize=None)
+def _fixed_shape_report():
+    return _run("mirrored_fixed_shape.py")  # one subprocess for both selections
+
+
+@pytest.mark.parametrize("kind", ["truncated_poisson", "balls_in_bins"])
+def test_fixed_shape_selections_split_over_replicas_as_one_global_step(kind):
+    """The same seeded batches on 2 replicas and on one device (noise 0): the same weights, and
+    one ledger row per global step with the selection's own claim."""
+    import numpy as np
+
+    r = _fixed_shape_report()[kind]
+    mirrored, one = r["mirrored"], r["one"]
+    assert mirrored["replicas"] == 2 and one["replicas"] == 1
+    for run in (mirrored, one):
+        assert run["ledger"] == run["iterations"] == 2 * r["steps_per_epoch"]
+        assert run["policies"] == [kind]
+    assert mirrored["max_batch_size"] == ([r["b"]] if kind == "truncated_poisson" else [0])
+    steps = 2 * r["steps_per_epoch"]
+    atol = sgd_tolerance("float32", steps=steps, learning_rate=1.0, update_scale=2.0,
+                         terms=FIXED_SHAPE_TERMS, weight_scale=1.0 + steps * 2.0)
+    moved = 0.0
+    for a, b, w0 in zip(mirrored["weights"], one["weights"], one["init"]):
+        a, b, w0 = np.asarray(a), np.asarray(b), np.asarray(w0)
+        assert abs(a - b).max() <= atol
+        moved = max(moved, abs(b - w0).max())
+    assert moved > 10 * atol  # the runs trained: equal weights are not the untouched init
