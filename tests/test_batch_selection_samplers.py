@@ -222,3 +222,40 @@ def test_every_selection_returns_sampled_batches_with_one_interface():
         assert b.population_size == 100
         assert b.expected_batch_size == pytest.approx(10.0)
         assert len(b) == b.steps_per_epoch == 10
+
+
+@pytest.mark.parametrize("kind", ["truncated_poisson", "balls_in_bins"])
+def test_privacy_budget_stops_before_the_step_that_would_exceed(kind):
+    """PrivacyBudget on the fixed-shape selections: the run stops at the last step whose epsilon
+    is within the target (truncated Poisson: any step; balls-in-bins: an epoch boundary, since the
+    first step of an epoch costs the epoch's whole Gaussian), found here step by step from
+    hyperparameter runs of the same selection."""
+    n, z, delta = 120, 2.0, 1e-5
+    x, y = _indexed(n)
+    x, y = x / n, (np.arange(n) % 3).astype(np.int32)
+    if kind == "truncated_poisson":
+        batches = truncated_poisson_batches(x, y, sampling_probability=0.1, seed=3)
+        extra = {"max_batch_size": batches.max_batch_size}
+    else:
+        batches = balls_in_bins_batches(x, y, batch_size=12, seed=3)
+        extra = {}
+    t = batches.steps_per_epoch
+
+    def eps(steps):  # the ledger of `steps` steps of this selection, from its hyperparameters
+        entry, _ = tf_dp.accounting.dp_sgd_run(n, 12, z, steps=1, sampling=kind, **extra)
+        return compute_epsilon([(entry, steps)], delta, "rdp").epsilon
+
+    if kind == "balls_in_bins":  # a step opening epoch e is charged as the whole epoch
+        charged = [eps(math.ceil(k / t) * t) for k in range(1, 6 * t + 1)]
+    else:
+        charged = [eps(k) for k in range(1, 6 * t + 1)]
+    stop = 3 * t - 1 if kind == "truncated_poisson" else 3 * t  # within the third epoch / at its end
+    target = 0.5 * (charged[stop - 1] + charged[stop])
+    expected = max(k for k in range(1, len(charged) + 1) if charged[k - 1] <= target)
+    budget = tf_dp.keras.PrivacyBudget(target_epsilon=target, delta=delta, verbose=False)
+    model = _model(noise=z)
+    model.fit(batches, epochs=6, verbose=0, callbacks=[budget])
+    assert budget.stopped
+    assert model.optimizer.ledger.num_samples == expected == stop
+    spent = compute_epsilon(model.optimizer.ledger, delta, "rdp").epsilon
+    assert spent <= target
