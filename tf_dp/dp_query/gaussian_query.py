@@ -14,6 +14,7 @@ from tf_dp.dp_query import dp_query
 from tf_dp.dp_query.noise import (
     DEFAULT_NOISE_MODE,
     GRID_BITS,
+    PrefetchedNoise,
     add_gaussian_noise_structure,
     add_grid_noise_structure,
     check_noise_mode,
@@ -83,6 +84,7 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
         self._noise_mode = check_noise_mode(noise_mode)
         self._dimension: Optional[int] = None  # coordinates of the sum, known once noised
         self._generator = make_generator(seed)
+        self._prefetch = PrefetchedNoise(self._generator)
         if seed is not None and abs(seed) > 2**53:
             # the ledger records the seed exactly in a float64 column
             raise ValueError(f"seed must be an integer with |seed| <= 2**53, got {seed}")
@@ -131,6 +133,8 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     def get_noised_result(self, sample_state: Any, global_state: GaussianGlobalState):
         stddev = tf.convert_to_tensor(global_state.stddev, tf.float32)
         if self._noise_mode == "continuous":
+            if PrefetchedNoise.applies_to(sample_state):  # XLA: noise drawn ahead, outside XLA
+                return self._prefetch.add_to(sample_state, stddev), global_state
             noised = add_gaussian_noise_structure(self._generator, sample_state, stddev)
             return noised, global_state
         d = num_coordinates(sample_state)
@@ -142,6 +146,12 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
         self._dimension = d
         grid = grid_spacing(global_state.l2_norm_clip, d)
         return add_grid_noise_structure(self._generator, sample_state, stddev, grid), global_state
+
+    @property
+    def prefetched_noise(self) -> PrefetchedNoise:
+        """The noise this query's XLA-compiled steps read, drawn ahead between compiled calls
+        (:class:`tf_dp.dp_query.noise.PrefetchedNoise`; call its ``refill()`` eagerly)."""
+        return self._prefetch
 
     def sum_query_specs(self, global_state: GaussianGlobalState) -> list[dp_query.SumQuerySpec]:
         clip = tf.convert_to_tensor(global_state.l2_norm_clip, tf.float32)

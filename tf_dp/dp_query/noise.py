@@ -501,3 +501,117 @@ def add_grid_noise_structure(
         s_g = tf.round(tf.cast(v, tf.float64) / g) * g
         out.append(tf.cast(s_g + tf.round(eta / g) * g, v.dtype))
     return tf.nest.pack_sequence_as(values, out)
+
+
+# -- noise drawn ahead for XLA-compiled steps ------------------------------------------------------
+
+
+class PrefetchedNoise:
+    """Standard normals drawn by the TensorFlow kernels for the next XLA-compiled step.
+
+    XLA's CPU backend runs this sampler 3-4x more slowly than TensorFlow's own kernels (the
+    Philox words and the log/cos/sin alike; ``bench/README.md``, "Noise under XLA"), and a
+    ``jit_compile=True`` step cannot call those kernels. So a continuous-mode Gaussian sum query
+    traced under XLA reads its noise from a buffer that :meth:`refill` fills outside XLA between
+    compiled calls (the Keras ``fit`` loop and :meth:`tf_dp.keras.DPTrainStep.flush` do), with
+    :func:`gaussian_noise` on the query's own generator: the same sampler, the same counter
+    discipline, the same values (``stddev * z`` for standard normals ``z``; a test checks it bit
+    for bit against :func:`gaussian_noise` on a generator of the same seed).
+
+    Each buffer is used at most once: :meth:`refill` sets its ``ready`` flag, a step that reads it
+    clears it, and a step that finds it clear draws inline with the XLA sampler as before. So a
+    custom loop that never refills, a ``steps_per_execution > 1`` call (one buffer, several
+    steps) or a failed refill costs speed, never privacy. The buffer holds the next step's noise:
+    like the generator's state it is secret; it is not a model or optimizer variable and is never
+    saved. Not used under ``tf.distribute`` (the noise is drawn in the replica step there).
+
+    Example::
+
+        gen = make_generator(seed=1)
+        pre = PrefetchedNoise(gen)
+
+        @tf.function(jit_compile=True)
+        def noised(v):
+            return pre.add_to([v], 1.1)[0]
+
+        noised(tf.zeros([4]))   # traced: creates the buffer; this step draws inline
+        pre.refill()            # outside XLA, between compiled calls
+        noised(tf.zeros([4]))   # reads the buffer (times 1.1) and clears its flag
+    """
+
+    def __init__(self, generator: tf.random.Generator):
+        self._generator = generator
+        # total size -> (buffer, ready, served); a plain dict: nothing here is tracked or saved
+        self._buffers: dict[int, tuple] = {}
+        self._fill = None
+
+    @staticmethod
+    def applies_to(values: Any) -> bool:
+        """Whether :meth:`add_to` serves ``values``: traced under XLA, no distribution strategy,
+        every leaf of a static shape and not float64."""
+        if not _in_xla_context() or tf.distribute.has_strategy():
+            return False
+        leaves = [tf.convert_to_tensor(v) for v in tf.nest.flatten(values)]
+        return bool(leaves) and all(
+            v.shape.num_elements() is not None and v.dtype != tf.float64 and v.dtype.is_floating
+            for v in leaves
+        )
+
+    def add_to(self, values: Any, stddev: Any) -> Any:
+        """``values + stddev * z`` leaf by leaf (``z`` the buffer's normals, or drawn inline with
+        ``stddev`` folded in as :func:`add_gaussian_noise_structure` does when the buffer is not
+        ready). Call while tracing under XLA (:meth:`applies_to`)."""
+        leaves = [tf.convert_to_tensor(v) for v in tf.nest.flatten(values)]
+        sizes = [v.shape.num_elements() for v in leaves]
+        n = sum(sizes)
+        if n not in self._buffers:
+            with tf.init_scope():
+                self._buffers[n] = (
+                    tf.Variable(tf.zeros([n], tf.float32), trainable=False, name="noise_ahead"),
+                    tf.Variable(0, dtype=tf.int32, trainable=False, name="noise_ahead_ready"),
+                    tf.Variable(0, dtype=tf.int64, trainable=False, name="noise_ahead_served"),
+                )
+                self._fill = None  # the refill function covers every buffer
+        buffer, ready, served = self._buffers[n]
+        sd = tf.cast(stddev, tf.float32)
+        use = ready.read_value() > 0
+        flat = tf.cond(
+            use,
+            lambda: buffer.read_value() * sd,
+            lambda: gaussian_noise(self._generator, n, tf.float32, sd),
+        )
+        with tf.control_dependencies([flat]):
+            ops = [ready.assign(0), served.assign_add(tf.cast(use, tf.int64))]
+        with tf.control_dependencies(ops):
+            flat = tf.identity(flat)
+        parts = tf.split(flat, sizes) if len(sizes) > 1 else [flat]
+        out = [v + tf.cast(tf.reshape(z, v.shape), v.dtype) for v, z in zip(leaves, parts)]
+        return tf.nest.pack_sequence_as(values, out)
+
+    def refill(self) -> None:
+        """Draws fresh standard normals into every buffer a step has used (eager; not under
+        XLA). A buffer still ready keeps its values: nothing is drawn twice for one step."""
+        if not self._buffers:
+            return
+        if self._fill is None:
+            buffers = list(self._buffers.values())
+            generator = self._generator
+
+            @tf.function(jit_compile=False, autograph=False)
+            def fill():
+                for buffer, ready, _ in buffers:
+                    n = int(buffer.shape[0])
+
+                    def draw(buffer=buffer, ready=ready, n=n):
+                        with tf.control_dependencies([buffer.assign(gaussian_noise(generator, n))]):
+                            return ready.assign(1)
+
+                    tf.cond(ready.read_value() > 0, lambda ready=ready: ready.read_value(), draw)
+
+            self._fill = fill
+        self._fill()
+
+    @property
+    def served(self) -> int:
+        """How many steps have read a prefetched buffer (eager)."""
+        return sum(int(s.numpy()) for _, _, s in self._buffers.values())

@@ -463,6 +463,13 @@ class DPEngine:
 
     # -- between steps (eager) -----------------------------------------------------------------
 
+    def prefetch_noise(self) -> None:
+        """Draws the noise of the next XLA-compiled step outside XLA (eager, between compiled
+        calls; :class:`tf_dp.dp_query.noise.PrefetchedNoise`). A no-op until a step was traced
+        under XLA; a step that finds no fresh noise draws its own."""
+        for prefetch in _prefetches(self.query):
+            prefetch.refill()
+
     def reserve(self, steps: int) -> None:
         """Room in the ledger's staging table for ``steps`` steps of one compiled call."""
         self.ledger.reserve(int(steps), len(self.recorder.sum_query_specs(self.global_state)))
@@ -740,6 +747,19 @@ def _snaps_to_grid(query: Any) -> bool:
     if hasattr(query, "queries"):
         inner += tf.nest.flatten(query.queries)
     return any(q is not None and _snaps_to_grid(q) for q in inner)
+
+
+def _prefetches(query: Any) -> list:
+    """The :class:`~tf_dp.dp_query.noise.PrefetchedNoise` of every Gaussian sum query inside
+    ``query``."""
+    found = [query.prefetched_noise] if hasattr(query, "prefetched_noise") else []
+    inner = [getattr(query, "numerator_query", None)]
+    if hasattr(query, "queries"):
+        inner += tf.nest.flatten(query.queries)
+    for q in inner:
+        if q is not None:
+            found += _prefetches(q)
+    return found
 
 
 def _all_reduce_sum(state: Any) -> Any:

@@ -418,6 +418,7 @@ def private_train_function(model: keras.Model) -> None:
 
     def train_function(*a, **k):
         optimizer.check_dp_schedules(steps)  # bad schedule values fail before the call runs
+        optimizer.engine.prefetch_noise()  # XLA steps: noise drawn outside XLA (no-op else)
         try:
             out = fn(*a, **k)
         except tf.errors.InvalidArgumentError as e:

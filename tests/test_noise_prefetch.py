@@ -1,0 +1,148 @@
+"""Noise drawn ahead for XLA-compiled steps (``tf_dp.dp_query.noise.PrefetchedNoise``).
+
+The prefetched noise must be the documented sampler's (the values ``gaussian_noise`` gives on a
+generator of the same seed, bit for bit), each buffer must serve at most one step, and a step
+without a fresh buffer must still be noised (inline). Statistical checks use K = 5 standard
+errors of the sample mean (sigma / sqrt(n)) and standard deviation (sigma / sqrt(2 n)) on fixed
+seeds.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tf_dp
+import tf_dp.keras as dpk
+from tf_dp.dp_query import noise
+
+K = 5.0
+SIZES = [(300,), (400, 500)]  # 200,300 normals: two chunks of the float32 sampler
+N = sum(int(np.prod(s)) for s in SIZES)
+SIGMA = 1.1
+
+
+def _xla_noised(pre):
+    @tf.function(jit_compile=True)
+    def noised(a, b):
+        return pre.add_to([a, b], SIGMA)
+
+    return noised
+
+
+def _zeros():
+    return [tf.zeros(s, tf.float32) for s in SIZES]
+
+
+def _split(flat):
+    out, k = [], 0
+    for s in SIZES:
+        m = int(np.prod(s))
+        out.append(flat[k : k + m].reshape(s))
+        k += m
+    return out
+
+
+def test_prefetched_noise_is_the_sampler_bit_for_bit():
+    pre = noise.PrefetchedNoise(noise.make_generator(seed=5))
+    noised = _xla_noised(pre)
+    noised.get_concrete_function(*_zeros())  # traced: the buffer exists, nothing drawn yet
+    pre.refill()
+    got = [t.numpy() for t in noised(*_zeros())]
+    assert pre.served == 1
+    # reference: the sampler on a generator of the same seed, first draw, eagerly
+    z = noise.gaussian_noise(noise.make_generator(seed=5), N).numpy()
+    want = _split(np.float32(SIGMA) * z)  # 0 + sigma z: one float32 product, exact either way
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    # no exact zeros (a coordinate released without noise)
+    assert all(np.count_nonzero(g == 0.0) == 0 for g in got)
+
+
+def test_each_buffer_serves_one_step_and_a_step_without_one_draws_inline():
+    gen = noise.make_generator(seed=8)
+    pre = noise.PrefetchedNoise(gen)
+    noised = _xla_noised(pre)
+    noised.get_concrete_function(*_zeros())
+    pre.refill()
+    state_after_one_fill = gen.state.numpy().copy()
+    pre.refill()  # the buffer is still fresh: nothing drawn, generator untouched
+    np.testing.assert_array_equal(gen.state.numpy(), state_after_one_fill)
+    first = np.concatenate([t.numpy().ravel() for t in noised(*_zeros())])
+    second = np.concatenate([t.numpy().ravel() for t in noised(*_zeros())])  # no refill
+    assert pre.served == 1  # the second step did not read the (used) buffer
+    # the second step's noise is fresh (inline XLA draw): uncorrelated with the first, and
+    # N(0, SIGMA^2)
+    assert abs(np.corrcoef(first, second)[0, 1]) < K / np.sqrt(N)
+    assert abs(second.mean()) <= K * SIGMA / np.sqrt(N)
+    assert abs(second.std() - SIGMA) <= K * SIGMA / np.sqrt(2 * N)
+    assert np.count_nonzero(second == 0.0) == 0
+    # and the generator moved past the used buffer's words (counter discipline)
+    assert not np.array_equal(gen.state.numpy(), state_after_one_fill)
+    pre.refill()
+    third = np.concatenate([t.numpy().ravel() for t in noised(*_zeros())])
+    assert pre.served == 2
+    assert abs(np.corrcoef(first, third)[0, 1]) < K / np.sqrt(N)
+
+
+def test_outside_xla_and_under_a_strategy_the_query_draws_inline():
+    assert not noise.PrefetchedNoise.applies_to([tf.zeros([4])])  # eager
+    q = tf_dp.GaussianSumQuery(l2_norm_clip=1.0, stddev=SIGMA, seed=3)
+    gs = q.initial_global_state()
+
+    @tf.function
+    def graph_noised(v):
+        return q.get_noised_result([v], gs)[0]
+
+    graph_noised(tf.zeros([N]))
+    q.prefetched_noise.refill()
+    assert q.prefetched_noise.served == 0 and not q.prefetched_noise._buffers
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        seen = []
+
+        @tf.function(jit_compile=True)
+        def probe(v):
+            seen.append(noise.PrefetchedNoise.applies_to([v]))
+            return v
+
+        probe(tf.zeros([4]))
+    assert seen == [False]
+
+
+def _private_model(seed):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(8), keras.layers.Dense(3)])
+    optimizer = dpk.DPKerasSGDOptimizer(
+        l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.1, noise_seed=seed
+    )
+    model = dpk.make_private(model)
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=True,
+    )
+    optimizer.set_sampling(64, 16 / 64, "shuffle")
+    return model, optimizer
+
+
+def test_fit_under_xla_reads_noise_drawn_ahead_once_per_step(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 20)).astype("float32")
+    y = rng.integers(0, 3, size=64)
+    model, optimizer = _private_model(1)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    prefetches = [optimizer.engine.query.prefetched_noise]
+    # 4 steps: the first call traced the step (no buffer yet, inline draw); the 3 others read
+    # a buffer drawn before their call
+    assert sum(p.served for p in prefetches) == 3
+    assert optimizer.ledger.num_samples() == 4  # every step recorded
+    # the buffer is no model or optimizer variable (never saved with the weights)
+    names = [v.path if hasattr(v, "path") else v.name for v in model.variables]
+    names += [v.path if hasattr(v, "path") else v.name for v in optimizer.variables]
+    assert not [n for n in names if "noise_ahead" in n]
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    path = checkpoint.write(str(tmp_path / "ckpt"))
+    assert not [n for n, _ in tf.train.list_variables(path) if "noise_ahead" in n]
