@@ -16,6 +16,7 @@ MODULES = (
     "tf_dp.accounting.gdp",
     "tf_dp.accounting.ledger_analysis",
     "tf_dp.accounting.rdp",
+    "tf_dp.correlated.noise_tf",
     "tf_dp.data.balls_in_bins",
     "tf_dp.data.poisson",
     "tf_dp.data.sampling",

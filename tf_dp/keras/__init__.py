@@ -16,6 +16,7 @@ from tf_dp.keras.custom_loop import DPTrainStep
 from tf_dp.keras.fixing import DPCompatibilityReport, fix_for_dp, validate_for_dp
 from tf_dp.keras.ftrl import DPKerasFTRLOptimizer
 from tf_dp.keras.losses import PerExampleLoss
+from tf_dp.keras.mf import DPKerasMFOptimizer
 from tf_dp.keras.models import DPModel, DPSequential, is_private, make_private
 from tf_dp.keras.schedules import DecreasingClip
 from tf_dp.keras.optimizers import (
@@ -39,6 +40,7 @@ __all__ = [
     "DPKerasAdagradOptimizer",
     "DPKerasAdamOptimizer",
     "DPKerasFTRLOptimizer",
+    "DPKerasMFOptimizer",
     "DPKerasSGDOptimizer",
     "DPModel",
     "DPOptimizerMixin",

@@ -1,0 +1,300 @@
+"""DP-MF: SGD (optionally with momentum) on gradients noised with correlated noise.
+
+DP matrix factorization (banded, "BandMF", Choquette-Choo et al. 2023; buffered linear Toeplitz,
+"BLT", Dvijotham, McMahan et al. 2024) adds to step ``t``'s clipped sum the ``t``-th row of
+``C^{-1} Z`` instead of fresh noise: the noise of later steps cancels part of the earlier steps'
+noise in the model's parameters (prefix sums, or momentum's weighted sums, for which the strategy
+was optimised). :class:`DPKerasMFOptimizer` is a DP SGD optimizer whose sum query is
+:class:`tf_dp.correlated.noise_tf.CorrelatedNoiseSumQuery`, carried by the optimizer's engine as
+the query's global state (the step counter and the strategy's buffers: ``b - 1`` model-sized
+buffers for a band ``b``, ``d`` for a BLT of ``d`` buffers).
+
+The noise state is saved with the optimizer (``.keras`` files, ``save_weights``,
+``BackupAndRestore``, ``ModelCheckpoint``, ``tf.train.Checkpoint``) and restored before the
+next step, so a resumed run continues the same correlated mechanism. The state holds past noise:
+keep checkpoints as private as the training data (only the trained model is protected).
+
+Example::
+
+    strategy = tf_dp.correlated.strategies.BandedStrategy.optimize(num_steps=1000, bands=8)
+    model = tf_dp.keras.make_private(model)
+    model.compile(
+        optimizer=tf_dp.keras.DPKerasMFOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=2.0, strategy=strategy, learning_rate=0.5),
+        loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=250, epochs=5)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_dp.correlated.noise_tf import CorrelatedNoiseState, CorrelatedNoiseSumQuery, recurrence_of
+from tf_dp.engine.validation import check_number, python_number
+from tf_dp.keras.ftrl import _spec_of
+from tf_dp.keras.optimizers import DPOptimizerMixin
+
+__all__ = ["DPKerasMFOptimizer"]
+
+#: keys of the noise state in a saved optimizer's variable store
+_STEP_KEY = "tf_dp_mf_step"
+_BUFFER_KEY = "tf_dp_mf_buffer_"
+
+
+def _is_state_key(key: str) -> bool:
+    return key == _STEP_KEY or key.startswith(_BUFFER_KEY)
+
+
+def _recurrence_config(recurrence: Any) -> dict[str, Any]:
+    if hasattr(recurrence, "coef"):
+        return {"coef": np.asarray(recurrence.coef, np.float64).tolist()}
+    return {
+        "omega": np.asarray(recurrence.omega, np.float64).tolist(),
+        "theta": np.asarray(recurrence.theta, np.float64).tolist(),
+    }
+
+
+class _Recurrence:
+    """A recurrence rebuilt from a saved config (attributes as the strategies' dataclasses)."""
+
+    def __init__(self, **arrays: Any) -> None:
+        for name, value in arrays.items():
+            setattr(self, name, np.asarray(value, np.float64))
+
+
+@keras.saving.register_keras_serializable(package="tf_dp", name="DPKerasMFOptimizer")
+class DPKerasMFOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
+    """DP-MF: SGD, optionally with momentum, on gradients with correlated (matrix factorization)
+    noise.
+
+    Every step clips the per-example gradients to ``l2_norm_clip``, adds the batch's clipped sum
+    and the step's row of ``C^{-1} Z`` (``Z`` i.i.d. ``N(0, (noise_multiplier *
+    l2_norm_clip)^2)``) and divides by the batch size (the sampling's public denominator).
+
+    Args:
+      learning_rate, momentum: as for ``keras.optimizers.SGD`` (``nesterov`` is not offered).
+      l2_norm_clip: per-example L2 clip ``C`` (finite, > 0).
+      noise_multiplier: ``z``; each entry of ``Z`` has stddev ``z * C`` (finite, >= 0).
+      strategy: a strategy of ``tf_dp.correlated.strategies`` (banded or BLT) or its
+        ``noise_recurrence()``.
+      num_microbatches, gradient_mode, max_physical_batch_size: as for the other DP optimizers
+        (``"jl"`` is refused: no accountant analyses matrix factorization with JL clipping).
+      noise_seed: tests and debugging only (a known seed voids the guarantee).
+    """
+
+    _calibrates_as_dp_sgd = False  # correlated noise: not DP-SGD's accounting
+
+    def __init__(
+        self,
+        learning_rate: Any = 0.01,
+        momentum: float = 0.0,
+        *,
+        l2_norm_clip: Optional[float] = None,
+        noise_multiplier: Optional[float] = None,
+        strategy: Any = None,
+        num_microbatches: Optional[int] = None,
+        gradient_mode: str = "auto",
+        noise_seed: Optional[int] = None,
+        max_physical_batch_size: Optional[int] = None,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs.get("nesterov"):
+            raise ValueError("DPKerasMFOptimizer does not offer nesterov momentum")
+        kwargs.pop("nesterov", None)
+        for name in ("dp_sum_query", "jl_projections"):
+            if name in kwargs:
+                raise TypeError(f"DPKerasMFOptimizer does not take {name}")
+        l2_norm_clip, noise_multiplier = (
+            python_number(l2_norm_clip),
+            python_number(noise_multiplier),
+        )
+        if l2_norm_clip is None or noise_multiplier is None:
+            raise ValueError(
+                "DPKerasMFOptimizer needs l2_norm_clip (a finite number > 0) and "
+                "noise_multiplier (a finite number >= 0)"
+            )
+        check_number("l2_norm_clip", l2_norm_clip, positive=True)
+        check_number("noise_multiplier", noise_multiplier, positive=False)
+        if strategy is None:
+            raise ValueError(
+                "DPKerasMFOptimizer needs strategy: a banded or BLT strategy of "
+                "tf_dp.correlated.strategies (or its noise_recurrence())"
+            )
+        if gradient_mode == "jl":
+            raise ValueError(
+                "gradient_mode='jl' cannot be used with DPKerasMFOptimizer: no accountant "
+                "analyses matrix factorization with JL clipping; use 'auto', 'vectorized', "
+                "'microbatch' or 'ghost'"
+            )
+        recurrence = recurrence_of(strategy)
+        keras.optimizers.SGD.__init__(self, learning_rate, momentum=momentum, **kwargs)
+        query = CorrelatedNoiseSumQuery(
+            float(l2_norm_clip),
+            float(noise_multiplier) * float(l2_norm_clip),
+            recurrence,
+            seed=noise_seed,
+        )
+        self._mf_query = query
+        self._mf_strategy = strategy
+        self._init_dp(
+            None,
+            None,
+            num_microbatches,
+            gradient_mode,
+            None,
+            query,
+            noise_seed,
+            max_physical_batch_size=max_physical_batch_size,
+            placeholder_state=CorrelatedNoiseState(0, [], query.l2_norm_clip, query.stddev),
+        )
+        self._custom_query = False
+        self._mf_clip = float(l2_norm_clip)
+        self._mf_noise_multiplier = float(noise_multiplier)
+        self._pending_state: Optional[dict[str, np.ndarray]] = None
+
+    @property
+    def l2_norm_clip(self) -> float:
+        return self._mf_clip
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self._mf_noise_multiplier
+
+    @property
+    def strategy(self) -> Any:
+        """The strategy (or recurrence) the noise comes from."""
+        return self._mf_strategy
+
+    @property
+    def noise_query(self) -> CorrelatedNoiseSumQuery:
+        return self._mf_query
+
+    @property
+    def mf_step(self) -> int:
+        """Steps of correlated noise released so far (the next step uses row ``mf_step``)."""
+        if not self._engine.state_built:
+            pending = self._pending_state
+            return 0 if pending is None else int(np.asarray(pending[_STEP_KEY]))
+        return int(self._engine.global_state.step.numpy())
+
+    # -- the noise state -----------------------------------------------------------------------
+
+    def build(self, variables) -> None:
+        super().build(variables)
+        self._build_noise_state(list(variables))
+
+    def _build_noise_state(self, records: list) -> None:
+        """The noise state (one buffer stack per variable), carried by the engine (once)."""
+        if self._engine.state_built:
+            return
+        self._mf_query.set_record_specs([_spec_of(r) for r in records])
+        self._engine.build_state()
+        state = self._engine.global_state
+        # tracked by tf.train.Checkpoint through the optimizer
+        self._mf_state_variables = [state.step] + list(tf.nest.flatten(state.buffers))
+        if self._pending_state is not None:  # loaded before the state existed
+            pending, self._pending_state = self._pending_state, None
+            with tf.init_scope():  # once, also when first built while a step is traced
+                self._assign_state(pending)
+
+    def _state_arrays(self) -> dict[str, np.ndarray]:
+        state = self._engine.global_state
+        out = {_STEP_KEY: np.asarray(state.step.numpy())}
+        for i, buf in enumerate(tf.nest.flatten(state.buffers)):
+            out[f"{_BUFFER_KEY}{i}"] = buf.numpy()
+        return out
+
+    def _assign_state(self, arrays: dict[str, np.ndarray]) -> None:
+        state = self._engine.global_state
+        buffers = tf.nest.flatten(state.buffers)
+        keys = [f"{_BUFFER_KEY}{i}" for i in range(len(buffers))]
+        if sorted(keys) != sorted(k for k in arrays if k != _STEP_KEY):
+            raise ValueError(
+                f"the saved noise state has {len(arrays) - 1} buffer stacks, the model "
+                f"{len(buffers)} trainable variables"
+            )
+        for key, buf in zip(keys, buffers):
+            value = np.asarray(arrays[key])
+            if tuple(value.shape) != tuple(buf.shape):
+                raise ValueError(
+                    f"the saved noise buffer {key} has shape {value.shape}, the optimizer's "
+                    f"{tuple(buf.shape)} (another strategy or model?)"
+                )
+            buf.assign(value)
+        state.step.assign(int(np.asarray(arrays[_STEP_KEY])))
+
+    def save_own_variables(self, store) -> None:
+        """Saves the optimizer's variables, its ledger and the noise state."""
+        super().save_own_variables(store)
+        if self._engine.state_built:
+            for key, value in self._state_arrays().items():
+                store[key] = value
+
+    def load_own_variables(self, store) -> None:
+        """Restores the optimizer's variables, its ledger and the noise state (the noise
+        continues where the saved run stopped)."""
+        arrays = {k: np.asarray(store[k]) for k in store.keys() if _is_state_key(k)}
+        rest = {k: store[k] for k in store.keys() if not _is_state_key(k)}
+        super().load_own_variables(rest)
+        if arrays:
+            if self._engine.state_built:
+                self._assign_state(arrays)
+            else:
+                self._pending_state = arrays
+
+    def private_gradients(self, loss_fn, data, variables, model=None, check=None):
+        self._build_noise_state(list(variables))
+        return super().private_gradients(loss_fn, data, variables, model, check)
+
+    def dp_step(self, loss_fn, data, variables, model=None, check=None, extra_gradients=None):
+        self._build_noise_state(list(variables))
+        return super().dp_step(loss_fn, data, variables, model, check, extra_gradients)
+
+    def dp_aggregate(self, clipped):
+        self._build_noise_state(tf.nest.flatten(clipped.clipped_sum))
+        return super().dp_aggregate(clipped)
+
+    # -- config ----------------------------------------------------------------------------------
+
+    def get_config(self) -> dict[str, Any]:
+        config = keras.optimizers.SGD.get_config(self)
+        config.pop("nesterov", None)
+        strategy = self._mf_strategy
+        if hasattr(strategy, "to_config"):
+            saved = {"class": type(strategy).__name__, "config": strategy.to_config()}
+        else:
+            saved = {"recurrence": _recurrence_config(self._mf_query.recurrence)}
+        config.update(
+            {
+                "l2_norm_clip": self._mf_clip,
+                "noise_multiplier": self._mf_noise_multiplier,
+                "strategy": saved,
+                "num_microbatches": self.num_microbatches,
+                "gradient_mode": self.gradient_mode,
+                "max_physical_batch_size": self.max_physical_batch_size,
+            }
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None):
+        config = dict(config)
+        if isinstance(config.get("learning_rate"), dict):
+            config["learning_rate"] = keras.saving.deserialize_keras_object(
+                config["learning_rate"], custom_objects=custom_objects
+            )
+        saved = config.get("strategy")
+        if isinstance(saved, dict):
+            if "recurrence" in saved:
+                config["strategy"] = _Recurrence(**saved["recurrence"])
+            else:
+                from tf_dp.correlated import strategies
+
+                config["strategy"] = getattr(strategies, saved["class"]).from_config(
+                    saved["config"]
+                )
+        return cls(**config)
