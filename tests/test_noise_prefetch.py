@@ -46,46 +46,61 @@ def _split(flat):
     return out
 
 
+def _reference_draws(seed, count):
+    """The prefetch generator's first ``count`` draws of N normals: gaussian_noise on
+    ``make_generator(seed).split(1)[0]``, eagerly."""
+    ahead = noise.make_generator(seed=seed).split(1)[0]
+    return [noise.gaussian_noise(ahead, N).numpy() for _ in range(count)]
+
+
+def _flat(ts):
+    return np.concatenate([t.numpy().ravel() for t in ts])
+
+
 def test_prefetched_noise_is_the_sampler_bit_for_bit():
     pre = noise.PrefetchedNoise(noise.make_generator(seed=5))
     noised = _xla_noised(pre)
-    noised.get_concrete_function(*_zeros())  # traced: the buffer exists, nothing drawn yet
-    pre.refill()
+    noised.get_concrete_function(*_zeros())  # traced: the buffers exist, nothing drawn yet
+    pre.refill()  # draws the first normals, then the second in a background thread
     got = [t.numpy() for t in noised(*_zeros())]
     assert pre.served == 1
-    # reference: the sampler on a generator of the same seed, first draw, eagerly
-    z = noise.gaussian_noise(noise.make_generator(seed=5), N).numpy()
-    want = _split(np.float32(SIGMA) * z)  # 0 + sigma z: one float32 product, exact either way
+    z1, z2 = _reference_draws(5, 2)
+    want = _split(np.float32(SIGMA) * z1)  # 0 + sigma z: one float32 product, exact either way
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
-    # no exact zeros (a coordinate released without noise)
-    assert all(np.count_nonzero(g == 0.0) == 0 for g in got)
+    assert all(np.count_nonzero(g == 0.0) == 0 for g in got)  # no coordinate without noise
+    pre.refill()  # the background draw becomes the next step's
+    np.testing.assert_array_equal(_flat(noised(*_zeros())), np.float32(SIGMA) * z2)
+    assert pre.served == 2
 
 
-def test_each_buffer_serves_one_step_and_a_step_without_one_draws_inline():
+def test_each_draw_serves_one_step_and_a_step_without_one_draws_inline():
     gen = noise.make_generator(seed=8)
     pre = noise.PrefetchedNoise(gen)
     noised = _xla_noised(pre)
     noised.get_concrete_function(*_zeros())
-    pre.refill()
-    state_after_one_fill = gen.state.numpy().copy()
-    pre.refill()  # the buffer is still fresh: nothing drawn, generator untouched
-    np.testing.assert_array_equal(gen.state.numpy(), state_after_one_fill)
-    first = np.concatenate([t.numpy().ravel() for t in noised(*_zeros())])
-    second = np.concatenate([t.numpy().ravel() for t in noised(*_zeros())])  # no refill
-    assert pre.served == 1  # the second step did not read the (used) buffer
-    # the second step's noise is fresh (inline XLA draw): uncorrelated with the first, and
-    # N(0, SIGMA^2)
+    pre.refill(background=False)
+    ahead_state = pre._ahead.state.numpy().copy()
+    pre.refill()  # the current draw was not used: nothing is drawn, nothing moves
+    pre.wait()
+    np.testing.assert_array_equal(pre._ahead.state.numpy(), ahead_state)
+    z1, z2 = _reference_draws(8, 2)
+    first = _flat(noised(*_zeros()))
+    np.testing.assert_array_equal(first, np.float32(SIGMA) * z1)
+    state_before = gen.state.numpy().copy()
+    second = _flat(noised(*_zeros()))  # no refill: drawn inline from the query's generator
+    assert pre.served == 1
+    assert not np.array_equal(gen.state.numpy(), state_before)  # the inline draw's counters
+    # the second step's noise is fresh: uncorrelated with the first and with the draw that
+    # waits in the second buffer, and N(0, SIGMA^2)
     assert abs(np.corrcoef(first, second)[0, 1]) < K / np.sqrt(N)
+    assert abs(np.corrcoef(z2, second)[0, 1]) < K / np.sqrt(N)
     assert abs(second.mean()) <= K * SIGMA / np.sqrt(N)
     assert abs(second.std() - SIGMA) <= K * SIGMA / np.sqrt(2 * N)
     assert np.count_nonzero(second == 0.0) == 0
-    # and the generator moved past the used buffer's words (counter discipline)
-    assert not np.array_equal(gen.state.numpy(), state_after_one_fill)
     pre.refill()
-    third = np.concatenate([t.numpy().ravel() for t in noised(*_zeros())])
+    np.testing.assert_array_equal(_flat(noised(*_zeros())), np.float32(SIGMA) * z2)
     assert pre.served == 2
-    assert abs(np.corrcoef(first, third)[0, 1]) < K / np.sqrt(N)
 
 
 def test_outside_xla_and_under_a_strategy_the_query_draws_inline():
@@ -99,7 +114,7 @@ def test_outside_xla_and_under_a_strategy_the_query_draws_inline():
 
     graph_noised(tf.zeros([N]))
     q.prefetched_noise.refill()
-    assert q.prefetched_noise.served == 0 and not q.prefetched_noise._buffers
+    assert q.prefetched_noise.served == 0 and q.prefetched_noise._vars is None
     with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
         seen = []
 
@@ -134,11 +149,11 @@ def test_fit_under_xla_reads_noise_drawn_ahead_once_per_step(tmp_path):
     y = rng.integers(0, 3, size=64)
     model, optimizer = _private_model(1)
     model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
-    prefetches = [optimizer.engine.query.prefetched_noise]
+    prefetched = optimizer.engine.query.prefetched_noise
     # 4 steps: the first call traced the step (no buffer yet, inline draw); the 3 others read
     # a buffer drawn before their call
-    assert sum(p.served for p in prefetches) == 3
-    assert optimizer.ledger.num_samples() == 4  # every step recorded
+    assert prefetched.served == 3
+    assert optimizer.ledger.num_samples == 4  # every step recorded
     # the buffer is no model or optimizer variable (never saved with the weights)
     names = [v.path if hasattr(v, "path") else v.name for v in model.variables]
     names += [v.path if hasattr(v, "path") else v.name for v in optimizer.variables]

@@ -507,23 +507,30 @@ def add_grid_noise_structure(
 
 
 class PrefetchedNoise:
-    """Standard normals drawn by the TensorFlow kernels for the next XLA-compiled step.
+    """Standard normals drawn by TensorFlow's kernels, outside XLA, for the next XLA-compiled step.
 
     XLA's CPU backend runs this sampler 3-4x more slowly than TensorFlow's own kernels (the
     Philox words and the log/cos/sin alike; ``bench/README.md``, "Noise under XLA"), and a
     ``jit_compile=True`` step cannot call those kernels. So a continuous-mode Gaussian sum query
-    traced under XLA reads its noise from a buffer that :meth:`refill` fills outside XLA between
-    compiled calls (the Keras ``fit`` loop and :meth:`tf_dp.keras.DPTrainStep.flush` do), with
-    :func:`gaussian_noise` on the query's own generator: the same sampler, the same counter
-    discipline, the same values (``stddev * z`` for standard normals ``z``; a test checks it bit
-    for bit against :func:`gaussian_noise` on a generator of the same seed).
+    traced under XLA reads ``stddev * z`` from a buffer ``current`` of standard normals, which
+    :meth:`refill` fills between compiled calls (the Keras ``fit`` loop and
+    :meth:`tf_dp.keras.DPTrainStep.flush` call it before each call).
 
-    Each buffer is used at most once: :meth:`refill` sets its ``ready`` flag, a step that reads it
-    clears it, and a step that finds it clear draws inline with the XLA sampler as before. So a
-    custom loop that never refills, a ``steps_per_execution > 1`` call (one buffer, several
-    steps) or a failed refill costs speed, never privacy. The buffer holds the next step's noise:
-    like the generator's state it is secret; it is not a model or optimizer variable and is never
-    saved. Not used under ``tf.distribute`` (the noise is drawn in the replica step there).
+    Draws. The normals come from :func:`gaussian_noise` (the same sampler, tails and counter
+    discipline) on a generator of their own, ``generator.split(1)[0]`` (a Philox key derived
+    from the query's generator, so seeded runs stay reproducible): the step's inline draws use
+    the query's generator, and the two never share a state variable. That lets :meth:`refill`
+    draw the *following* step's normals into a second buffer ``next`` in a background thread
+    while the next compiled step runs (an XLA step reads and writes back the variables it uses
+    as a whole, so the thread touches none of them). :meth:`refill` first waits for that thread,
+    then, if the step consumed ``current``, copies ``next`` into it and starts the next draw.
+
+    Each draw serves at most one step: ``ready`` is set when ``current`` is filled and cleared
+    by the step that reads it; a step that finds it clear draws inline with the XLA sampler (the
+    first call, ``steps_per_execution > 1``, a loop that does not refill). That costs speed,
+    never privacy. The buffers hold future noise: like the generator's state they are secret;
+    they are not model or optimizer variables and are never saved. Not used under
+    ``tf.distribute`` (the noise is drawn in the replica step there).
 
     Example::
 
@@ -534,16 +541,20 @@ class PrefetchedNoise:
         def noised(v):
             return pre.add_to([v], 1.1)[0]
 
-        noised(tf.zeros([4]))   # traced: creates the buffer; this step draws inline
+        noised(tf.zeros([4]))   # traced: creates the buffers; this step draws inline
         pre.refill()            # outside XLA, between compiled calls
         noised(tf.zeros([4]))   # reads the buffer (times 1.1) and clears its flag
     """
 
     def __init__(self, generator: tf.random.Generator):
         self._generator = generator
-        # total size -> (buffer, ready, served); a plain dict: nothing here is tracked or saved
-        self._buffers: dict[int, tuple] = {}
-        self._fill = None
+        self._ahead: Optional[tf.random.Generator] = None  # the buffers' own generator
+        self._size: Optional[int] = None  # the one flat size served (others draw inline)
+        self._vars: Optional[tuple] = None  # (current, ready, served, next)
+        self._next_valid = False
+        self._thread: Any = None
+        self._error: Optional[BaseException] = None
+        self._fill = self._promote = None
 
     @staticmethod
     def applies_to(values: Any) -> bool:
@@ -558,60 +569,110 @@ class PrefetchedNoise:
         )
 
     def add_to(self, values: Any, stddev: Any) -> Any:
-        """``values + stddev * z`` leaf by leaf (``z`` the buffer's normals, or drawn inline with
-        ``stddev`` folded in as :func:`add_gaussian_noise_structure` does when the buffer is not
+        """``values + stddev * z`` leaf by leaf (``z`` from ``current``, or drawn inline with
+        ``stddev`` folded in as :func:`add_gaussian_noise_structure` does when ``current`` is not
         ready). Call while tracing under XLA (:meth:`applies_to`)."""
         leaves = [tf.convert_to_tensor(v) for v in tf.nest.flatten(values)]
         sizes = [v.shape.num_elements() for v in leaves]
         n = sum(sizes)
-        if n not in self._buffers:
+        sd = tf.cast(stddev, tf.float32)
+        if self._size is None:
             with tf.init_scope():
-                self._buffers[n] = (
-                    tf.Variable(tf.zeros([n], tf.float32), trainable=False, name="noise_ahead"),
+                self._ahead = self._generator.split(1)[0]
+                zeros = tf.zeros([n], tf.float32)
+                self._vars = (
+                    tf.Variable(zeros, trainable=False, name="noise_ahead"),
                     tf.Variable(0, dtype=tf.int32, trainable=False, name="noise_ahead_ready"),
                     tf.Variable(0, dtype=tf.int64, trainable=False, name="noise_ahead_served"),
+                    tf.Variable(zeros, trainable=False, name="noise_ahead_next"),
                 )
-                self._fill = None  # the refill function covers every buffer
-        buffer, ready, served = self._buffers[n]
-        sd = tf.cast(stddev, tf.float32)
-        use = ready.read_value() > 0
-        flat = tf.cond(
-            use,
-            lambda: buffer.read_value() * sd,
-            lambda: gaussian_noise(self._generator, n, tf.float32, sd),
-        )
-        with tf.control_dependencies([flat]):
-            ops = [ready.assign(0), served.assign_add(tf.cast(use, tf.int64))]
-        with tf.control_dependencies(ops):
-            flat = tf.identity(flat)
+                self._size = n
+        if n != self._size:  # another shape than the one served: inline
+            flat = gaussian_noise(self._generator, n, tf.float32, sd)
+        else:
+            current, ready, served, _ = self._vars
+            use = ready.read_value() > 0
+            flat = tf.cond(
+                use,
+                lambda: current.read_value() * sd,
+                lambda: gaussian_noise(self._generator, n, tf.float32, sd),
+            )
+            with tf.control_dependencies([flat]):
+                ops = [ready.assign(0), served.assign_add(tf.cast(use, tf.int64))]
+            with tf.control_dependencies(ops):
+                flat = tf.identity(flat)
         parts = tf.split(flat, sizes) if len(sizes) > 1 else [flat]
         out = [v + tf.cast(tf.reshape(z, v.shape), v.dtype) for v, z in zip(leaves, parts)]
         return tf.nest.pack_sequence_as(values, out)
 
-    def refill(self) -> None:
-        """Draws fresh standard normals into every buffer a step has used (eager; not under
-        XLA). A buffer still ready keeps its values: nothing is drawn twice for one step."""
-        if not self._buffers:
+    def _functions(self) -> None:
+        current, ready, _, nxt = self._vars
+        ahead, n = self._ahead, self._size
+
+        @tf.function(jit_compile=False, autograph=False)
+        def fill():
+            nxt.assign(gaussian_noise(ahead, n))
+
+        @tf.function(jit_compile=False, autograph=False)
+        def promote():
+            def copy():
+                with tf.control_dependencies([current.assign(nxt.read_value())]):
+                    with tf.control_dependencies([ready.assign(1)]):
+                        return tf.constant(True)
+
+            return tf.cond(ready.read_value() > 0, lambda: tf.constant(False), copy)
+
+        self._fill, self._promote = fill, promote
+
+    def _wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+            self._next_valid = True
+
+    def _draw_next_in_background(self) -> None:
+        import threading
+
+        def run():
+            try:
+                self._fill()
+            except BaseException as e:  # re-raised by the next refill
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="tf_dp_noise_ahead", daemon=True)
+        self._thread.start()
+
+    def refill(self, background: bool = True) -> None:
+        """Makes ``current`` ready for the next compiled step (eager, between compiled calls).
+
+        Waits for the background draw of ``next`` (or draws it), copies it into ``current`` if
+        the last step consumed ``current``, and then draws a new ``next`` in a background thread
+        (``background=False``: at once). A ``current`` still ready is kept: nothing is drawn
+        twice for one step. A no-op until a step was traced under XLA."""
+        if self._size is None:
             return
         if self._fill is None:
-            buffers = list(self._buffers.values())
-            generator = self._generator
+            self._functions()
+        self._wait()
+        if not self._next_valid:
+            self._fill()
+            self._next_valid = True
+        if bool(self._promote()):
+            self._next_valid = False
+            if background:
+                self._draw_next_in_background()
+            else:
+                self._fill()
+                self._next_valid = True
 
-            @tf.function(jit_compile=False, autograph=False)
-            def fill():
-                for buffer, ready, _ in buffers:
-                    n = int(buffer.shape[0])
-
-                    def draw(buffer=buffer, ready=ready, n=n):
-                        with tf.control_dependencies([buffer.assign(gaussian_noise(generator, n))]):
-                            return ready.assign(1)
-
-                    tf.cond(ready.read_value() > 0, lambda ready=ready: ready.read_value(), draw)
-
-            self._fill = fill
-        self._fill()
+    def wait(self) -> None:
+        """Waits for a background draw (e.g. before reading the generators' states)."""
+        self._wait()
 
     @property
     def served(self) -> int:
         """How many steps have read a prefetched buffer (eager)."""
-        return sum(int(s.numpy()) for _, _, s in self._buffers.values())
+        return 0 if self._vars is None else int(self._vars[2].numpy())
