@@ -18,6 +18,7 @@ MODULES = (
     "tf_dp.accounting.rdp",
     "tf_dp.correlated.noise_tf",
     "tf_dp.data.balls_in_bins",
+    "tf_dp.data.cyclic_poisson",
     "tf_dp.data.poisson",
     "tf_dp.data.sampling",
     "tf_dp.data.truncated_poisson",

@@ -397,6 +397,11 @@ def _assumptions(accountant: str, policies: set, has_jl: bool, extra: str = "") 
     if "poisson" in policies:
         parts.append("Poisson sampling with the recorded rate q (amplification by subsampling "
                      "applied)")
+    if "cyclic_poisson" in policies:
+        parts.append("cyclic Poisson sampling (the records in b fixed parts, each step a Poisson "
+                     "sample at the recorded rate q of one part): each step charged as Poisson "
+                     "sampling of the whole data set at rate q (an upper bound: a record can take "
+                     "part in one step of b only)")
     if "truncated_poisson" in policies:
         parts.append("truncated Poisson sampling (rate q, at most B records kept, as recorded): "
                      "each step charged as a mixture, with public index, of the subsampled "

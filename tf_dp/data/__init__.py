@@ -11,6 +11,8 @@
   ``B`` and the accountants charge the truncation).
 - :func:`balls_in_bins_batches`: every pass throws each example into one of ``T`` batches at
   random (each example once per pass; the ledger records ``balls_in_bins``).
+- :func:`cyclic_poisson_batches`: the data split into ``b`` parts, step ``t`` a Poisson sample of
+  part ``t mod b`` (participations ``b`` steps apart; the ledger records ``cyclic_poisson``).
 - :func:`shuffled_passes`: fixed-size batches of full passes of a sequential ``tf.data`` pipeline
   (the ledger records ``shuffle``: no amplification assumed).
 - :class:`Sampling`: the sampling claim every sampler hands over (population, rate, policy,
@@ -27,6 +29,7 @@ Example::
 
 from tf_dp.data.arrayrecord import ArrayRecordSource
 from tf_dp.data.balls_in_bins import BallsInBinsBatches, balls_in_bins_batches
+from tf_dp.data.cyclic_poisson import CyclicPoissonBatches, cyclic_poisson_batches
 from tf_dp.data.datasets import (
     DEBIAN_FASHION_MNIST_DIR,
     DataNotFoundError,
@@ -71,6 +74,8 @@ __all__ = [
     "TruncatedPoissonBatches",
     "UserIndex",
     "balls_in_bins_batches",
+    "cyclic_poisson_batches",
+    "CyclicPoissonBatches",
     "balls_in_bins_sample",
     "default_max_batch_size",
     "default_truncation_size",

@@ -32,7 +32,9 @@ from typing import Optional
 #: :func:`tf_dp.data.truncated_poisson_batches`) or ``balls_in_bins`` (every pass throws each unit
 #: into one of ``round(1 / q)`` batches uniformly at random,
 #: :func:`tf_dp.data.balls_in_bins_batches`).
-POLICIES = ("poisson", "shuffle", "truncated_poisson", "balls_in_bins")
+#: ``cyclic_poisson``: the units split into ``num_parts`` fixed parts, step ``t`` a Poisson sample
+#: (rate ``q``) of part ``t mod num_parts`` (:func:`tf_dp.data.cyclic_poisson_batches`).
+POLICIES = ("poisson", "shuffle", "truncated_poisson", "balls_in_bins", "cyclic_poisson")
 #: Who performed the sampling: ``sampled`` (a tf_dp sampler drew the batches) or ``declared``
 #: (the user said so; tf_dp records the claim without being able to check it).
 ORIGINS = ("sampled", "declared")
@@ -57,6 +59,8 @@ class Sampling:
         (required with ``unit="user"``, None with ``unit="example"``).
       max_batch_size: ``B`` >= 1, the most units a ``truncated_poisson`` batch keeps (required
         with that policy, None with the others).
+      num_parts: ``b`` >= 1, the parts of ``cyclic_poisson`` (required with that policy, None with
+        the others); ``q`` is then the rate within the part drawn from.
     """
 
     population_size: int
@@ -66,6 +70,7 @@ class Sampling:
     unit: str = "example"
     records_per_unit: Optional[int] = None
     max_batch_size: Optional[int] = None
+    num_parts: Optional[int] = None
 
     def __post_init__(self):
         n = self.population_size
@@ -103,10 +108,22 @@ class Sampling:
             raise ValueError(
                 f"max_batch_size must be None unless policy='truncated_poisson', got {b!r}"
             )
+        parts = self.num_parts
+        if self.policy == "cyclic_poisson":
+            if isinstance(parts, bool) or not isinstance(parts, int) or not 1 <= parts <= n:
+                raise ValueError(
+                    "num_parts must be an integer in [1, population_size] with "
+                    f"policy='cyclic_poisson', got {parts!r}"
+                )
+        elif parts is not None:
+            raise ValueError(f"num_parts must be None unless policy='cyclic_poisson', got {parts!r}")
 
     @property
     def expected_batch_size(self) -> float:
-        """``q * n``: the expected number of units per batch (public)."""
+        """``q * n``: the expected number of units per batch (public); ``q * n / num_parts``
+        for ``cyclic_poisson`` (a part's share)."""
+        if self.policy == "cyclic_poisson":
+            return self.selection_probability * self.population_size / self.num_parts
         return self.selection_probability * self.population_size
 
     @property
@@ -121,6 +138,7 @@ class Sampling:
             "shuffle": "shuffled fixed-size batches",
             "truncated_poisson": f"Poisson sampling truncated at {self.max_batch_size}",
             "balls_in_bins": "balls-in-bins batches",
+            "cyclic_poisson": f"cyclic Poisson sampling of {self.num_parts} parts",
         }[self.policy]
         units = "users" if self.unit == "user" else "examples"
         extra = (

@@ -172,6 +172,8 @@ class DPEngine:
         expected = np.float32(sampling.population_size) * np.float32(
             sampling.selection_probability
         )
+        if sampling.policy == "cyclic_poisson":  # a Poisson sample of one part
+            expected = np.float32(sampling.expected_batch_size)
         self._expected_batch.assign(expected)
         # every policy but shuffle has batches of varying (private) size: divide by q * n
         self._poisson.assign(sampling.policy != "shuffle")

@@ -65,8 +65,12 @@ def without_gc(fn: _F) -> _F:
 #: (rate ``q``) cut to at most ``max_batch_size`` records by keeping a uniformly random subset
 #: (Chua et al. 2024, arXiv 2411.04205). ``balls_in_bins``: every pass assigns each record to one
 #: of ``round(1 / q)`` batches uniformly at random (Chua et al. 2025); each record is in exactly one
-#: batch per pass. Codes are the positions in this tuple: new policies are appended.
-SAMPLING_POLICIES = ("poisson", "shuffle", "truncated_poisson", "balls_in_bins")
+#: batch per pass. ``cyclic_poisson``: the records are split into ``num_parts`` fixed parts and
+#: step ``t`` draws a Poisson sample (rate ``q``) of part ``t mod num_parts`` only, so a record
+#: takes part at most once every ``num_parts`` steps (``tf_dp.data.cyclic_poisson_batches``; the
+#: b-min-separation of amplified BandMF). Codes are the positions in this tuple: new policies are
+#: appended.
+SAMPLING_POLICIES = ("poisson", "shuffle", "truncated_poisson", "balls_in_bins", "cyclic_poisson")
 
 #: Policies whose draws are grouped in passes over the data (``pass_start`` is recorded).
 PASS_POLICIES = ("shuffle", "balls_in_bins")
@@ -135,6 +139,9 @@ class SamplingEvent:
         integer >= 1 with ``unit="user"``, None with ``unit="example"``).
       max_batch_size: ``B``, the most units a ``truncated_poisson`` batch keeps (an integer >= 1;
         None for every other policy).
+      num_parts: ``b``, the parts of a ``cyclic_poisson`` draw (an integer >= 1; None for every
+        other policy); ``population_size`` is the whole data set, ``selection_probability`` the
+        rate within the part drawn from.
     """
 
     population_size: int
@@ -145,6 +152,7 @@ class SamplingEvent:
     unit: str = "example"
     records_per_unit: Optional[int] = None
     max_batch_size: Optional[int] = None
+    num_parts: Optional[int] = None
 
     def __post_init__(self):
         n = self.population_size
@@ -186,6 +194,15 @@ class SamplingEvent:
             raise ValueError(
                 f"max_batch_size must be None unless policy='truncated_poisson', got {b!r}"
             )
+        parts = self.num_parts
+        if self.policy == "cyclic_poisson":
+            if isinstance(parts, bool) or not (isinstance(parts, int) and 1 <= parts <= n):
+                raise ValueError(
+                    f"num_parts must be an integer in [1, population_size] with "
+                    f"policy='cyclic_poisson', got {_show(parts)}"
+                )
+        elif parts is not None:
+            raise ValueError(f"num_parts must be None unless policy='cyclic_poisson', got {parts!r}")
 
     def describe(self) -> str:
         """What a privacy statement says about this draw: the unit and who vouches for it (the

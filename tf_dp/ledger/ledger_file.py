@@ -172,6 +172,8 @@ def _sampling_payload(s: SamplingEvent) -> dict[str, Any]:
         out["records_per_unit"] = s.records_per_unit
     if s.max_batch_size is not None:  # truncated_poisson only
         out["max_batch_size"] = s.max_batch_size
+    if s.num_parts is not None:  # cyclic_poisson only
+        out["num_parts"] = s.num_parts
     return out
 
 
@@ -284,6 +286,7 @@ def parse_runs(runs: Any) -> tuple[list[tuple[SampleEntry, int]], int]:
                     unit=s.get("unit", "example"),
                     records_per_unit=s.get("records_per_unit"),
                     max_batch_size=s.get("max_batch_size"),
+                    num_parts=s.get("num_parts"),
                 ),
                 queries=tuple(
                     SumQueryEvent(

@@ -68,7 +68,8 @@ from tf_dp.ledger.ledger_file import (
 # Column layouts of the two buffers.
 # population_size, selection_probability, policy code, pass start (0/1), origin code (0
 # declared, 1 sampled), unit code (0 example, 1 user), records per unit (0 for examples),
-# max batch size (truncated_poisson's B; 0 for other policies). Tables with fewer columns (saved
+# max batch size (truncated_poisson's B; cyclic_poisson's number of parts; 0 for other
+# policies). Tables with fewer columns (saved
 # before a column existed) are read with zeros there: no pass start, declared, example-level.
 _SAMPLE_COLS = 8
 # sample index, l2_sensitivity, noise_stddev, mechanism code, jl_projections (jl) or tree_step
@@ -403,6 +404,7 @@ def _to_entries(samples: np.ndarray, queries: np.ndarray, first: int = 0) -> lis
                 records_per_unit=int(k) if PRIVACY_UNITS[int(unit)] == "user" else None,
                 max_batch_size=(int(b) if SAMPLING_POLICIES[int(p)] == "truncated_poisson"
                                 else None),
+                num_parts=int(b) if SAMPLING_POLICIES[int(p)] == "cyclic_poisson" else None,
             ),
             queries=tuple(qs),
         )
@@ -519,7 +521,8 @@ def _entry_rows(entries: Sequence[SampleEntry]) -> tuple[np.ndarray, np.ndarray,
             [e.sampling.population_size, e.sampling.selection_probability,
              policy_code(e.sampling.policy), float(e.sampling.pass_start),
              origin_code(e.sampling.origin), unit_code(e.sampling.unit),
-             e.sampling.records_per_unit or 0, e.sampling.max_batch_size or 0]
+             e.sampling.records_per_unit or 0,
+             e.sampling.max_batch_size or e.sampling.num_parts or 0]
             for e in entries
         ],
         np.float64,

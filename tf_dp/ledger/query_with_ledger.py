@@ -91,7 +91,7 @@ class QueryWithLedger(DPQuery):
             self._origin = ledger_variable(tf.constant(0, tf.int32))
             self._unit = ledger_variable(tf.constant(0, tf.int32))
             self._records_per_unit = ledger_variable(tf.constant(0, tf.int32))
-            # truncated_poisson's B (0 for other policies)
+            # truncated_poisson's B, cyclic_poisson's number of parts (0 for other policies)
             self._max_batch_size = ledger_variable(tf.constant(0, tf.int64))
             self._sensitivity_multiplier = ledger_variable(tf.constant(1.0, tf.float32))
             self._jl_projections = ledger_variable(tf.constant(0, tf.int32))
@@ -132,6 +132,7 @@ class QueryWithLedger(DPQuery):
         unit: str = "example",
         records_per_unit: Optional[int] = None,
         max_batch_size: Optional[int] = None,
+        num_parts: Optional[int] = None,
     ) -> None:
         """Sets the sampling recorded from the next step on (validated first, all or nothing).
 
@@ -148,6 +149,7 @@ class QueryWithLedger(DPQuery):
             sampling_policy, origin, unit = s.policy, s.origin, s.unit
             records_per_unit = s.records_per_unit
             max_batch_size = getattr(s, "max_batch_size", None)
+            num_parts = getattr(s, "num_parts", None)
         if isinstance(population_size, bool) or not isinstance(population_size, int) or (
             population_size < 1
         ):
@@ -158,14 +160,15 @@ class QueryWithLedger(DPQuery):
         code = policy_code(sampling_policy)
         # validates origin, unit and k together (ValueError naming the field)
         event = SamplingEvent(population_size, q, sampling_policy, origin=origin, unit=unit,
-                              records_per_unit=records_per_unit, max_batch_size=max_batch_size)
+                              records_per_unit=records_per_unit, max_batch_size=max_batch_size,
+                              num_parts=num_parts)
         self._population_size.assign(population_size)
         self._selection_probability.assign(q)
         self._policy.assign(code)
         self._origin.assign(origin_code(event.origin))
         self._unit.assign(unit_code(event.unit))
         self._records_per_unit.assign(event.records_per_unit or 0)
-        self._max_batch_size.assign(event.max_batch_size or 0)
+        self._max_batch_size.assign(event.max_batch_size or event.num_parts or 0)
         self.settings_version += 1
         self._declared_unit = (unit_code(event.unit), event.records_per_unit or 0)
 
@@ -333,6 +336,7 @@ class QueryWithLedger(DPQuery):
                     noise_grid=None if grid is None else float(grid),
                 )
             )
+        policy = SAMPLING_POLICIES[int(self._policy.numpy())]
         sampling = SamplingEvent(
             population_size=int(self._population_size.numpy()),
             selection_probability=float(self._selection_probability.numpy()),
@@ -342,7 +346,9 @@ class QueryWithLedger(DPQuery):
             origin=SAMPLING_ORIGINS[int(self._origin.numpy())],
             unit=PRIVACY_UNITS[int(self._unit.numpy())],
             records_per_unit=self.records_per_user,
-            max_batch_size=int(self._max_batch_size.numpy()) or None,
+            max_batch_size=(int(self._max_batch_size.numpy()) or None) if policy != "cyclic_poisson"
+            else None,
+            num_parts=int(self._max_batch_size.numpy()) if policy == "cyclic_poisson" else None,
         )
         return SampleEntry(sampling, tuple(entries))
 

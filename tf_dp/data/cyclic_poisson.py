@@ -1,0 +1,170 @@
+"""Cyclic Poisson batches: the data split into ``b`` fixed parts, each step a Poisson sample of one.
+
+Amplified banded matrix factorization (BandMF, Choquette-Choo et al. 2023) needs every record's
+participations to be at least ``b`` steps apart (b-min-separation) while keeping the randomness of
+Poisson sampling. Cyclic Poisson sampling gives both: the ``n`` records are split once, at random,
+into ``b`` parts of ``floor(n / b)`` or ``ceil(n / b)`` records; step ``t`` draws a Poisson sample
+(every record independently with probability ``q``) of part ``t mod b`` only. A record can then be
+in steps ``p, p + b, p + 2b, ...`` of its part ``p`` only::
+
+    batches = tf_dp.data.cyclic_poisson_batches(x_train, y_train, num_parts=8, batch_size=256)
+    model.fit(batches, epochs=10)   # one epoch = b steps = one cycle over the parts
+
+``q = batch_size * b / n`` (each step's expected batch is ``batch_size``), or give
+``sampling_probability``. The ledger records ``cyclic_poisson`` with the whole population ``n``,
+the rate ``q`` within a part and ``num_parts = b``; the DP optimizer divides the noised sum by the
+public ``q n / b``. The split is drawn once per call (fixed for the whole run, as the analysis
+requires); a ``fit`` epoch is one cycle of ``b`` steps, starting at part 0.
+
+Privacy: DP-SGD accountants charge every step as Poisson sampling of the whole data set at rate
+``q`` (an upper bound); the matrix-factorization accountants use the separation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from tf_dp.data.poisson import (
+    DEFAULT_OVERFLOW_PROBABILITY,
+    SampledBatches,
+    _check_positive_int,
+    _check_probability,
+    default_max_batch_size,
+)
+from tf_dp.data.sampling import Sampling
+from tf_dp.data.truncated_poisson import check_arrays, gather_padded, sampler_key
+
+__all__ = ["CyclicPoissonBatches", "cyclic_poisson_batches"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CyclicPoissonBatches(SampledBatches):
+    """Cyclic Poisson batches, ready for ``model.fit`` of a private model.
+
+    Attributes:
+      dataset: a ``tf.data.Dataset`` of ``(x, y, sample_weight)`` batches, ``steps_per_epoch = b``
+        per pass (one cycle over the parts, part 0 first); every pass draws fresh samples.
+      tf_dp_sampling: ``(n, q)``: the whole population and the rate within a part.
+      steps_per_epoch: ``b``.
+      max_batch_size: the padded batch size (a larger batch is emitted whole).
+      num_parts: ``b``.
+      parts: ``[n]`` int array, the part of every record (fixed for the run).
+    """
+
+    num_parts: int = 1
+    parts: Any = None
+
+    @property
+    def sampling(self) -> Sampling:
+        n, q = int(self.tf_dp_sampling[0]), float(self.tf_dp_sampling[1])
+        return Sampling(n, q, "cyclic_poisson", origin="sampled", num_parts=self.num_parts)
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self.sampling.expected_batch_size
+
+
+def cyclic_poisson_batches(
+    x: Any,
+    y: Any = None,
+    num_parts: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    sample_weight: Any = None,
+    sampling_probability: Optional[float] = None,
+    max_batch_size: Optional[int] = None,
+    seed: Optional[int] = None,
+    overflow_probability: float = DEFAULT_OVERFLOW_PROBABILITY,
+) -> CyclicPoissonBatches:
+    """Batches where step ``t`` is a Poisson sample of part ``t mod num_parts`` of the data.
+
+    Args:
+      x: inputs, an array or a nested structure (dict, tuple) of arrays with ``n`` rows each.
+      y: targets, ``n`` rows; required (padding is masked through the sample weight).
+      num_parts: ``b`` in [1, n], the parts (the band of a BandMF strategy, for its
+        amplification); ``b = 1`` is plain Poisson sampling.
+      batch_size: the expected batch size; ``q = batch_size * b / n`` (at most 1). Give this or
+        ``sampling_probability``.
+      sample_weight: optional per-example weights ``[n]``; padding rows get weight 0.
+      sampling_probability: ``q`` in (0, 1], the rate within the part of the step.
+      max_batch_size: padded batch size; default: the ``1 - overflow_probability`` quantile of
+        ``Binomial(ceil(n / b), q)``. A larger batch is emitted whole (never truncated).
+      seed: fixes the split and the sampling. Tests and debugging only (default: OS entropy).
+      overflow_probability: per-step probability that the default ``max_batch_size`` is exceeded.
+
+    Returns:
+      A :class:`CyclicPoissonBatches`; pass it to a private model's ``fit``.
+
+    Example:
+
+    >>> import numpy as np, tf_dp
+    >>> x, y = np.arange(100, dtype=np.float32)[:, None], np.zeros(100, np.int32)
+    >>> batches = tf_dp.data.cyclic_poisson_batches(x, y, num_parts=4, batch_size=5, seed=0)
+    >>> batches.steps_per_epoch, batches.sampling.policy, batches.sampling_probability
+    (4, 'cyclic_poisson', 0.2)
+    >>> first = [xb.numpy()[w.numpy() > 0, 0].astype(int) for xb, _, w in batches.dataset]
+    >>> all(set(batches.parts[b]) <= {t} for t, b in enumerate(first))  # step t: part t only
+    True
+    """
+    x, y, sample_weight, n = check_arrays(x, y, sample_weight)
+    if num_parts is None:
+        raise ValueError("num_parts is required: an integer in [1, n] (the parts of the cycle)")
+    b = _check_positive_int("num_parts", num_parts)
+    if b > n:
+        raise ValueError(f"num_parts must be in [1, n={n}], got {b}")
+    if (batch_size is None) == (sampling_probability is None):
+        raise ValueError("give exactly one of batch_size and sampling_probability")
+    if sampling_probability is None:
+        batch_size = _check_positive_int("batch_size", batch_size)
+        if batch_size * b > n:
+            raise ValueError(
+                f"batch_size must be in [1, n / num_parts = {n / b:g}] (q = batch_size * "
+                f"num_parts / n <= 1), got {batch_size}"
+            )
+        sampling_probability = batch_size * b / n
+    q = _check_probability(sampling_probability)
+    part_size = -(-n // b)
+    if max_batch_size is None:
+        max_batch_size = default_max_batch_size(part_size, q, overflow_probability)
+    max_batch_size = _check_positive_int("max_batch_size", max_batch_size)
+    key = sampler_key(seed)
+    # the split: a uniformly random permutation dealt round-robin, parts of n // b or n // b + 1
+    order = np.random.Generator(np.random.Philox(key=key)).permutation(n)
+    parts = np.empty(n, np.int64)
+    parts[order] = np.arange(n) % b
+    x_t = tf.nest.map_structure(tf.convert_to_tensor, x)
+    y_t = tf.nest.map_structure(tf.convert_to_tensor, y)
+    sw_t = None if sample_weight is None else tf.convert_to_tensor(sample_weight)
+    parts_t = tf.constant(parts)
+    key_t = tf.constant(key, tf.int64)
+
+    def batch(step: tf.Tensor, counter: tf.Tensor):
+        u = tf.random.stateless_uniform(
+            [n], seed=tf.stack([tf.bitwise.bitwise_xor(key_t, counter), step]), dtype=tf.float64
+        )
+        chosen = tf.logical_and(tf.equal(parts_t, step), u < q)
+        idx = tf.reshape(tf.where(chosen), [-1])
+        return gather_padded(x_t, y_t, sw_t, idx, max_batch_size, fixed=False)
+
+    # One random counter per pass (a fresh one at every iteration of the dataset), repeated for
+    # the pass's b steps; enumerate() numbers the steps (the parts) 0..b-1.
+    passes = tf.data.Dataset.random(seed=key % (1 << 31), rerandomize_each_iteration=True)
+    dataset = (
+        passes.take(1)
+        .flat_map(lambda c: tf.data.Dataset.from_tensors(c).repeat(b))
+        .enumerate()
+        .map(batch)
+        .apply(tf.data.experimental.assert_cardinality(b))  # Keras restarts it every epoch
+        .prefetch(2)
+    )
+    return CyclicPoissonBatches(
+        dataset=dataset,
+        tf_dp_sampling=(n, q),
+        steps_per_epoch=b,
+        max_batch_size=max_batch_size,
+        num_parts=b,
+        parts=parts,
+    )
