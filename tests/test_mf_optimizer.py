@@ -234,3 +234,38 @@ def test_mirrored_strategy_keeps_one_noise_state_per_global_step():
     for j in range(buffers.shape[0]):
         assert np.all(np.abs(buffers[j] - w[-1 - j]) <= tol)
     assert np.max(np.abs(w)) > 0.1
+
+
+def test_dp_train_step_in_a_compiled_custom_loop_releases_sigma_c_inverse_z():
+    """The custom-loop path (DPTrainStep inside tf.function(jit_compile=True)): same mechanism."""
+    import tf_dp
+
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(3, use_bias=False, kernel_initializer="zeros"),
+            keras.layers.Dense(2, use_bias=False, kernel_initializer="zeros"),
+        ]
+    )
+    opt = DPKerasMFOptimizer(
+        learning_rate=1.0,
+        l2_norm_clip=1.0,
+        noise_multiplier=SIGMA,
+        strategy=_strategy("banded")[0],
+        noise_seed=4,
+    )
+    step = tf_dp.keras.DPTrainStep(
+        model, opt, "mse", sampling=tf_dp.engine.Sampling(N_STEPS * B, B / (N_STEPS * B), "shuffle")
+    )
+    train = tf.function(step, jit_compile=True)
+    x, y = np.zeros((B, 4), "float32"), np.zeros((B, 2), "float32")
+    seen = [[w.copy() for w in model.get_weights()]]
+    for _ in range(N_STEPS):
+        train(x, y)
+        step.flush()
+        seen.append([w.copy() for w in model.get_weights()])
+    w, flat = _released(seen)
+    c = _strategy("banded")[1]
+    want = SIGMA * np.linalg.solve(c, _draws(4, N_STEPS))
+    assert np.all(np.abs(w - want) <= _tolerance(c, want, flat))
+    assert opt.mf_step == N_STEPS and len(opt.ledger.samples()) == N_STEPS
