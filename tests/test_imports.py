@@ -31,7 +31,7 @@ ALLOWED = {
     "cli": {"dp_query", "ledger", "accounting", "data", "auditing"},
 }
 #: the top-level modules every subpackage may use (leaves: they import no other tf_dp module)
-LEAVES = {"tf_dp._backend", "tf_dp._compat"}
+LEAVES = {"tf_dp._backend", "tf_dp._compat", "tf_dp._progress"}
 
 
 def _name(path: pathlib.Path) -> str:

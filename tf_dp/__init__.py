@@ -11,6 +11,9 @@ loading TensorFlow):
 - Ledger (``tf_dp.ledger``): ``PrivacyLedger``, ``QueryWithLedger``.
 - Keras (``tf_dp.keras``): DP optimizers and models.
 - Accounting (``tf_dp.accounting``).
+- ``set_progress(False)``: no progress lines on stderr from tf_dp's long work (tracing a big
+  model's first DP step, calibrating noise, long ledger analyses, audits); also
+  ``TF_DP_PROGRESS=0``.
 
 The Keras side (``tf_dp.keras``, ``tf_dp.gradients``) needs Keras's TensorFlow backend and raises
 ``ImportError`` under any other ``KERAS_BACKEND`` (jax, torch, numpy, ...); the accountants, the
@@ -25,6 +28,7 @@ Example:
 """
 
 from tf_dp._backend import require_tensorflow_backend as _require_tensorflow_backend  # noqa: F401
+from tf_dp._progress import set_progress as set_progress  # public: tf_dp.set_progress
 
 __version__ = "0.1.0"
 
@@ -108,4 +112,4 @@ def __dir__():
     return sorted(list(globals()) + list(_EXPORTS) + list(_SUBMODULES))
 
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "set_progress"])

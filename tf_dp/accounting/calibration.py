@@ -20,6 +20,7 @@ from typing import Optional
 
 from scipy import optimize
 
+from tf_dp._progress import working
 from tf_dp.accounting.ledger_analysis import ACCOUNTANTS, dp_sgd_epsilon
 
 __all__ = ["calibrate_noise_multiplier", "MAX_NOISE_MULTIPLIER"]
@@ -63,45 +64,48 @@ def calibrate_noise_multiplier(
     if not (0 < rtol < 1):
         raise ValueError(f"rtol must be in (0, 1), got {rtol!r}")
 
-    def eps(sigma: float) -> float:
-        return dp_sgd_epsilon(n, batch_size, sigma, delta, steps=steps, epochs=epochs,
-                              accountant=accountant, sampling=sampling,
-                              microbatch_size=microbatch_size,
-                              jl_projections=jl_projections,
-                              max_batch_size=max_batch_size).epsilon
+    # a pld calibration can take minutes: progress lines past 5 s (tf_dp.set_progress)
+    with working(f"calibrating the noise multiplier for epsilon <= {target_epsilon:g} "
+                 f"({accountant} accountant)"):
+        def eps(sigma: float) -> float:
+            return dp_sgd_epsilon(n, batch_size, sigma, delta, steps=steps, epochs=epochs,
+                                  accountant=accountant, sampling=sampling,
+                                  microbatch_size=microbatch_size,
+                                  jl_projections=jl_projections,
+                                  max_batch_size=max_batch_size).epsilon
 
-    def log_gap(sigma: float) -> float:
-        e = eps(sigma)
-        return math.log(e / target_epsilon) if 0 < e < math.inf else (50.0 if e else -50.0)
+        def log_gap(sigma: float) -> float:
+            e = eps(sigma)
+            return math.log(e / target_epsilon) if 0 < e < math.inf else (50.0 if e else -50.0)
 
-    # Bracket: start from the fast RDP answer for slow accountants (pld is tighter, so its
-    # multiplier is at most RDP's; the brackets are verified anyway).
-    hi = 1.0
-    if accountant == "pld" and jl_projections is None:
-        try:
-            hi = calibrate_noise_multiplier(
-                target_epsilon, delta, n, batch_size, epochs=epochs, steps=steps,
-                accountant="rdp", sampling=sampling, microbatch_size=microbatch_size, rtol=rtol,
-                max_batch_size=max_batch_size)
-        except ValueError:
-            # RDP cannot reach the target; pld may (it is tighter). Bracket from the top, so a
-            # target out of reach is reported by the pld check below, under its own name.
-            hi = MAX_NOISE_MULTIPLIER
-    while eps(hi) > target_epsilon:
-        if hi >= MAX_NOISE_MULTIPLIER:
-            raise ValueError(
-                f"target epsilon {target_epsilon} at delta {delta} is unreachable with the "
-                f"{accountant!r} accountant: even noise_multiplier={MAX_NOISE_MULTIPLIER:g} gives "
-                f"epsilon={eps(hi):.4g}"
-            )
-        hi = min(hi * 2.0, MAX_NOISE_MULTIPLIER)
-    lo = hi / (1.5 if accountant == "pld" else 2.0)
-    while eps(lo) <= target_epsilon:
-        hi = lo
-        lo /= 2.0
-        if lo < 1e-3:
-            return hi
-    root = optimize.brentq(log_gap, lo, hi, xtol=rtol * lo / 4.0)
-    # Return a value on the safe side of the root, checked.
-    candidate = min(hi, root * (1.0 + rtol / 2.0))
-    return candidate if eps(candidate) <= target_epsilon else hi
+        # Bracket: start from the fast RDP answer for slow accountants (pld is tighter, so its
+        # multiplier is at most RDP's; the brackets are verified anyway).
+        hi = 1.0
+        if accountant == "pld" and jl_projections is None:
+            try:
+                hi = calibrate_noise_multiplier(
+                    target_epsilon, delta, n, batch_size, epochs=epochs, steps=steps,
+                    accountant="rdp", sampling=sampling, microbatch_size=microbatch_size, rtol=rtol,
+                    max_batch_size=max_batch_size)
+            except ValueError:
+                # RDP cannot reach the target; pld may (it is tighter). Bracket from the top, so a
+                # target out of reach is reported by the pld check below, under its own name.
+                hi = MAX_NOISE_MULTIPLIER
+        while eps(hi) > target_epsilon:
+            if hi >= MAX_NOISE_MULTIPLIER:
+                raise ValueError(
+                    f"target epsilon {target_epsilon} at delta {delta} is unreachable with the "
+                    f"{accountant!r} accountant: even noise_multiplier={MAX_NOISE_MULTIPLIER:g} gives "
+                    f"epsilon={eps(hi):.4g}"
+                )
+            hi = min(hi * 2.0, MAX_NOISE_MULTIPLIER)
+        lo = hi / (1.5 if accountant == "pld" else 2.0)
+        while eps(lo) <= target_epsilon:
+            hi = lo
+            lo /= 2.0
+            if lo < 1e-3:
+                return hi
+        root = optimize.brentq(log_gap, lo, hi, xtol=rtol * lo / 4.0)
+        # Return a value on the safe side of the root, checked.
+        candidate = min(hi, root * (1.0 + rtol / 2.0))
+        return candidate if eps(candidate) <= target_epsilon else hi

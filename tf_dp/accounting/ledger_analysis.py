@@ -54,6 +54,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from tf_dp._progress import working
 from tf_dp.accounting import gdp as _gdp
 from tf_dp.accounting import jl as _jl
 from tf_dp.accounting import pld as _pld
@@ -553,8 +554,11 @@ def compute_epsilon(
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
     verified = _check_provenance(ledger)
     runs = as_runs(ledger)
-    result = _epsilon_of_runs(runs, sum(c for _, c in runs), delta, accountant, orders,
-                              discretization)
+    steps = sum(c for _, c in runs)
+    # a long ledger can take seconds to minutes: progress lines past 5 s (tf_dp.set_progress)
+    with working(f"computing epsilon of a {steps}-step ledger ({len(runs)} runs, {accountant} "
+                 "accountant)"):
+        result = _epsilon_of_runs(runs, steps, delta, accountant, orders, discretization)
     return result if verified else dataclasses.replace(result, verified=False)
 
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 import keras
 import numpy as np
 
+from tf_dp._progress import counted
 from tf_dp.accounting import compute_epsilon
 from tf_dp.accounting.ledger_analysis import PrivacyResult
 from tf_dp.auditing import _checks, gaussian, many_run, one_run, profile
@@ -544,7 +545,8 @@ def audit_dp_sgd(
     scores, included, certificates, updates, ledgers = [], [], [], [], []
     sigmas = set()
     white = threat_model in ("white_box", "white_box_gradient")
-    for _ in range(trainings):
+    # minutes of training: progress lines past 5 s (tf_dp.set_progress)
+    for _ in counted(range(trainings), f"audit_dp_sgd: training {trainings} models"):
         inc = draw_inclusion(m, rng)
         optimizer = optimizer_fn()
         from tf_dp.keras.optimizers import DPOptimizerMixin

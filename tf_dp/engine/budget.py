@@ -181,6 +181,25 @@ def engine_and_step(source: Any, step: Optional[int] = None) -> tuple[Any, Calla
     return source, lambda: step
 
 
+def _prediction_key(engine, recorded: int) -> Any:
+    """What the next entry of ``engine`` depends on, when it is a plain Gaussian engine without
+    schedules (else None): the recorder's settings version (a sampling declared, a pass started,
+    the mechanism set), the gradient clipper (JL or exact), whether the ledger is empty (the
+    first step marks a pass start; a microbatched run's first step is predicted at sensitivity
+    2) and the values of the query's global state (clip and noise: numbers, constant for this
+    query; read as they are, so a state held in variables is read too)."""
+    from tf_dp.dp_query.gaussian_query import GaussianSumQuery
+
+    if engine.has_schedules or type(engine.query) is not GaussianSumQuery:
+        return None
+    try:
+        state = tuple(float(v) for v in engine.global_state)
+    except (TypeError, ValueError):  # not scalar leaves: predict every time
+        return None
+    return (id(engine), engine.recorder.settings_version, id(engine.clipper), recorded == 0,
+            state)
+
+
 def _steps_differ_since(runs: Sequence[tuple[SampleEntry, int]], start: int, kind) -> bool:
     """Whether the runs hold fewer than ``start`` steps or a step from ``start`` on is not
     ``kind`` (in O(runs))."""
@@ -438,6 +457,7 @@ class BudgetPlanner:
         # that optimizer step on, were checked to fit (_verify_window)
         self._verified: tuple[int, int, list] = (0, 0, [])
         self._step_now = 0  # the step at the last _predicted call
+        self._kind_cache: tuple[Any, Optional[SampleEntry]] = (None, None)  # _next_kind's
         self._started = None
 
     def start(self, source: Any, step: Optional[int] = None) -> None:
@@ -506,10 +526,10 @@ class BudgetPlanner:
             fits = self._next_call_fits_schedule(engine, step_of(), steps)
             if fits is not None:
                 return fits
-        kind = self._next_kind(engine, step_of)
+        n = engine.ledger.num_samples
+        kind = self._next_kind(engine, step_of, n)
         if kind is None:
             return True
-        n = engine.ledger.num_samples
         if kind != self._plan_kind or n < self._plan_base:
             self._plan(engine, kind)
         return self._plan_headroom - (n - self._plan_base) >= steps
@@ -536,7 +556,7 @@ class BudgetPlanner:
         window even when the last pass ended mid-window, which a plan that continues the current
         pass would not see."""
         engine, step_of = engine_and_step(source, step)
-        kind = predicted_next_entry(engine, step_of())
+        kind = self._predict(engine, step_of, engine.ledger.num_samples)
         if kind is None or kind.sampling.policy != "shuffle" or kind.sampling.pass_start:
             return True
         upcoming = [kind] * steps
@@ -553,8 +573,22 @@ class BudgetPlanner:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _next_kind(self, engine, step_of) -> Optional[SampleEntry]:
+    def _predict(self, engine, step_of, recorded: int) -> Optional[SampleEntry]:
+        """:func:`predicted_next_entry`, remembered while :func:`_prediction_key` is unchanged."""
+        key = _prediction_key(engine, recorded)
+        if key is not None and self._kind_cache[0] == key:
+            return self._kind_cache[1]
         kind = predicted_next_entry(engine, step_of())
+        # a pass start is recorded by one step only: not remembered
+        if key is not None and kind is not None and not kind.sampling.pass_start:
+            self._kind_cache = (key, kind)
+        return kind
+
+    def _next_kind(self, engine, step_of, recorded: int) -> Optional[SampleEntry]:
+        """The entry the next step will record. For a plain Gaussian engine without schedules
+        it is remembered, with what it depends on (:func:`_prediction_key`: a few cheap reads
+        instead of a prediction's dozen), and predicted again only when one of those changed."""
+        kind = self._predict(engine, step_of, recorded)
         if kind is None:
             entries = engine.ledger.runs()
             if not entries:

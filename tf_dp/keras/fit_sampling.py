@@ -19,6 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_dp._progress import working
 from tf_dp.data.poisson import pad_to_multiple
 from tf_dp.engine import Sampling
 from tf_dp.keras import batch_mixing, multi_worker
@@ -415,12 +416,19 @@ def private_train_function(model: keras.Model) -> None:
         return
     steps = int(getattr(model, "steps_per_execution", 1) or 1)
     optimizer.engine.reserve(steps)
+    first = [True]  # the first call traces (and compiles) the DP step: a big model takes minutes
 
     def train_function(*a, **k):
         optimizer.check_dp_schedules(steps)  # bad schedule values fail before the call runs
         optimizer.engine.prefetch_noise()  # XLA steps: noise drawn outside XLA (no-op else)
         try:
-            out = fn(*a, **k)
+            if first[0]:
+                first[0] = False
+                with working(f"tracing and compiling the first DP step of {model.name!r} "
+                             f"({len(model.trainable_variables)} trainable variables)"):
+                    out = fn(*a, **k)
+            else:
+                out = fn(*a, **k)
         except tf.errors.InvalidArgumentError as e:
             # a run-time clip or noise check of the query (nothing was recorded or applied)
             found = re.search(r"sum query \d+: [^\n]*?must be a finite number >= 0", e.message)
