@@ -1,7 +1,8 @@
 """What tf_dp's four Keras callbacks cost per training step, and the ledger journal's share.
 
 For each set of callbacks (none, each of ``PrivacyReport``, ``PrivacyBudget``,
-``BackupAndRestore``, ``LedgerCheckpoint`` alone, and all four), a model of its own trains in
+``BackupAndRestore``, ``LedgerCheckpoint`` alone, all four, and Keras's own
+``keras.callbacks.BackupAndRestore`` for comparison), a model of its own trains in
 ``rounds`` rounds, the sets interleaved within each round (the bench/ protocol: same process,
 medians, the spread beside them). Measured per round:
 
@@ -43,7 +44,7 @@ import tensorflow as tf  # noqa: E402
 import tf_dp  # noqa: E402
 from tf_dp.keras import callbacks as dp_callbacks  # noqa: E402
 
-SETS = ("none", "report", "budget", "backup", "checkpoint", "all")
+SETS = ("none", "report", "budget", "backup", "checkpoint", "all", "keras_backup")
 BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end")
 EPOCH_HOOKS = ("on_epoch_begin", "on_epoch_end")
 
@@ -53,6 +54,8 @@ def _callbacks(name: str, workdir: str) -> list:
         "report": lambda: dp_callbacks.PrivacyReport(delta=1e-5),
         "budget": lambda: dp_callbacks.PrivacyBudget(1e9, 1e-5, verbose=False),
         "backup": lambda: dp_callbacks.BackupAndRestore(os.path.join(workdir, "backup")),
+        # Keras's own BackupAndRestore: what tf_dp's adds to it is the difference
+        "keras_backup": lambda: keras.callbacks.BackupAndRestore(os.path.join(workdir, "kb")),
         "checkpoint": lambda: dp_callbacks.LedgerCheckpoint(
             os.path.join(workdir, "ckpt", "ledger-{epoch:03d}.json"), overwrite=True),
     }

@@ -225,4 +225,3 @@ def test_bad_arguments_name_the_argument_and_the_range(digits):
         BudgetPlanner(1.0, 1.0)
     with pytest.raises(ValueError, match="accountant must be one of"):
         BudgetPlanner(1.0, 1e-5, accountant="nope")
-

@@ -360,3 +360,32 @@ def test_the_composed_curve_reads_new_steps_also_when_it_cannot_compose_them():
     assert curve.steps == 5 and curve.take_unseen() == [(3, [(other, 2)])]
     curve.update(ledger)  # nothing new
     assert curve.take_unseen() == []
+
+
+def test_a_fixed_clip_budget_predicts_the_next_step_once_per_kind_not_per_batch(monkeypatch):
+    # With a fixed clip and noise, the next step's entry is predicted when what it depends on
+    # changes (the first step's pass start, a sampling declared at each fit, the clipper
+    # resolved), not at every batch: a batch's check is a read of the ledger's step count.
+    calls = [0]
+    original = query_with_ledger.QueryWithLedger.next_sample_entry
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    model = _model(1.0)
+    budget = dpcb.PrivacyBudget(target_epsilon=1e6, delta=1e-5, verbose=False)
+    model.fit(_batches(steps_per_epoch=5), epochs=1, verbose=0, callbacks=[budget])
+    monkeypatch.setattr(query_with_ledger.QueryWithLedger, "next_sample_entry", counted)
+    model.fit(_batches(steps_per_epoch=100), epochs=3, verbose=0, callbacks=[budget])
+    assert model.optimizer.ledger.num_samples == 305 and not budget.stopped
+    # on_train_begin's checks and a few changes of key; the old code made 2 per batch (600+)
+    assert calls[0] <= 10
+    # and the stop is still where the accountant says (a budget close to the ledger's epsilon)
+    runs = model.optimizer.ledger.runs()
+    target = _epsilon([*runs, (runs[-1][0], 40)]) * (1 + 1e-9)
+    near = dpcb.PrivacyBudget(target_epsilon=target, delta=1e-5, verbose=False)
+    model.fit(_batches(steps_per_epoch=100), epochs=1, verbose=0, callbacks=[near])
+    runs = model.optimizer.ledger.runs()
+    assert near.stopped and model.optimizer.ledger.num_samples == 345
+    assert _epsilon(runs) <= target < _epsilon([*runs, (model.optimizer.next_sample_entry(), 1)])
