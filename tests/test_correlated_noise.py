@@ -78,6 +78,7 @@ def test_banded_recurrence_is_the_solve_of_c(b):
     for t in range(n):
         w, buf = banded_noise_step(tf.constant(coef_of(c, b)[t]), buf, tf.constant(z[t]))
         got.append(w.numpy())
+    assert buf.shape == (b - 1, d)  # fixed-shape state (variables hold it between steps)
     want = np.linalg.solve(c, z)
     assert np.all(np.abs(np.array(got) - want) <= solve_tolerance(c, want, "float64", b + 1))
     if b == 1:  # DP-SGD: w = z / c_tt

@@ -108,6 +108,16 @@ def _along(vector: tf.Tensor, rank: int) -> tf.Tensor:
     return tf.reshape(vector, [-1] + [1] * (rank - 1))
 
 
+def _weighted_sum(weights: tf.Tensor, buffers: tf.Tensor) -> tf.Tensor:
+    """``sum_j weights[j] * buffers[j]`` ([k] and [k, *shape]) as one matrix-vector product (no
+    [k, *shape] temporary)."""
+    if buffers.shape[0] == 0:  # b = 1: no past noise
+        return tf.zeros(tf.shape(buffers)[1:], buffers.dtype)
+    flat = tf.reshape(buffers, [tf.shape(buffers)[0], -1])
+    out = tf.linalg.matvec(flat, tf.cast(weights, buffers.dtype), transpose_a=True)
+    return tf.reshape(out, tf.shape(buffers)[1:])
+
+
 def banded_noise_step(coef_row: Any, buffers: Any, z: Any):
     """One step of the banded recurrence: returns ``(w_t, new_buffers)``.
 
@@ -119,11 +129,11 @@ def banded_noise_step(coef_row: Any, buffers: Any, z: Any):
     """
     z = tf.convert_to_tensor(z)
     coef_row = tf.cast(coef_row, z.dtype)
-    rank = buffers.shape.rank
-    past = tf.reduce_sum(_along(coef_row[1:], rank) * buffers, axis=0)
+    past = _weighted_sum(coef_row[1:], buffers)
     w = (z - past) / coef_row[0]
-    new = tf.concat([w[tf.newaxis], buffers[:-1]], axis=0)
-    return w, new
+    if buffers.shape[0] == 0:
+        return w, buffers
+    return w, tf.concat([w[tf.newaxis], buffers[:-1]], axis=0)
 
 
 def blt_noise_step(omega: Any, theta: Any, buffers: Any, z: Any):
@@ -133,10 +143,8 @@ def blt_noise_step(omega: Any, theta: Any, buffers: Any, z: Any):
     ``[d, *shape]``, the ``s_i``; ``omega``, ``theta`` are ``[d]``).
     """
     z = tf.convert_to_tensor(z)
-    rank = buffers.shape.rank
-    omega = _along(tf.cast(omega, z.dtype), rank)
-    theta = _along(tf.cast(theta, z.dtype), rank)
-    w = z + tf.reduce_sum(omega * buffers, axis=0)
+    w = z + _weighted_sum(tf.cast(omega, z.dtype), buffers)
+    theta = _along(tf.cast(theta, z.dtype), buffers.shape.rank)
     return w, theta * buffers + z[tf.newaxis]
 
 
