@@ -30,7 +30,13 @@ the function ``fit`` calls once per step -- on an iterator over the same batch, 
 step's result each time. Modes are interleaved in rounds (a few steps of each mode per round) so
 that load from other processes on the machine hits every mode alike. Reported: the median step
 time, its ratio to ``nonprivate``'s median, and the peak memory (measured in a fresh subprocess
-per mode unless ``--memory none``/``inprocess``).
+per mode unless ``--memory none``/``inprocess``); beside them the 10th-90th percentile of the
+step times, ``nonprivate``'s absolute median, the spread of the per-round ratios (each round's
+median over ``nonprivate``'s median in that round) and a line naming the CPU model, its flags,
+the load average and the TensorFlow build. ``--compare`` interleaves the modes every 2 steps
+(more, shorter rounds) for comparing modes on a loaded machine::
+
+    python -m bench.step_time --model mlp --modes nonprivate,auto --memory none --compare
 """
 
 from __future__ import annotations
@@ -258,6 +264,70 @@ def time_modes(
     return times
 
 
+# -- machine ---------------------------------------------------------------------------------------
+
+#: CPU flags that decide how fast TensorFlow's kernels are (oneDNN picks its code by them).
+KEY_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile",
+             "amx_bf16", "amx_int8")
+
+
+def machine() -> dict[str, Any]:
+    """The CPU model, its count and speed-relevant flags, the load average and the TensorFlow
+    build: what a step time depends on besides the code (``/proc/cpuinfo``; ``"unknown"``
+    elsewhere)."""
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default (on for x86)")
+    return {
+        "cpu": model,
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "flags": [f for f in KEY_FLAGS if f in flags],
+        "load_average": load,
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "onednn": onednn,
+    }
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, 10th and 90th percentiles and extremes of ``values`` (nearest-rank)."""
+    v = sorted(values)
+
+    def pct(p: float) -> float:
+        return v[min(len(v) - 1, max(0, int(round(p * (len(v) - 1)))))]
+
+    return {"median": statistics.median(v), "p10": pct(0.1), "p90": pct(0.9), "min": v[0],
+            "max": v[-1]}
+
+
+def paired_ratios(times: dict[str, list[float]], steps: int) -> dict[str, list[float]]:
+    """Per round, each mode's median step over ``nonprivate``'s median step of the same round:
+    the ratios of steps run minutes apart do not mix the machine's load of different moments."""
+    base = times["nonprivate"]
+    rounds = len(base) // steps
+    out: dict[str, list[float]] = {}
+    for mode, t in times.items():
+        out[mode] = [
+            statistics.median(t[r * steps:(r + 1) * steps])
+            / statistics.median(base[r * steps:(r + 1) * steps])
+            for r in range(rounds)
+        ]
+    return out
+
+
 # -- memory ----------------------------------------------------------------------------------------
 
 
@@ -360,6 +430,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.model, args.batch_size, modes, args.warmup, args.steps, args.rounds, flushes
     )
     medians = {m: statistics.median(t) * 1000.0 for m, t in times.items()}
+    rounds = paired_ratios(times, args.steps)
     flush_ms = {m: statistics.median(t) * 1000.0 for m, t in flushes.items() if t}
     memory: dict[str, Optional[float]] = {}
     if args.memory == "subprocess":
@@ -383,10 +454,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "strategy": "mirrored" if SETTINGS["strategy"] is not None else "none",
         "steps_timed": args.steps * args.rounds,
         "memory_method": args.memory,
+        "machine": machine(),
         "modes": {
             m: {
                 "ms_per_step": round(medians[m], 3),
+                "ms_p10_p90": [round(1000.0 * spread(times[m])[k], 3) for k in ("p10", "p90")],
+                "nonprivate_ms": round(medians["nonprivate"], 3),
                 "ratio": round(medians[m] / medians["nonprivate"], 3),
+                "ratio_by_round": [round(r, 3) for r in rounds[m]],
+                "ratio_round_spread": {k: round(v, 3) for k, v in spread(rounds[m]).items()},
                 "peak_mem_mb": None if memory.get(m) is None else round(memory[m], 1),
                 "flush_ms": None if m not in flush_ms else round(flush_ms[m], 4),
             }
@@ -397,19 +473,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def format_text(result: dict[str, Any]) -> str:
+    mach = result["machine"]
     lines = [
         f"model={result['model']} batch_size={result['batch_size']} "
         f"jit_compile={result['jit_compile']} strategy={result['strategy']} "
         f"(median of {result['steps_timed']} steps per mode, same process; "
         f"memory: {result['memory_method']})",
-        f"{'mode':<22}{'ms/step':>10}{'ratio':>9}{'peak MB':>10}{'flush ms':>10}",
+        f"cpu: {mach['cpu']} x{mach['cpus']} [{' '.join(mach['flags'])}] load "
+        f"{mach['load_average']} TF {mach['tensorflow']} Keras {mach['keras']} "
+        f"oneDNN {mach['onednn']}",
+        f"{'mode':<22}{'ms/step':>9}{'p10-p90 ms':>14}{'ratio':>8}"
+        f"{'round ratios p10-p90':>23}{'peak MB':>9}{'flush ms':>10}",
     ]
     for mode, r in result["modes"].items():
         mem = "-" if r["peak_mem_mb"] is None else f"{r['peak_mem_mb']:.0f}"
         flush = "-" if r.get("flush_ms") is None else f"{r['flush_ms']:.3f}"
+        lo, hi = r["ms_p10_p90"]
+        ms_range = f"{lo:.1f}-{hi:.1f}"
+        rs = r["ratio_round_spread"]
+        ratio_range = f"{rs['p10']:.2f}-{rs['p90']:.2f}x"
         lines.append(
-            f"{mode:<22}{r['ms_per_step']:>10.1f}{r['ratio']:>8.2f}x{mem:>10}{flush:>10}"
+            f"{mode:<22}{r['ms_per_step']:>9.2f}{ms_range:>14}{r['ratio']:>7.2f}x"
+            f"{ratio_range:>23}{mem:>9}{flush:>10}"
         )
+    np_ms = result["modes"]["nonprivate"]["ms_per_step"]
+    lines.append(f"(ratio = median step / nonprivate's median step, {np_ms:.2f} ms; round ratios: "
+                 "per round, median step / nonprivate's median step in that round)")
     return "\n".join(lines)
 
 
@@ -428,6 +517,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         default="subprocess",
         help="peak memory: a fresh process per mode (default), in this process, or skip",
     )
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="interleave the modes every 2 steps (rounds x steps / 2 rounds) and report each "
+        "mode's spread of per-round ratios: for comparing modes on a loaded machine",
+    )
     p.add_argument("--jit_compile", action="store_true", help="compile every model with XLA")
     p.add_argument(
         "--strategy",
@@ -444,6 +539,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         args.batch_size = DEFAULT_BATCH[args.model]
     if args.batch_size < 1:
         p.error("--batch_size must be >= 1")
+    if args.steps < 1 or args.rounds < 1:
+        p.error("--steps and --rounds must be >= 1")
+    if args.compare:  # finer interleaving, same number of timed steps
+        args.rounds, args.steps = max(3, args.rounds * args.steps // 2), 2
     if args._probe_memory:
         print(f"PEAK_MEM_MB {probe_memory(args.model, args.batch_size, args._probe_memory):.1f}")
         return

@@ -42,6 +42,7 @@ UNIT = {
     "test_build",
     "test_doctests",
     "test_ghost_registry",
+    "test_bench_step_time",
 }
 
 E2E = {
