@@ -76,6 +76,12 @@ CHECKS = {
         " 'steps': [shuffled.optimizer.ledger.num_samples, poisson.optimizer.ledger.num_samples],"
         " 'accuracy': [float(shuffled_accuracy), float(poisson_accuracy)]}))"
     ),
+    "correlated_noise": (
+        "import json\n"
+        "print(json.dumps({'sens': sens, 'sigmas': sigmas, 'epochs': EPOCHS, 'bands': BANDS,"
+        " 'parts': PARTS, 'target': TARGET_EPSILON, 'delta': DELTA,"
+        " 'resumed_step': int(resumed_step), 'accuracy': accuracy}))"
+    ),
     "dp_user_level": (
         "import json\n"
         "print(json.dumps({'n': int(n), 'n_users': int(n_users), 'q': [q_ex, q_user],"
@@ -370,7 +376,28 @@ def _check_dp_user_level(values):
     assert all(0.2 < a <= 1.0 for a in values["accuracy"])  # 10 classes: chance is 0.1
 
 
+def _check_correlated_noise(values):
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
+    e, b = values["epochs"], values["bands"]
+    # closed forms: C = I gives sqrt(epochs); the banded square root's columns at one record's
+    # steps (b apart, b bands) have disjoint supports, each of squared norm sum_j r_j^2
+    r = [math.comb(2 * j, j) / 4**j for j in range(b)]
+    assert math.isclose(values["sens"]["DP-SGD"], math.sqrt(e), rel_tol=1e-12)
+    assert math.isclose(values["sens"]["BandMF"], math.sqrt(e * sum(x * x for x in r)),
+                        rel_tol=1e-12)
+    for name in ("DP-SGD", "BandMF"):
+        # dp_accounting's PLD of the Gaussian mechanism (pessimistic: at or a little above)
+        eps = pld.from_gaussian_mechanism(
+            values["sigmas"][name], sensitivity=values["sens"][name], value_discretization_interval=1e-4
+        ).get_epsilon_for_delta(values["delta"])
+        assert values["target"] * (1 - 1e-6) <= eps <= values["target"] * 1.01, (name, eps)
+    assert values["resumed_step"] == values["parts"]  # one epoch of b steps before the save
+    assert all(0.2 < a <= 1.0 for a in values["accuracy"].values())  # chance is 0.1
+
+
 VALIDATORS = {
+    "correlated_noise": _check_correlated_noise,
     "dp_user_level": _check_dp_user_level,
     "privacy_auditing": _check_privacy_auditing,
     "dp_finetuning": _check_dp_finetuning,

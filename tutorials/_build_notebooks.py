@@ -44,6 +44,7 @@ NOTEBOOKS = (
     "dp_finetuning",
     "dp_large_data",
     "dp_user_level",
+    "correlated_noise",
 )
 
 _MARKER = re.compile(r"^# %%(?P<kind> \[markdown\])?(?: tags=(?P<tags>\[.*\]))?\s*$")
