@@ -8,6 +8,8 @@ seeds.
 """
 
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -161,3 +163,30 @@ def test_fit_under_xla_reads_noise_drawn_ahead_once_per_step(tmp_path):
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
     path = checkpoint.write(str(tmp_path / "ckpt"))
     assert not [n for n, _ in tf.train.list_variables(path) if "noise_ahead" in n]
+
+
+def test_a_process_that_exits_right_after_an_xla_fit_exits_cleanly():
+    # the last refill's background draw may still run at exit: it is joined, not killed (in a
+    # subprocess, so a crash at shutdown fails this test rather than the suite)
+    code = (
+        "import numpy as np, keras, tf_dp.keras as dpk\n"
+        "m = keras.Sequential([keras.Input((20,)), keras.layers.Dense(3)])\n"
+        "o = dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.1)\n"
+        "m = dpk.make_private(m)\n"
+        "m.compile(optimizer=o, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),"
+        " jit_compile=True)\n"
+        "o.set_sampling(64, 16 / 64, 'shuffle')\n"
+        "x = np.zeros((64, 20), 'float32'); y = np.zeros(64, 'int64')\n"
+        "m.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)\n"
+        "assert o.engine.query.prefetched_noise.served == 3\n"
+        "print('done')\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip().endswith("done")

@@ -97,8 +97,11 @@ would put unrounded sums back into the low bits).
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
+import threading
+import weakref
 from typing import Any, Optional
 
 import tensorflow as tf
@@ -634,8 +637,6 @@ class PrefetchedNoise:
             self._next_valid = True
 
     def _draw_next_in_background(self) -> None:
-        import threading
-
         def run():
             try:
                 self._fill()
@@ -643,6 +644,7 @@ class PrefetchedNoise:
                 self._error = e
 
         self._thread = threading.Thread(target=run, name="tf_dp_noise_ahead", daemon=True)
+        _BACKGROUND_DRAWS.add(self._thread)
         self._thread.start()
 
     def refill(self, background: bool = True) -> None:
@@ -676,3 +678,14 @@ class PrefetchedNoise:
     def served(self) -> int:
         """How many steps have read a prefetched buffer (eager)."""
         return 0 if self._vars is None else int(self._vars[2].numpy())
+
+
+#: Background draws still running; joined at interpreter exit (a TensorFlow kernel must not be
+#: left running in a thread while the interpreter shuts down).
+_BACKGROUND_DRAWS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+
+
+@atexit.register
+def _join_background_draws() -> None:
+    for thread in list(_BACKGROUND_DRAWS):
+        thread.join(timeout=60.0)
