@@ -19,7 +19,10 @@ Example (a custom loop; ``dp_step`` is a :class:`tf_dp.keras.DPTrainStep`)::
 How it decides, and what it costs: with the ``rdp`` or ``moments`` accountant and Poisson
 sampling it keeps the composition of the ledger's steps (:class:`_ComposedCurve`) and adds only
 the steps recorded since its last check; the number of further steps of one kind that fit is
-found once (a search over step counts) and counted down. With clip or noise schedules the
+found once (a search over step counts) and counted down. With a fixed clip and noise the next
+step's entry is remembered while what it depends on is unchanged (a sampling declared, a pass
+started, the clipper, the query's state), so such a check reads one variable, the ledger's step
+count (``bench/callback_overhead.py``). With clip or noise schedules the
 entries of the next ``LOOK_AHEAD`` steps are predicted in one call and their RDP evaluated in
 one call. Where the kept composition cannot decide (``pld`` past the RDP bound, shuffle, tree or
 JL steps), the whole ledger plus a window of predicted steps is searched for how many fit.
