@@ -37,6 +37,7 @@ UNIT = {
     "test_noise",
     "test_tree_aggregation",
     "test_correlated_noise",
+    "test_research_correlated_noise",
     "test_public_api",
     "test_imports",
     "test_build",
