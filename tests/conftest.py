@@ -25,6 +25,7 @@ UNIT = {
     "test_accounting_tradeoff",
     "test_batch_selection_accounting",
     "test_batch_selection_calibration",
+    "test_mf_accounting",
     "test_cli",
     "test_data_datasets",
     "test_dp_query_graph",

@@ -50,6 +50,13 @@ from tf_dp.accounting.ledger_analysis import (
     shuffle_epochs,
     shuffle_steps_per_epoch,
 )
+from tf_dp.accounting.matrix_factorization import (
+    MFPrivacy,
+    amplified_bandmf_epsilon,
+    calibrate_mf_noise,
+    mf_epsilon,
+    mf_sensitivity,
+)
 from tf_dp.accounting.pld import Mixture, SubsampledGaussian, pld_delta, pld_epsilon
 from tf_dp.accounting.rdp import (
     DEFAULT_ORDERS,
@@ -70,6 +77,11 @@ from tf_dp.accounting.tradeoff import (
 )
 
 __all__ = [
+    "MFPrivacy",
+    "amplified_bandmf_epsilon",
+    "calibrate_mf_noise",
+    "mf_epsilon",
+    "mf_sensitivity",
     "BallsInBinsEstimate",
     "balls_in_bins_estimate",
     "balls_in_bins_ledger_estimate",

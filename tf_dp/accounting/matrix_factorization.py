@@ -1,0 +1,263 @@
+"""Privacy of DP matrix factorization (correlated noise): sensitivity, epsilon, calibration.
+
+A run of ``n`` steps with strategy ``C`` releases ``C X + Z`` (``X``: the clipped sums, one row
+per step; ``Z``: i.i.d. ``N(0, (z C_clip)^2)`` entries): one Gaussian mechanism whose sensitivity
+is the largest ``||C u||`` over the participation vectors ``u`` of one record (``u_t = 1`` at the
+steps where it can be in the batch), in units of the clip norm (Choquette-Choo et al. 2023,
+"Multi-Epoch Matrix Factorization Mechanisms", and "(Amplified) Banded Matrix Factorization",
+Sec. 2). Here a record's participations follow a period ``p``: a fixed-order cyclic schedule
+(``p`` batches per epoch, the record in the same batch of every epoch) or cyclic Poisson sampling
+over ``p`` parts (without amplification, each step of the record's part may include it). Its
+participation vectors are ``u_j = 1`` at steps ``j, j + p, ...`` and their sub-vectors (a Poisson
+sample may skip some): :func:`mf_sensitivity` takes the largest ``||C u_j||`` when ``C^T C`` is
+non-negative on those steps (then a sub-vector never has a larger norm: exact), and otherwise the
+bound ``sqrt(sum |C^T C|)`` over them (an upper bound, said in the result).
+
+* :func:`mf_epsilon`: that Gaussian mechanism's exact epsilon (Balle & Wang 2018, Thm. 8).
+* :func:`amplified_bandmf_epsilon`: a ``b``-banded ``C`` with cyclic Poisson sampling over ``b``
+  parts (rate ``q`` within the part): a record's possible participations are ``b`` steps apart,
+  so they touch disjoint blocks of rows of ``C`` and the run is ``ceil(n / b)`` independent
+  Poisson-subsampled Gaussian mechanisms, each of sensitivity the largest column norm of ``C``
+  (Choquette-Choo et al. 2023, Thm. 4); composed by tf_dp's accountants (``pld`` or ``rdp``).
+  ``b = 1`` is DP-SGD's accounting, number for number.
+* :func:`calibrate_mf_noise`: the noise multiplier for a target epsilon, for either.
+
+Example:
+
+>>> from tf_dp.correlated.strategies import BandedStrategy
+>>> from tf_dp.accounting.matrix_factorization import mf_epsilon, calibrate_mf_noise
+>>> c = BandedStrategy.square_root(num_steps=100, bands=10)
+>>> round(mf_epsilon(c, noise_multiplier=4.0, delta=1e-5, period=10).epsilon, 3)
+4.674
+>>> z = calibrate_mf_noise(c, 3.0, 1e-5, period=10)
+>>> mf_epsilon(c, z, 1e-5, period=10).epsilon <= 3.0
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import numpy as np
+from scipy import optimize, stats
+
+__all__ = [
+    "MFPrivacy",
+    "amplified_bandmf_epsilon",
+    "calibrate_mf_noise",
+    "mf_epsilon",
+    "mf_sensitivity",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class MFPrivacy:
+    """The guarantee of a matrix-factorization run.
+
+    Attributes:
+      epsilon, delta: the guarantee (``epsilon`` certified for the ideal real-valued mechanism).
+      sensitivity: the sensitivity used, in units of the clip norm.
+      exact_sensitivity: False when ``sensitivity`` is the ``|C^T C|`` upper bound.
+      assumptions: what the figure assumes, in words.
+    """
+
+    epsilon: float
+    delta: float
+    sensitivity: float
+    exact_sensitivity: bool
+    assumptions: str
+
+
+def _matrix(strategy: Any) -> np.ndarray:
+    c = strategy.matrix() if hasattr(strategy, "matrix") else np.asarray(strategy, np.float64)
+    c = np.asarray(c, np.float64)
+    if c.ndim != 2 or c.shape[0] != c.shape[1] or not c.shape[0]:
+        raise ValueError(f"strategy must be a square matrix C (or have matrix()), got {c.shape}")
+    if not np.all(np.isfinite(c)):
+        raise ValueError("strategy's matrix C must be finite")
+    return c
+
+
+def _check_period(period: Any, n: int) -> Optional[int]:
+    if period is None:
+        return None
+    if isinstance(period, bool) or not isinstance(period, (int, np.integer)) or period < 1:
+        raise ValueError(f"period must be None (one participation) or an integer >= 1, got "
+                         f"{period!r}")
+    return int(period)
+
+
+def mf_sensitivity(strategy: Any, period: Optional[int] = None) -> tuple[float, bool]:
+    """``(sensitivity, exact)`` of ``C`` for one record's participations, in clip-norm units.
+
+    Args:
+      strategy: ``C`` (a square array) or a strategy with ``matrix()``.
+      period: None: one participation (the largest column norm); ``p``: every ``p``-th step from
+        any offset ``j < p`` (and any subset of those steps).
+
+    ``exact`` is False when ``C^T C`` has negative entries on some offset's steps; the value is
+    then the upper bound ``sqrt(sum_{s,t} |(C^T C)_{st}|)`` over those steps.
+    """
+    c = _matrix(strategy)
+    n = c.shape[0]
+    period = _check_period(period, n)
+    if period is None:
+        return float(np.sqrt((c * c).sum(axis=0)).max()), True
+    best, exact = 0.0, True
+    for j in range(min(period, n)):
+        cols = c[:, j::period]
+        gram = cols.T @ cols
+        if np.all(gram >= -1e-12 * np.abs(gram).max()):
+            value = float(np.sqrt(max(gram.sum(), 0.0)))
+        else:
+            value, exact = float(np.sqrt(np.abs(gram).sum())), False
+        best = max(best, value)
+    return best, exact
+
+
+def _gaussian_delta(eps: float, mu: float) -> float:
+    return float(stats.norm.cdf(-eps / mu + mu / 2)
+                 - math.exp(eps) * stats.norm.cdf(-eps / mu - mu / 2))
+
+
+def _gaussian_epsilon(mu: float, delta: float) -> float:
+    if mu == 0 or _gaussian_delta(0.0, mu) <= delta:
+        return 0.0
+    hi = 1.0
+    while _gaussian_delta(hi, mu) > delta:
+        hi *= 2.0
+    return float(optimize.brentq(lambda e: _gaussian_delta(e, mu) - delta, 0.0, hi, xtol=1e-12))
+
+
+def _check_noise(noise_multiplier: Any) -> float:
+    if not (isinstance(noise_multiplier, (int, float)) and math.isfinite(noise_multiplier)
+            and noise_multiplier >= 0):
+        raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
+    return float(noise_multiplier)
+
+
+def _check_delta(delta: Any) -> float:
+    if not (isinstance(delta, (int, float)) and 0.0 < delta < 1.0):
+        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    return float(delta)
+
+
+def mf_epsilon(strategy: Any, noise_multiplier: float, delta: float,
+               period: Optional[int] = None) -> MFPrivacy:
+    """Epsilon of a matrix-factorization run without amplification: the Gaussian mechanism of
+    sensitivity :func:`mf_sensitivity` and noise ``noise_multiplier`` (both in clip-norm units).
+
+    Example: ``mf_epsilon(BandedStrategy.optimize(1000, 8), 2.0, 1e-5, period=100)``.
+    """
+    z, delta = _check_noise(noise_multiplier), _check_delta(delta)
+    sens, exact = mf_sensitivity(strategy, period)
+    eps = math.inf if z == 0 else _gaussian_epsilon(sens / z, delta)
+    where = ("one participation" if period is None else
+             f"participations every {period} steps (a fixed cyclic order, or cyclic Poisson over "
+             f"{period} parts without amplification)")
+    return MFPrivacy(
+        eps, delta, sens, exact,
+        f"add/remove-one adjacency; one Gaussian mechanism C X + Z over the run, {where}; "
+        f"sensitivity max ||C u|| = {sens:.6g} x the clip norm"
+        + ("" if exact else " (upper bound: C^T C has negative entries)")
+        + "; exact Gaussian epsilon (Balle & Wang 2018)")
+
+
+def _banded_width(c: np.ndarray) -> int:
+    n = c.shape[0]
+    rows, cols = np.nonzero(np.abs(c) > 0)
+    if np.any(cols > rows):
+        raise ValueError("strategy's matrix C must be lower triangular")
+    return int((rows - cols).max()) + 1 if len(rows) else 1 if n else 0
+
+
+def amplified_bandmf_epsilon(strategy: Any, noise_multiplier: float, delta: float,
+                             sampling_probability: float, bands: Optional[int] = None,
+                             accountant: str = "pld") -> MFPrivacy:
+    """Epsilon of a ``b``-banded ``C`` under cyclic Poisson sampling over ``b`` parts (rate ``q``
+    within a record's part), with amplification: ``ceil(n / b)`` Poisson-subsampled Gaussian
+    mechanisms of sensitivity ``max_t ||C[:, t]||`` composed by ``accountant`` (``pld`` or
+    ``rdp``).
+
+    Args:
+      strategy: a lower-triangular ``C`` with at most ``bands`` non-zero diagonals (default: its
+        own band count), or a strategy with ``matrix()``.
+      noise_multiplier: ``z`` (the entries of ``Z`` have stddev ``z`` times the clip norm).
+      sampling_probability: ``q`` in (0, 1], a record's inclusion probability at each step of
+        its part.
+    """
+    from tf_dp.accounting.ledger_analysis import ACCOUNTANTS, _epsilon_of_runs
+    from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
+
+    z, delta = _check_noise(noise_multiplier), _check_delta(delta)
+    if not (isinstance(sampling_probability, (int, float)) and 0 < sampling_probability <= 1):
+        raise ValueError(f"sampling_probability must be in (0, 1], got {sampling_probability!r}")
+    if accountant not in ("pld", "rdp") or accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant must be 'pld' or 'rdp', got {accountant!r}")
+    c = _matrix(strategy)
+    n = c.shape[0]
+    width = _banded_width(c)
+    b = width if bands is None else bands
+    if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not width <= b <= n:
+        raise ValueError(f"bands must be an integer in [{width} (C's band), {n}], got {bands!r}")
+    col = float(np.sqrt((c * c).sum(axis=0)).max())
+    k = math.ceil(n / int(b))
+    if z == 0:
+        return MFPrivacy(math.inf, delta, col, True, "no noise")
+    entry = SampleEntry(SamplingEvent(max(1, int(b)), float(sampling_probability), "poisson"),
+                        (SumQueryEvent(col, z),))
+    eps = _epsilon_of_runs([(entry, k)], k, delta, accountant).epsilon
+    return MFPrivacy(
+        float(eps), delta, col, True,
+        f"add/remove-one adjacency; {int(b)}-banded C with cyclic Poisson sampling over {int(b)} "
+        f"parts at rate q = {sampling_probability:g}: {k} Poisson-subsampled Gaussian mechanisms "
+        f"of sensitivity max column norm {col:.6g} x the clip norm (Choquette-Choo et al. 2023, "
+        f"amplified BandMF), composed by the {accountant} accountant")
+
+
+def calibrate_mf_noise(strategy: Any, target_epsilon: float, delta: float,
+                       period: Optional[int] = None, sampling_probability: Optional[float] = None,
+                       bands: Optional[int] = None, accountant: str = "pld",
+                       rtol: float = 1e-3) -> float:
+    """The smallest noise multiplier (within ``rtol``, on the safe side) whose epsilon is at most
+    ``target_epsilon``: without amplification (``period``, :func:`mf_epsilon`: exact, from the
+    Gaussian mechanism's ``mu``), or amplified (``sampling_probability`` given:
+    :func:`amplified_bandmf_epsilon`).
+
+    Example: ``calibrate_mf_noise(BandedStrategy.optimize(1000, 8), 3.0, 1e-5, period=100)``.
+    """
+    if not (isinstance(target_epsilon, (int, float)) and 0 < target_epsilon < math.inf):
+        raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
+    delta = _check_delta(delta)
+    if not 0 < rtol < 1:
+        raise ValueError(f"rtol must be in (0, 1), got {rtol!r}")
+    if sampling_probability is None:
+        sens, _ = mf_sensitivity(strategy, period)
+        mu = optimize.brentq(lambda m: _gaussian_delta(target_epsilon, m) - delta, 1e-6, 1e3,
+                             xtol=1e-12)
+        z = sens / mu * (1 + 1e-9)
+        while mf_epsilon(strategy, z, delta, period).epsilon > target_epsilon:
+            z *= 1 + 1e-9
+        return z
+
+    def eps(z):
+        return amplified_bandmf_epsilon(strategy, z, delta, sampling_probability, bands,
+                                        accountant).epsilon
+
+    hi = 1.0
+    while eps(hi) > target_epsilon:
+        hi *= 2.0
+        if hi > 1e4:
+            raise ValueError(f"target_epsilon {target_epsilon} is out of reach (noise > 1e4)")
+    lo = hi / 2.0
+    while eps(lo) <= target_epsilon and lo > 1e-3:
+        hi, lo = lo, lo / 2.0
+    while hi - lo > rtol * lo:
+        mid = 0.5 * (lo + hi)
+        if eps(mid) <= target_epsilon:
+            hi = mid
+        else:
+            lo = mid
+    return hi
