@@ -29,7 +29,7 @@ def _passes(batches, passes):
 
 
 def test_inclusion_probabilities_and_separation():
-    n, b, q, passes = 120, 4, 0.3, 300
+    n, b, q, passes = 120, 4, 0.3, 150
     x = np.arange(n, dtype=np.float32)[:, None]
     batches = tf_dp.data.cyclic_poisson_batches(
         x, np.zeros(n, np.int32), num_parts=b, sampling_probability=q, seed=3

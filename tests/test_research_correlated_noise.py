@@ -23,11 +23,11 @@ _spec.loader.exec_module(compare)
 def test_gaussian_epsilon_matches_dp_accounting(mu):
     eps = compare.gaussian_epsilon(mu, 1e-5)
     # dp_accounting's PLD of the same mechanism: pessimistic, so at or above the exact value, by
-    # at most its discretisation (1e-5 here) times a few
+    # at most a few times its discretisation (1e-4 here)
     ref = pld.from_gaussian_mechanism(
-        1.0 / mu, sensitivity=1.0, value_discretization_interval=1e-5
+        1.0 / mu, sensitivity=1.0, value_discretization_interval=1e-4
     ).get_epsilon_for_delta(1e-5)
-    assert eps <= ref <= eps + 1e-3
+    assert eps <= ref <= eps + 1e-2
     assert compare.mu_for(eps, 1e-5) == pytest.approx(mu, rel=1e-6)
 
 
