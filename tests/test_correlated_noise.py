@@ -190,3 +190,24 @@ def test_banded_steps_past_the_strategy_reuse_its_last_row():
 def test_bad_recurrences_name_the_field_and_range(recurrence, match):
     with pytest.raises((ValueError, TypeError), match=match):
         CorrelatedNoiseSumQuery(1.0, 1.0, recurrence)
+
+
+@pytest.mark.parametrize("kind", ["banded", "blt"])
+def test_the_strategies_noise_is_their_c_inverse_z(kind):
+    """tf_dp.correlated.strategies' optimised strategies through the query: C^{-1} Z with C the
+    strategy's own dense matrix (strategy.matrix())."""
+    from tf_dp.correlated.strategies import BandedStrategy, BLTStrategy
+
+    n = 12
+    if kind == "banded":
+        strategy, terms = BandedStrategy.optimize(n, bands=3), 3 + 2
+    else:
+        strategy, terms = BLTStrategy.optimize(n, buffers=2), 2 * n + 2
+    specs = [tf.TensorSpec([5], tf.float64)]
+    query = CorrelatedNoiseSumQuery(1.0, 1.0, strategy, record_specs=specs, seed=9)
+    got, _ = _query_noise(query, specs, n, "graph")
+    c = strategy.matrix()
+    z = np.stack([draw[0] for draw in _draws(9, specs, n)])
+    want = np.linalg.solve(c, z)
+    w = np.stack([g[0] for g in got])
+    assert np.all(np.abs(w - want) <= solve_tolerance(c, want, "float64", terms))

@@ -268,3 +268,13 @@ def test_dp_train_step_in_a_custom_loop_releases_sigma_c_inverse_z():
     want = SIGMA * np.linalg.solve(c, _draws(4, N_STEPS))
     assert np.all(np.abs(w - want) <= _tolerance(c, want, flat))
     assert opt.mf_step == N_STEPS and len(opt.ledger.samples()) == N_STEPS
+
+
+def test_strategy_objects_round_trip_through_the_config():
+    from tf_dp.correlated.strategies import BandedStrategy, BLTStrategy
+
+    for strategy in (BandedStrategy.square_root(16, 4), BLTStrategy.optimize(16, buffers=2)):
+        opt = DPKerasMFOptimizer(l2_norm_clip=1.0, noise_multiplier=1.5, strategy=strategy)
+        again = DPKerasMFOptimizer.from_config(opt.get_config())
+        assert type(again.strategy) is type(strategy)
+        np.testing.assert_array_equal(again.strategy.matrix(), strategy.matrix())
