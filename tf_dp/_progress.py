@@ -8,7 +8,8 @@ default): past that, a line on stderr says what is running and for how long, aga
 
 Off switch: ``tf_dp.set_progress(False)`` (or ``True`` to turn it back on), or the environment
 variable ``TF_DP_PROGRESS=0`` (read when a piece of work starts; ``1`` turns it on). Each line
-also goes to the ``tf_dp`` logger at INFO.
+also goes to the ``tf_dp`` logger at DEBUG (not INFO: a program whose logging shows INFO, such
+as the absl command-line tools, would show each line twice).
 
 Example::
 
@@ -59,7 +60,7 @@ def progress_enabled() -> bool:
 
 def _emit(message: str) -> None:
     line = f"tf_dp: {message}"
-    _logger.info(line)
+    _logger.debug(line)
     try:
         print(line, file=sys.stderr, flush=True)
     except (OSError, ValueError):  # a closed stderr: progress is never worth an error
