@@ -278,3 +278,30 @@ def test_strategy_objects_round_trip_through_the_config():
         again = DPKerasMFOptimizer.from_config(opt.get_config())
         assert type(again.strategy) is type(strategy)
         np.testing.assert_array_equal(again.strategy.matrix(), strategy.matrix())
+
+
+def test_for_target_epsilon_calibrates_the_gaussian_mechanism_of_c():
+    """Fixed order, period = bands: a banded square root's participations touch disjoint rows, so
+    the sensitivity is sqrt(k * sum_j r_j^2) (closed form); dp_accounting's PLD of that Gaussian
+    mechanism at the calibrated noise is at the target (pessimistic: a little above at most)."""
+    import math
+
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
+    from tf_dp.correlated.strategies import BandedStrategy
+
+    n, bands = 40, 4
+    strategy = BandedStrategy.square_root(n, bands)
+    opt = DPKerasMFOptimizer.for_target_epsilon(
+        3.0, 1e-5, strategy=strategy, period=bands, l2_norm_clip=1.0
+    )
+    r = [math.comb(2 * j, j) / 4**j for j in range(bands)]
+    sens = math.sqrt(n / bands * sum(x * x for x in r))
+    eps = pld.from_gaussian_mechanism(
+        opt.noise_multiplier, sensitivity=sens, value_discretization_interval=1e-4
+    ).get_epsilon_for_delta(1e-5)
+    assert 3.0 * (1 - 1e-3) <= eps <= 3.0 * 1.01
+    with pytest.raises(ValueError, match="noise_multiplier must not be given"):
+        DPKerasMFOptimizer.for_target_epsilon(
+            3.0, 1e-5, strategy=strategy, noise_multiplier=1.0, l2_norm_clip=1.0
+        )

@@ -156,6 +156,51 @@ class DPKerasMFOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         self._mf_noise_multiplier = float(noise_multiplier)
         self._pending_state: Optional[dict[str, np.ndarray]] = None
 
+    @classmethod
+    def for_target_epsilon(
+        cls,
+        target_epsilon: float,
+        delta: float,
+        *,
+        strategy: Any,
+        period: Optional[int] = None,
+        sampling_probability: Optional[float] = None,
+        accountant: str = "pld",
+        **kwargs: Any,
+    ) -> "DPKerasMFOptimizer":
+        """This optimizer with the smallest noise multiplier whose run stays within
+        ``(target_epsilon, delta)``, from
+        :func:`tf_dp.accounting.matrix_factorization.calibrate_mf_noise`: without amplification
+        for participations every ``period`` steps (fixed batches in a fixed order, ``period``
+        batches per epoch; None: each record in one step), or, with ``sampling_probability``,
+        amplified BandMF under cyclic Poisson sampling (:func:`tf_dp.data.cyclic_poisson_batches`
+        with ``num_parts`` equal to the strategy's bands). ``kwargs``: the other arguments
+        (``l2_norm_clip`` required; ``noise_multiplier`` is set here).
+
+        Example::
+
+            strategy = BandedStrategy.optimize(num_steps=400, bands=8)
+            opt = DPKerasMFOptimizer.for_target_epsilon(
+                3.0, 1e-5, strategy=strategy, period=8, l2_norm_clip=1.0, learning_rate=0.5)
+        """
+        from tf_dp.accounting.matrix_factorization import calibrate_mf_noise
+
+        if kwargs.get("noise_multiplier") is not None:
+            raise ValueError(
+                "DPKerasMFOptimizer.for_target_epsilon sets the noise from target_epsilon: "
+                f"noise_multiplier must not be given, got {kwargs['noise_multiplier']!r}"
+            )
+        kwargs.pop("noise_multiplier", None)
+        z = calibrate_mf_noise(
+            strategy,
+            target_epsilon,
+            delta,
+            period=period,
+            sampling_probability=sampling_probability,
+            accountant=accountant,
+        )
+        return cls(noise_multiplier=z, strategy=strategy, **kwargs)
+
     @property
     def l2_norm_clip(self) -> float:
         return self._mf_clip
