@@ -1,5 +1,11 @@
-"""Norm rules for ``Conv1D`` and ``Conv2D``: the kernel's factor is ``Outer(patches, g)`` over the
-unfolded input patches; the bias is per example."""
+"""Norm rules for convolutions, from the unfolded input patches ``[B, T, kh*kw*C]``.
+
+- ``Conv1D`` and ``Conv2D``: the kernel's factor is ``Outer(patches, g)``; the bias is per example.
+- ``DepthwiseConv1D`` and ``DepthwiseConv2D``: output channel ``c M + m`` only reads input
+  channel ``c``, so the per-example gradient of the ``[kh, kw, C, M]`` kernel is
+  ``sum_t patches[t, k, c] g[t, c, m]``, materialised per example (:class:`PerExample`; it has
+  the kernel's size, small, and costs what the forward convolution costs); the bias is per example.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,17 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp.gradients.ghost.common import batch_size, bias_per_example, f32, plain
-from tf_dp.gradients.ghost.factors import Outer
+from tf_dp.gradients.ghost.factors import Outer, PerExample
 from tf_dp.gradients.ghost.registry import norm_rule
+
+
+def _depthwise_supports(layer) -> Optional[str]:
+    reason = plain(layer)
+    if reason:
+        return reason
+    if getattr(layer, "rank", None) not in (1, 2):
+        return f"{layer.name}: only 1-D and 2-D depthwise convolutions have a built-in norm rule"
+    return None
 
 
 def _conv_supports(layer) -> Optional[str]:
@@ -72,9 +87,8 @@ def _unfold_gather(x, ks, st, dr, padding):
     return tf.reshape(tf.gather(pixels, idx, axis=1), [-1, oh, ow, kh * kw * cin])
 
 
-@norm_rule(keras.layers.Conv1D, keras.layers.Conv2D, supports=_conv_supports, split_activation=True)
-def conv_rule(layer, inputs, grad_output):
-    x, g = f32(inputs), f32(grad_output)
+def _patches(layer, x, g):
+    """``(patches [B, ..., K], g [B, ..., F])`` in channels-last layout (``K = kh kw C``)."""
     rank = layer.rank
     if layer.data_format == "channels_first":
         perm = [0] + list(range(2, rank + 2)) + [1]
@@ -87,7 +101,35 @@ def conv_rule(layer, inputs, grad_output):
             padding = "valid"
         x, g = x[:, None], g[:, None]
         ks, st, dr = [1] + ks, [1] + st, [1] + dr
-    patches = _unfold(x, ks, st, dr, padding.upper())
+    return _unfold(x, ks, st, dr, padding.upper()), g
+
+
+@norm_rule(
+    getattr(keras.layers, "DepthwiseConv1D", None),
+    getattr(keras.layers, "DepthwiseConv2D", None),
+    supports=_depthwise_supports,
+    split_activation=True,
+)
+def depthwise_conv_rule(layer, inputs, grad_output):
+    x, g = f32(inputs), f32(grad_output)
+    patches, g = _patches(layer, x, g)
+    kernel = layer.kernel  # [kh, (kw,) C, M]
+    c, m = kernel.shape[-2], kernel.shape[-1]
+    taps = int(np.prod(kernel.shape[:-2]))
+    b = batch_size(x)
+    p = tf.reshape(patches, [b, -1, taps, c])
+    gg = tf.reshape(g, [b, -1, c, m])
+    per_example = tf.einsum("btkc,btcm->bkcm", p, gg)
+    out = [(kernel, PerExample(tf.reshape(per_example, [b] + list(kernel.shape))))]
+    if layer.bias is not None:
+        out.append((layer.bias, bias_per_example(g, layer.bias)))
+    return out
+
+
+@norm_rule(keras.layers.Conv1D, keras.layers.Conv2D, supports=_conv_supports, split_activation=True)
+def conv_rule(layer, inputs, grad_output):
+    x, g = f32(inputs), f32(grad_output)
+    patches, g = _patches(layer, x, g)
     k = patches.shape[-1]
     f = g.shape[-1]
     out = [

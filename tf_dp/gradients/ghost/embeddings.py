@@ -90,7 +90,15 @@ def reversible_embedding_rule(layer, context, grads):
         if not getattr(table, "trainable", True):
             return []
         ids = tf.reshape(tf.convert_to_tensor(inputs), [batch, -1])
-        return [(table, Rows(ids, tf.reshape(g, [batch, -1, g.shape[-1]]), layer.input_dim))]
+        out = [(table, Rows(ids, tf.reshape(g, [batch, -1, g.shape[-1]]), layer.input_dim))]
+        reverse = None if layer.tie_weights else layer.reverse_embeddings
+        if reverse is not None and getattr(reverse, "trainable", True):
+            # an untied output matrix that only a reverse call reads (a backbone under a
+            # classifier head never makes one): an empty Outer (T = 0), a zero gradient that a
+            # reverse call's Outer extends along T at no cost
+            d, v = reverse.shape
+            out.append((reverse, Outer(tf.zeros([batch, 0, d]), tf.zeros([batch, 0, v]))))
+        return out
     h = f32(inputs)
     h = tf.reshape(h, [batch, -1, h.shape[-1]])
     g = tf.reshape(g, [batch, -1, g.shape[-1]])

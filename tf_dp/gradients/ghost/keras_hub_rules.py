@@ -5,12 +5,44 @@ imports keras-hub). The rules themselves live with their layer family (``embeddi
 
 from __future__ import annotations
 
+import importlib
+
 from keras_hub.layers import PositionEmbedding, TokenAndPositionEmbedding
 from keras_hub.src.models.gemma.rms_normalization import RMSNormalization
 
 from tf_dp.gradients.ghost.embeddings import position_embedding_rule, position_forward
-from tf_dp.gradients.ghost.normalization import gemma_rms_normalization_rule
+from tf_dp.gradients.ghost.normalization import (
+    gemma_rms_normalization_rule,
+    last_axis_rms_norm_rule,
+)
 from tf_dp.gradients.ghost.registry import LayerRuleRegistry
+
+# keras-hub's RMS layer norms over the last axis (module, class, rule); a class missing from the
+# installed keras-hub is skipped
+_RMS_NORMS = (
+    ("keras_hub.src.models.llama.llama_layernorm", "LlamaLayerNorm", last_axis_rms_norm_rule),
+    (
+        "keras_hub.src.models.mistral.mistral_layer_norm",
+        "MistralLayerNormalization",
+        last_axis_rms_norm_rule,
+    ),
+    ("keras_hub.src.models.phi3.phi3_layernorm", "Phi3LayerNorm", last_axis_rms_norm_rule),
+    ("keras_hub.src.models.qwen.qwen_layernorm", "QwenLayerNorm", last_axis_rms_norm_rule),
+    ("keras_hub.src.models.qwen3.qwen3_layernorm", "Qwen3LayerNorm", last_axis_rms_norm_rule),
+    ("keras_hub.src.models.t5.t5_layer_norm", "T5LayerNorm", last_axis_rms_norm_rule),
+    (
+        "keras_hub.src.models.qwen3_5.qwen3_5_layers",
+        "Qwen3_5LayerNorm",
+        gemma_rms_normalization_rule,
+    ),
+)
+
+
+def _optional_class(module: str, name: str):
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
 
 
 def register(registry: LayerRuleRegistry) -> None:
@@ -21,3 +53,7 @@ def register(registry: LayerRuleRegistry) -> None:
     # tracks the token embedding (``backbone.token_embedding``, used again for tied LM logits)
     registry.register_container(TokenAndPositionEmbedding)
     registry.register(RMSNormalization, gemma_rms_normalization_rule)
+    for module, name, rule in _RMS_NORMS:
+        layer_class = _optional_class(module, name)
+        if layer_class is not None:
+            registry.register(layer_class, rule)

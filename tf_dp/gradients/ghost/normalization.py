@@ -3,8 +3,11 @@
 - ``keras.layers.LayerNormalization`` and ``keras.layers.GroupNormalization``: the per-example
   gradients of ``gamma`` and ``beta`` are sums of ``g * xhat`` and ``g`` over the other axes;
 - ``keras.layers.RMSNormalization``: ``y = x / sqrt(mean(x^2, axis) + eps) * scale``;
-- keras-hub's Gemma ``RMSNormalization`` (``keras_hub.src.models.gemma``):
-  ``y = x / sqrt(mean(x^2, -1) + eps) * (1 + scale)``.
+- keras-hub's Gemma ``RMSNormalization`` (``keras_hub.src.models.gemma``) and Qwen3.5's
+  ``Qwen3_5LayerNorm``: ``y = x / sqrt(mean(x^2, -1) + eps) * (1 + scale)``;
+- keras-hub's RMS layer norms ``LlamaLayerNorm``, ``MistralLayerNormalization``,
+  ``Phi3LayerNorm``, ``QwenLayerNorm``, ``Qwen3LayerNorm`` (``y = x / sqrt(mean(x^2, -1) + eps) *
+  scale``) and ``T5LayerNorm`` (the same, its scale named ``weight``).
 
 In both, ``dy/dscale = xhat`` elementwise (``xhat`` the normalised input), so the per-example
 gradient of ``scale`` is ``g * xhat`` summed over the axes ``scale`` is broadcast along: a small
@@ -21,7 +24,7 @@ from tf_dp.gradients.ghost.factors import PerExample
 from tf_dp.gradients.ghost.registry import norm_rule
 
 
-def _scale_factor(layer, x, g, axes, epsilon):
+def _scale_factor(layer, x, g, axes, epsilon, variable=None):
     rank = x.shape.rank
     axes = sorted(a % rank for a in axes)
     xhat = x * tf.math.rsqrt(tf.reduce_mean(tf.square(x), axis=axes, keepdims=True) + epsilon)
@@ -29,7 +32,8 @@ def _scale_factor(layer, x, g, axes, epsilon):
     per_ex = g * xhat
     if reduce_axes:
         per_ex = tf.reduce_sum(per_ex, axis=reduce_axes)
-    return [(layer.scale, PerExample(tf.reshape(per_ex, [tf.shape(g)[0]] + list(layer.scale.shape))))]
+    scale = layer.scale if variable is None else variable
+    return [(scale, PerExample(tf.reshape(per_ex, [tf.shape(g)[0]] + list(scale.shape))))]
 
 
 @norm_rule(getattr(keras.layers, "RMSNormalization", None))
@@ -41,6 +45,17 @@ def rms_normalization_rule(layer, inputs, grad_output):
 
 def gemma_rms_normalization_rule(layer, inputs, grad_output):
     return _scale_factor(layer, f32(inputs), f32(grad_output), [-1], layer.epsilon)
+
+
+def last_axis_rms_norm_rule(layer, inputs, grad_output):
+    """keras-hub's RMS layer norms over the last axis, ``x * rsqrt(mean(x^2) + eps) * scale``
+    (Llama, Mistral, Phi-3, Qwen, Qwen3; T5's scale is named ``weight``). For ``(1 + scale)``
+    variants (Gemma, Qwen3.5) the gradient is the same: use :func:`gemma_rms_normalization_rule`.
+    """
+    variable = getattr(layer, "scale", None)
+    if variable is None:
+        variable = layer.weight
+    return _scale_factor(layer, f32(inputs), f32(grad_output), [-1], layer.epsilon, variable)
 
 
 def _affine_norm_factors(layer, xhat, g, param_axes, rank, beta_used=True):

@@ -1,0 +1,247 @@
+"""Exact ghost rules for layers that fell back to per-example gradients before (issue 35, item 3):
+``DepthwiseConv1D``/``DepthwiseConv2D`` and keras-hub's RMS layer norms (Llama, Mistral, Phi-3,
+Qwen, Qwen3, T5, Qwen3.5). Each is checked against per-example gradients from a ``GradientTape``
+loop over the examples (``LoopReference``), clipped and summed: eager, ``tf.function``, XLA and
+mixed float16, and the ghost plan must cover every variable (mode ``"ghost"``, no fallback).
+``research/ghost/rule_coverage.py`` lists which layers have rules.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.helpers.tolerance import tolerance
+from tests.test_ghost import LoopReference, _compile, check, rng
+from tests.test_ghost_finetuning_rules import _sum_fn
+from tf_dp.gradients.ghost import GhostClipper
+
+L = keras.layers
+keras_hub = pytest.importorskip("keras_hub")  # an install extra; the suite's env has it
+
+
+def _hub_class(module, name):
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+RMS_NORMS = [
+    ("keras_hub.src.models.llama.llama_layernorm", "LlamaLayerNorm"),
+    ("keras_hub.src.models.mistral.mistral_layer_norm", "MistralLayerNormalization"),
+    ("keras_hub.src.models.phi3.phi3_layernorm", "Phi3LayerNorm"),
+    ("keras_hub.src.models.qwen.qwen_layernorm", "QwenLayerNorm"),
+    ("keras_hub.src.models.qwen3.qwen3_layernorm", "Qwen3LayerNorm"),
+    ("keras_hub.src.models.t5.t5_layer_norm", "T5LayerNorm"),
+    ("keras_hub.src.models.qwen3_5.qwen3_5_layers", "Qwen3_5LayerNorm"),
+]
+
+
+def _magnitude(model, data):
+    """The largest sum over the examples of one gradient entry's absolute values (the scale of a
+    sum's rounding error), from one loop-reference run per example (inputs may be dicts)."""
+    total = None
+    for i in range(len(data[1])):
+        one = tuple(
+            None if d is None else tf.nest.map_structure(lambda t: t[i : i + 1], d)  # noqa: B023
+            for d in data
+        )
+        grads = [np.abs(np.asarray(g)) for g in _sum_fn(LoopReference(), model, one)()]
+        total = grads if total is None else [t + g for t, g in zip(total, grads)]
+    return max(float(t.max()) for t in total)
+
+
+# -- depthwise convolutions ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, graph",
+    [
+        (dict(kernel_size=3, depth_multiplier=2, padding="same"), False),
+        (dict(kernel_size=(3, 2), strides=2, padding="valid", activation="relu"), True),
+        (
+            dict(kernel_size=3, dilation_rate=2, padding="same", depth_multiplier=3),
+            False,
+        ),
+    ],
+)
+def test_depthwise_conv2d(kwargs, graph):
+    r = rng(11)
+    model = keras.Sequential(
+        [
+            keras.Input((9, 9, 3)),
+            L.DepthwiseConv2D(**kwargs),
+            L.Conv2D(4, 3, activation="relu"),
+            L.GlobalAveragePooling2D(),
+            L.Dense(3),
+        ]
+    )
+    # ids 0 and 1 draw the kernel so that examples differ in scale: some are clipped, some not
+    x = (r.normal(size=(6, 9, 9, 3)) * r.uniform(0.2, 3.0, (6, 1, 1, 1))).astype(
+        "float32"
+    )
+    ghost = check(model, x, r.integers(0, 3, 6), graph=graph, reference=LoopReference)
+    assert ghost.mode == "ghost", ghost.description
+
+
+@pytest.mark.parametrize("padding", ["same", "valid"])
+def test_depthwise_conv1d(padding):
+    r = rng(12)
+    model = keras.Sequential(
+        [
+            keras.Input((10, 4)),
+            L.DepthwiseConv1D(3, depth_multiplier=2, dilation_rate=2, padding=padding),
+            L.Dense(5, activation="tanh"),
+            L.GlobalAveragePooling1D(),
+            L.Dense(3),
+        ]
+    )
+    x = (r.normal(size=(6, 10, 4)) * r.uniform(0.2, 3.0, (6, 1, 1))).astype("float32")
+    sw = r.uniform(0.5, 2.0, 6).astype("float32")
+    check(model, x, r.integers(0, 3, 6), sw, reference=LoopReference)
+
+
+# -- keras-hub RMS layer norms ---------------------------------------------------------------------
+
+
+def _norm_model(norm_class, dtype=None, **norm_kwargs):
+    inp = keras.Input((5, 6))
+    h = L.Dense(8, dtype=dtype)(inp)
+    norm = norm_class(dtype=dtype, **norm_kwargs)
+    h = norm(h)
+    h = L.Dense(4, activation="relu", dtype=dtype)(h)
+    out = L.Dense(3, dtype="float32")(L.GlobalAveragePooling1D(dtype=dtype)(h))
+    model = keras.Model(inp, out)
+    scale = norm.trainable_variables[0]
+    # scales start at 1 (or 0 for the (1 + scale) form): draw them so every entry matters
+    scale.assign(rng(3).normal(size=scale.shape).astype("float32"))
+    return model
+
+
+@pytest.mark.parametrize("module, name", RMS_NORMS, ids=[n for _, n in RMS_NORMS])
+def test_keras_hub_rms_norms(module, name):
+    r = rng(13)
+    model = _norm_model(_hub_class(module, name))
+    x = (r.normal(size=(6, 5, 6)) * r.uniform(0.2, 3.0, (6, 1, 1))).astype("float32")
+    sw = r.uniform(0.5, 2.0, 6).astype("float32")
+    check(model, x, r.integers(0, 3, 6), sw, reference=LoopReference)
+
+
+def test_qwen3_norm_over_heads():
+    """Qwen3's query/key norm: a scale of ``head_dim`` applied to ``[B, T, heads, head_dim]``."""
+    r = rng(14)
+    cls = _hub_class("keras_hub.src.models.qwen3.qwen3_layernorm", "Qwen3LayerNorm")
+    inp = keras.Input((5, 6))
+    h = L.EinsumDense("btc,chd->bthd", output_shape=(5, 2, 4))(inp)
+    norm = cls(head_dim=4)
+    h = L.Reshape((5, 8))(norm(h))
+    model = keras.Model(inp, L.Dense(3)(L.GlobalAveragePooling1D()(h)))
+    norm.scale.assign(r.normal(size=norm.scale.shape).astype("float32"))
+    x = (r.normal(size=(6, 5, 6)) * r.uniform(0.2, 3.0, (6, 1, 1))).astype("float32")
+    check(model, x, r.integers(0, 3, 6), reference=LoopReference, graph=True)
+
+
+# -- XLA and mixed float16 -------------------------------------------------------------------------
+
+
+def _combined(dtype=None):
+    keras.utils.set_random_seed(21)
+    norm_class = _hub_class(
+        "keras_hub.src.models.llama.llama_layernorm", "LlamaLayerNorm"
+    )
+    inp = keras.Input((8, 8, 3))
+    h = L.DepthwiseConv2D(3, depth_multiplier=2, padding="same", dtype=dtype)(inp)
+    h = L.Reshape((64, 6), dtype=dtype)(h)
+    h = L.Dense(8, dtype=dtype)(h)
+    norm = norm_class(dtype=dtype)
+    h = norm(h)
+    out = L.Dense(3, dtype="float32")(L.GlobalAveragePooling1D(dtype=dtype)(h))
+    norm.scale.assign(rng(5).normal(size=norm.scale.shape).astype("float32"))
+    return _compile(keras.Model(inp, out))
+
+
+# roundings on the way to one per-example gradient entry of _combined (tests/helpers/tolerance.py):
+# forward: depthwise fan-in 9 + bias 1, dense 6 + 1, RMS norm 8 + 3, mean over 64 positions, dense
+# 8 + 1, log-softmax 3; backward the same chain without the softmax, the depthwise kernel's sum over
+# the 64 positions; 2 casts
+COMBINED_TERMS = 2 * ((9 + 1) + (6 + 1) + (8 + 3) + 64 + (8 + 1)) + 3 + 64 + 2
+
+
+def _data():
+    r = rng(22)
+    x = (r.normal(size=(5, 8, 8, 3)) * r.uniform(0.2, 3.0, (5, 1, 1, 1))).astype(
+        "float32"
+    )
+    return x, r.integers(0, 3, 5)
+
+
+def test_xla():
+    model = _combined()
+    x, y = _data()
+    ref = [np.asarray(g) for g in _sum_fn(LoopReference(), model, (x, y, None))()]
+    magnitude = _magnitude(model, (x, y, None))
+    strategy = GhostClipper()
+    got = _sum_fn(strategy, model, (tf.constant(x), tf.constant(y), None), True)()
+    assert strategy.mode == "ghost", strategy.description
+    atol = tolerance("float32", COMBINED_TERMS, magnitude)
+    for v, a, b in zip(model.trainable_variables, got, ref):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
+
+
+def test_mixed_precision():
+    model = _combined()
+    x, y = _data()
+    ref = [np.asarray(g) for g in _sum_fn(LoopReference(), model, (x, y, None))()]
+    magnitude = _magnitude(model, (x, y, None))
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        half = _combined()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    half.set_weights(model.get_weights())
+    strategy = GhostClipper()
+    got = _sum_fn(strategy, half, (tf.constant(x), tf.constant(y), None), False)()
+    assert strategy.mode == "ghost", strategy.description
+    atol = tolerance("float16", COMBINED_TERMS, magnitude)
+    for v, a, b in zip(half.trainable_variables, got, ref):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
+
+
+# -- a whole keras-hub backbone --------------------------------------------------------------------
+
+
+def test_tiny_llama_backbone_has_no_fallback():
+    """LlamaBackbone (tiny config, random init): every variable by a rule, sums == the loop."""
+    keras.utils.set_random_seed(31)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=40,
+        num_layers=1,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=8,
+        intermediate_dim=16,
+    )
+    seq = backbone.output
+    model = _compile(
+        keras.Model(backbone.input, L.Dense(3)(L.GlobalAveragePooling1D()(seq)))
+    )
+    r = rng(32)
+    ids = r.integers(1, 40, (4, 6)).astype("int32")
+    mask = np.ones((4, 6), "int32")
+    mask[1, 4:] = 0
+    x = {"token_ids": ids, "padding_mask": mask}
+    y = r.integers(0, 3, 4)
+    ref = [np.asarray(g) for g in _sum_fn(LoopReference(), model, (x, y, None))()]
+    strategy = GhostClipper()
+    got = _sum_fn(strategy, model, (x, y, None))()
+    assert strategy.mode == "ghost", strategy.description
+    # float32 roundings of one gradient entry: per block embedding 1, RMS norm 8 + 3, attention
+    # projections 8 + 1 and scores 4 + softmax 6 + values 6, output 8 + 1, RMS norm 8 + 3, gated
+    # feed-forward 8 + 16 + 2, final norm 8 + 3, mean 6, head 8 + 1, log-softmax 3; doubled for
+    # the backward pass, plus the embedding's sum over 6 tokens and 2 casts
+    terms = 2 * (1 + 11 + 9 + 16 + 9 + 11 + 26 + 11 + 6 + 9) + 3 + 6 + 2
+    atol = tolerance("float32", terms, _magnitude(model, (x, y, None)))
+    for v, a, b in zip(model.trainable_variables, got, ref):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
