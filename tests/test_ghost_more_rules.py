@@ -177,34 +177,65 @@ def _data():
     return x, r.integers(0, 3, 5)
 
 
-def test_xla():
-    model = _combined()
+def _relative(dtype=None):
+    keras.utils.set_random_seed(23)
+    cls = _hub_class(
+        "keras_hub.src.models.deberta_v3.relative_embedding", "RelativeEmbedding"
+    )
+    inp = keras.Input((8, 8, 3))
+    h = L.Reshape((8, 24), dtype=dtype)(inp)
+    h = L.Dense(6, dtype=dtype)(h)  # [B, 8, 6]: 8 rows = 2 * bucket_size
+    rel = cls(hidden_dim=6, bucket_size=4, dtype=dtype)
+    h = L.Add(dtype=dtype)([h, rel(h)])
+    out = L.Dense(3, dtype="float32")(L.GlobalAveragePooling1D(dtype=dtype)(h))
+    gamma = rel.layer_norm.gamma
+    gamma.assign(rng(6).normal(size=gamma.shape).astype("float32"))
+    return _compile(keras.Model(inp, out))
+
+
+# roundings of _relative: dense fan-in 24 + 1, the table's layer norm 6 + 3, add 1, mean over 8,
+# dense 6 + 1, log-softmax 3; backward the same without the softmax, the layer norm's VJP 6 + 3
+# and the sums over 8 rows; 2 casts
+RELATIVE_TERMS = 2 * ((24 + 1) + (6 + 3) + 1 + 8 + (6 + 1)) + 3 + (6 + 3) + 8 + 2
+
+MODELS = {
+    "depthwise_llama_norm": (_combined, COMBINED_TERMS),
+    "relative": (_relative, RELATIVE_TERMS),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_xla(name):
+    build, terms = MODELS[name]
+    model = build()
     x, y = _data()
     ref = [np.asarray(g) for g in _sum_fn(LoopReference(), model, (x, y, None))()]
     magnitude = _magnitude(model, (x, y, None))
     strategy = GhostClipper()
     got = _sum_fn(strategy, model, (tf.constant(x), tf.constant(y), None), True)()
     assert strategy.mode == "ghost", strategy.description
-    atol = tolerance("float32", COMBINED_TERMS, magnitude)
+    atol = tolerance("float32", terms, magnitude)
     for v, a, b in zip(model.trainable_variables, got, ref):
         np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
 
 
-def test_mixed_precision():
-    model = _combined()
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_mixed_precision(name):
+    build, terms = MODELS[name]
+    model = build()
     x, y = _data()
     ref = [np.asarray(g) for g in _sum_fn(LoopReference(), model, (x, y, None))()]
     magnitude = _magnitude(model, (x, y, None))
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-        half = _combined()
+        half = build()
     finally:
         keras.mixed_precision.set_global_policy("float32")
     half.set_weights(model.get_weights())
     strategy = GhostClipper()
     got = _sum_fn(strategy, half, (tf.constant(x), tf.constant(y), None), False)()
     assert strategy.mode == "ghost", strategy.description
-    atol = tolerance("float16", COMBINED_TERMS, magnitude)
+    atol = tolerance("float16", terms, magnitude)
     for v, a, b in zip(half.trainable_variables, got, ref):
         np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
 
@@ -242,6 +273,66 @@ def test_tiny_llama_backbone_has_no_fallback():
     # feed-forward 8 + 16 + 2, final norm 8 + 3, mean 6, head 8 + 1, log-softmax 3; doubled for
     # the backward pass, plus the embedding's sum over 6 tokens and 2 casts
     terms = 2 * (1 + 11 + 9 + 16 + 9 + 11 + 26 + 11 + 6 + 9) + 3 + 6 + 2
+    atol = tolerance("float32", terms, _magnitude(model, (x, y, None)))
+    for v, a, b in zip(model.trainable_variables, got, ref):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
+
+
+# -- keras-hub DeBERTa-v3's relative embedding ------------------------------------------------------
+
+
+def test_deberta_relative_embedding():
+    """The table's layer norm repeated over the batch: the per-example VJP in closed form."""
+    r = rng(41)
+    cls = _hub_class(
+        "keras_hub.src.models.deberta_v3.relative_embedding", "RelativeEmbedding"
+    )
+    inp = keras.Input((6, 5))
+    rel = cls(hidden_dim=5, bucket_size=3)
+    h = L.Add()([inp, rel(inp)])
+    h = L.Dense(4, activation="tanh")(h)
+    model = keras.Model(inp, L.Dense(3)(L.GlobalAveragePooling1D()(h)))
+    gamma = rel.layer_norm.gamma
+    gamma.assign(r.normal(size=gamma.shape).astype("float32"))
+    x = (r.normal(size=(6, 6, 5)) * r.uniform(0.2, 3.0, (6, 1, 1))).astype("float32")
+    sw = r.uniform(0.5, 2.0, 6).astype("float32")
+    check(model, x, r.integers(0, 3, 6), sw, reference=LoopReference, graph=True)
+
+
+def test_tiny_deberta_v3_backbone_has_no_fallback():
+    keras.utils.set_random_seed(42)
+    backbone = keras_hub.models.DebertaV3Backbone(
+        vocabulary_size=40,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=8,
+        intermediate_dim=16,
+        dropout=0.0,
+        max_sequence_length=16,
+        bucket_size=4,
+    )
+    seq = backbone.output
+    model = _compile(
+        keras.Model(backbone.input, L.Dense(3)(L.GlobalAveragePooling1D()(seq)))
+    )
+    r = rng(43)
+    ids = r.integers(1, 40, (4, 6)).astype("int32")
+    mask = np.ones((4, 6), "int32")
+    mask[2, 3:] = 0
+    x = {"token_ids": ids, "padding_mask": mask}
+    y = r.integers(0, 3, 4)
+    ref = [np.asarray(g) for g in _sum_fn(LoopReference(), model, (x, y, None))()]
+    strategy = GhostClipper()
+    got = _sum_fn(strategy, model, (x, y, None))()
+    assert strategy.mode == "ghost", strategy.description
+    # float32 roundings of one gradient entry: embedding 1, layer norm 8 + 3, relative embedding's
+    # layer norm 8 + 3 and its 8 buckets, attention projections 8 + 1, disentangled scores
+    # (content and two position terms) 3 x 4 + softmax 6 + values 6, output 8 + 1, layer norm
+    # 8 + 3, feed-forward 8 + 16 + 2, layer norm 8 + 3, mean 6, head 8 + 1, log-softmax 3;
+    # doubled for the backward pass, plus the embedding's sum over 6 tokens and 2 casts
+    terms = (
+        2 * (1 + 11 + 11 + 8 + 9 + 12 + 6 + 6 + 9 + 11 + 26 + 11 + 6 + 9) + 3 + 6 + 2
+    )
     atol = tolerance("float32", terms, _magnitude(model, (x, y, None)))
     for v, a, b in zip(model.trainable_variables, got, ref):
         np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)

@@ -15,6 +15,10 @@
   start_index + T - 1`` (or ``positions``) of the table broadcast over the batch: :class:`Rows`
   with those ids and the output gradient summed over any axes between the batch and the sequence.
 
+- keras-hub DeBERTa-v3's ``RelativeEmbedding``: the layer norm of its table, repeated over the
+  batch; the per-example gradients of the table and the norm's gamma and beta in closed form
+  (:func:`relative_embedding_rule`).
+
 Embeddings with LoRA or quantization enabled have no rule here (their variables fall back to
 per-example gradients of the layer's own call).
 """
@@ -26,7 +30,7 @@ import tensorflow as tf
 
 from tf_dp import _compat
 from tf_dp.gradients.ghost.common import batch_size, f32, plain
-from tf_dp.gradients.ghost.factors import Outer, Rows
+from tf_dp.gradients.ghost.factors import Outer, PerExample, Rows
 from tf_dp.gradients.ghost.registry import norm_rule
 
 
@@ -124,3 +128,38 @@ def position_embedding_rule(layer, context, grads):
         ids = tf.cast(positions, tf.int64)
     ids = tf.broadcast_to(ids, [batch, t])
     return [(layer.position_embeddings, Rows(ids, g, layer.sequence_length))]
+
+
+def relative_embedding_variables(layer) -> list:
+    """keras-hub DeBERTa-v3 ``RelativeEmbedding``'s table and its layer norm's gamma and beta."""
+    return [layer.rel_embeddings] + list(layer.layer_norm.trainable_variables)
+
+
+def relative_embedding_rule(layer, inputs, grad_output):
+    """keras-hub DeBERTa-v3 ``RelativeEmbedding``: every example's output is ``LN(E)`` (the
+    layer-normalised ``[2k, D]`` table, repeated over the batch), so example ``b``'s gradient is
+    the layer norm's VJP at ``E`` applied to ``g[b]``: for each row, with ``xhat = (E - mu) / s``
+    and ``gy = g[b] gamma``, ``dE = (gy - mean(gy) - xhat mean(gy xhat)) / s``; ``gamma``'s is
+    ``sum_rows g[b] xhat``, ``beta``'s ``sum_rows g[b]``. All materialised (:class:`PerExample`,
+    the size of the layer's output)."""
+    del inputs
+    ln = layer.layer_norm
+    g = f32(grad_output)  # [B, 2k, D]
+    e = f32(layer.rel_embeddings)[None]  # [1, 2k, D]
+    mean, var = tf.nn.moments(e, axes=[-1], keepdims=True)
+    inv = tf.math.rsqrt(var + ln.epsilon)
+    xhat = (e - mean) * inv
+    gamma = getattr(ln, "gamma", None)
+    gy = g * f32(gamma) if gamma is not None else g
+    de = inv * (
+        gy
+        - tf.reduce_mean(gy, -1, keepdims=True)
+        - xhat * tf.reduce_mean(gy * xhat, -1, keepdims=True)
+    )
+    out = [(layer.rel_embeddings, PerExample(de))]
+    if gamma is not None:
+        out.append((gamma, PerExample(tf.reduce_sum(g * xhat, axis=1))))
+    beta = getattr(ln, "beta", None)
+    if beta is not None:
+        out.append((beta, PerExample(tf.reduce_sum(g, axis=1))))
+    return out

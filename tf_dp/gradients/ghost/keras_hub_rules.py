@@ -10,7 +10,12 @@ import importlib
 from keras_hub.layers import PositionEmbedding, TokenAndPositionEmbedding
 from keras_hub.src.models.gemma.rms_normalization import RMSNormalization
 
-from tf_dp.gradients.ghost.embeddings import position_embedding_rule, position_forward
+from tf_dp.gradients.ghost.embeddings import (
+    position_embedding_rule,
+    position_forward,
+    relative_embedding_rule,
+    relative_embedding_variables,
+)
 from tf_dp.gradients.ghost.normalization import (
     gemma_rms_normalization_rule,
     last_axis_rms_norm_rule,
@@ -53,6 +58,13 @@ def register(registry: LayerRuleRegistry) -> None:
     # tracks the token embedding (``backbone.token_embedding``, used again for tied LM logits)
     registry.register_container(TokenAndPositionEmbedding)
     registry.register(RMSNormalization, gemma_rms_normalization_rule)
+    relative = _optional_class(
+        "keras_hub.src.models.deberta_v3.relative_embedding", "RelativeEmbedding"
+    )
+    if relative is not None:
+        registry.register(
+            relative, relative_embedding_rule, variables=relative_embedding_variables
+        )
     for module, name, rule in _RMS_NORMS:
         layer_class = _optional_class(module, name)
         if layer_class is not None:
