@@ -215,6 +215,7 @@ def plot(csv_path=os.path.join(HERE, "results.csv"), png=os.path.join(HERE, "acc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401  (matplotlib.ticker.NullFormatter)
 
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
@@ -231,6 +232,7 @@ def plot(csv_path=os.path.join(HERE, "results.csv"), png=os.path.join(HERE, "acc
                    [100 * float(r["accuracy"]) for r in mine], s=8, color=line.get_color())
     ax.set_xscale("log")
     ax.set_xticks([1, 3, 8], ["1", "3", "8"])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("epsilon (delta = 1e-5)")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title("Fashion-MNIST, scattering features + linear")
