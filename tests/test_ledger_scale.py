@@ -259,3 +259,104 @@ def test_a_flush_writes_the_staged_rows_in_place(monkeypatch):
     assert written == [1, 1] * 3
     runs = ledger.runs()
     assert runs[0][1] == 5000 and [e.queries[0].noise_stddev for e, _ in runs[1:]] == [1.0, 2.0, 3.0]
+
+
+# A ledger file that claims 1e9 steps in three runs (checksum re-signed after the edit, as
+# anyone can): loading it, resuming from it through a journal and analysing it must cost memory
+# by runs. Run in a subprocess (a per-step expansion is 1e9 table rows: tens of GB, an OOM kill
+# or TensorFlow's out-of-memory error), which prints its peak RSS and the results.
+_CLAIMED_RUNS = ((60000, 1e-5, 1.0, 0.8, 400_000_000), (60000, 2e-5, 1.0, 1.6, 400_000_000),
+                 (60000, 1e-5, 1.0, float(np.float32(1.3)), 200_000_000))
+_EXTRA_STEPS = 5  # recorded after the resume, equal to the last claimed run's steps
+
+_RESUME_SCRIPT = r"""
+import json, os, resource, sys
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import tensorflow as tf
+import tf_dp
+from tf_dp.accounting import compute_epsilon
+from tf_dp.ledger import read_ledger_runs
+
+path, journal, out, n, q, clip, std, extra = sys.argv[1:]
+ledger = tf_dp.PrivacyLedger.load(path)
+loaded_steps = ledger.num_samples
+ledger.attach_journal(journal)  # a resume: the journal takes the loaded steps (as runs)
+query = tf_dp.QueryWithLedger(tf_dp.GaussianSumQuery(float(clip), float(std)), ledger,
+                              population_size=int(n), selection_probability=float(q))
+gs = query.initial_global_state()
+for _ in range(int(extra)):  # the resumed training's steps
+    query.get_noised_result(query.initial_sample_state(tf.zeros([3])), gs)
+ledger.flush()  # appends them to the journal
+ledger.detach_journal()
+resumed = tf_dp.PrivacyLedger()  # a process restarted after a kill: the journal is the record
+resumed.attach_journal(journal)
+ledger.save(out)
+result = {
+    "loaded_steps": loaded_steps,
+    "steps": ledger.num_samples,
+    "journal_steps": resumed.num_samples,
+    "epsilon": compute_epsilon(ledger, 1e-5, "rdp").epsilon,
+    "epsilon_journal": compute_epsilon(resumed, 1e-5, "rdp").epsilon,
+    "epsilon_file": compute_epsilon(out, 1e-5, "rdp").epsilon,
+    "runs": [[e.sampling.selection_probability, e.effective_noise_multiplier(), c]
+             for e, c in resumed.runs()],
+    "saved_runs": len(read_ledger_runs(out)),
+    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+}
+print("RESULT " + json.dumps(result))
+"""
+
+
+def test_a_ledger_claiming_1e9_steps_loads_resumes_and_analyses_in_memory_by_runs(tmp_path):
+    import subprocess
+    import sys
+
+    small = tf_dp.PrivacyLedger()
+    small.restore_runs([(SampleEntry(SamplingEvent(n, q), (SumQueryEvent(clip, std),)), 1)
+                        for n, q, clip, std, _ in _CLAIMED_RUNS])
+    path = tmp_path / "claims_1e9.json"
+    small.save(path)
+    payload = json.loads(path.read_text())
+    for run, (*_, count) in zip(payload["runs"], _CLAIMED_RUNS):
+        run["count"] = count
+    payload["num_samples"] = sum(c for *_, c in _CLAIMED_RUNS)
+    del payload["sha256"]
+    payload["sha256"] = ledger_file.hashlib.sha256(ledger_file._canonical(payload)).hexdigest()
+    path.write_text(json.dumps(payload))
+    assert path.stat().st_size < 2000
+
+    n, q, clip, std, _ = _CLAIMED_RUNS[-1]
+    proc = subprocess.run(
+        [sys.executable, "-c", _RESUME_SCRIPT, str(path), str(tmp_path / "journal.jsonl"),
+         str(tmp_path / "saved.json"), str(n), repr(q), repr(clip), repr(std),
+         str(_EXTRA_STEPS)],
+        capture_output=True, text=True, timeout=600,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+
+    claimed = sum(c for *_, c in _CLAIMED_RUNS)
+    assert got["loaded_steps"] == claimed == 10**9
+    assert got["steps"] == got["journal_steps"] == claimed + _EXTRA_STEPS
+    # the extra steps continue the last run (equal events): still three runs, in every reader
+    expected_runs = [[q, std / clip, c] for _, q, clip, std, c in _CLAIMED_RUNS]
+    expected_runs[-1][2] += _EXTRA_STEPS
+    assert got["runs"] == expected_runs and got["saved_runs"] == 3
+    # the process's whole peak (TensorFlow's import included): a per-step table of 1e9 rows
+    # would be 64 GB for the sample table alone
+    assert got["peak_rss_mb"] < 1024, got["peak_rss_mb"]
+
+    # epsilon from Google's dp_accounting, composing the same events by their counts
+    direct = dp_accounting.rdp.RdpAccountant(orders=list(rdp.DEFAULT_ORDERS))
+    for qq, z, count in expected_runs:
+        direct.compose(dp_accounting.PoissonSampledDpEvent(qq, dp_accounting.GaussianDpEvent(z)),
+                       count)
+    want = direct.get_epsilon(1e-5)
+    assert math.isfinite(want) and want > 0
+    # float64 on both sides: the same RDP bound summed in a different order (log-space series),
+    # then the same conversion; 1e-6 relative covers their roundings with a wide margin and is
+    # far below any change of an event (a count off by one changes it by ~1e-9 relative, so
+    # the step count is checked exactly above)
+    for key in ("epsilon", "epsilon_journal", "epsilon_file"):
+        assert got[key] == pytest.approx(want, rel=1e-6), key

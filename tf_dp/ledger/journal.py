@@ -48,7 +48,14 @@ import warnings
 from typing import Optional, Sequence
 
 from tf_dp.ledger.events import SampleEntry
-from tf_dp.ledger.ledger_file import LedgerFileError, _canonical, runs_payload, runs_to_entries
+from tf_dp.ledger.ledger_file import (
+    LedgerFileError,
+    _canonical,
+    _check_listable,
+    parse_runs,
+    payload_from_runs,
+    runs_payload,
+)
 
 try:  # POSIX; elsewhere a journal is not locked (reading still detects two writers)
     import fcntl
@@ -68,32 +75,39 @@ def encode_runs(entries: Sequence[SampleEntry]) -> str:
     return _canonical(runs_payload(entries)).decode()
 
 
+def encode_run_counts(runs: Sequence[tuple[SampleEntry, int]]) -> str:
+    """:func:`encode_runs` for runs ``[(entry, count), ...]`` (no step is listed)."""
+    return _canonical(payload_from_runs(runs)).decode()
+
+
 def _digest(start: int, runs_json: str) -> str:
     return hashlib.sha256(f"{start}:{runs_json}".encode()).hexdigest()
 
 
-def _parse_record(line: bytes) -> Optional[tuple[int, list[SampleEntry]]]:
-    """``(start, entries)`` of one complete record, or None if the line is not a valid record."""
+def _parse_record(line: bytes) -> Optional[tuple[int, list[tuple[SampleEntry, int]], int]]:
+    """``(start, runs, steps)`` of one complete record, or None if the line is not a valid
+    record (its steps are never listed one by one)."""
     try:
         record = json.loads(line.decode())
         start, runs = record["start"], record["runs"]
         if record.get("sha256") != _digest(start, _canonical(runs).decode()):
             return None
-        return start, runs_to_entries(runs)
+        return (start, *parse_runs(runs))
     except (ValueError, KeyError, TypeError, LedgerFileError, RecursionError):
         return None  # RecursionError: a line nested too deep for the JSON parser
 
 
-def _scan(path: str) -> tuple[list[SampleEntry], int]:
-    """``(entries, valid_bytes)``: the journal's valid records and the length of the valid
-    prefix of the file (a torn tail after it is ignored)."""
+def _scan(path: str) -> tuple[list[tuple[SampleEntry, int]], int, int]:
+    """``(runs, steps, valid_bytes)``: the journal's valid records as merged runs, their step
+    count and the length of the valid prefix of the file (a torn tail after it is ignored).
+    Memory grows with the runs, not the steps."""
     with open(path, "rb") as f:
         data = f.read()
     if not data:
-        return [], 0
+        return [], 0, 0
     newline = data.find(b"\n")
     if newline < 0:  # torn header
-        return [], 0
+        return [], 0, 0
     try:
         header = json.loads(data[:newline].decode())
     except (ValueError, RecursionError):
@@ -105,7 +119,8 @@ def _scan(path: str) -> tuple[list[SampleEntry], int]:
             f"unsupported journal version {header.get('version')!r}; this tf_dp reads version "
             f"{JOURNAL_VERSION}"
         )
-    entries: list[SampleEntry] = []
+    runs: list[tuple[SampleEntry, int]] = []
+    steps = 0
     valid = pos = newline + 1
     while pos < len(data):
         end = data.find(b"\n", pos)
@@ -119,36 +134,57 @@ def _scan(path: str) -> tuple[list[SampleEntry], int]:
             raise LedgerFileError(
                 f"journal {path!r} is corrupted at byte {pos}: a complete record (line "
                 f"{line_no}) is invalid (bad JSON or checksum) after "
-                f"{len(entries)} valid steps, with {later} complete line(s) after it. The steps "
+                f"{steps} valid steps, with {later} complete line(s) after it. The steps "
                 "it held ran and cannot be charged from this file; it is not truncated. Restore "
                 "the journal from a copy, or account from the ledger backup and the damaged "
                 "record's steps by hand"
             )
         else:
-            start, records = parsed
-            if start != len(entries):
+            start, records, count = parsed
+            if start != steps:
                 raise LedgerFileError(
                     f"journal {path!r}: a record starts at step {start}, expected "
-                    f"{len(entries)}: the journal was written by two writers or edited"
+                    f"{steps}: the journal was written by two writers or edited"
                 )
-            entries.extend(records)
+            for entry, n in records:
+                if runs and runs[-1][0] == entry:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + n)
+                else:
+                    runs.append((entry, n))
+            steps += count
             valid = end + 1
         pos = end + 1
-    return entries, valid
+    return runs, steps, valid
+
+
+def read_journal_runs(path: str | os.PathLike) -> list[tuple[SampleEntry, int]]:
+    """The steps a journal holds as runs ``[(entry, count), ...]`` (consecutive identical steps
+    merged; a torn last record is ignored), in memory proportional to the runs, whatever the
+    step count.
+
+    Example::
+
+        runs = read_journal_runs("backup/privacy_journal.jsonl")
+        tf_dp.accounting.compute_epsilon(runs, delta=1e-5)
+    """
+    try:
+        return _scan(os.fspath(path))[0]
+    except OSError as e:
+        raise LedgerFileError(f"cannot read journal {os.fspath(path)!r}: {e.strerror}") from None
 
 
 def read_journal(path: str | os.PathLike) -> list[SampleEntry]:
-    """The steps a journal holds, in order (a torn last record is ignored).
+    """The steps a journal holds, in order, one entry per step (a torn last record is ignored;
+    at most ``MAX_LISTED_SAMPLES`` steps: :func:`read_journal_runs` reads any journal).
 
     Example::
 
         entries = read_journal("backup/privacy_journal.jsonl")
         tf_dp.accounting.compute_epsilon(entries, delta=1e-5)
     """
-    try:
-        return _scan(os.fspath(path))[0]
-    except OSError as e:
-        raise LedgerFileError(f"cannot read journal {os.fspath(path)!r}: {e.strerror}") from None
+    runs = read_journal_runs(path)
+    _check_listable(sum(count for _, count in runs))
+    return [entry for entry, count in runs for _ in range(count)]
 
 
 def _lock(fd: int, path: str) -> None:
@@ -241,7 +277,7 @@ class LedgerJournal:
             raise OSError(e.errno, f"cannot open journal: {e.strerror}", self.path) from None
         try:
             _lock(fd, self.path)  # before reading: a refused writer changes nothing
-            entries, valid = _scan(self.path)
+            _, steps, valid = _scan(self.path)
             if valid == 0:
                 os.ftruncate(fd, 0)
                 _write(fd, _HEADER, self.path)
@@ -253,7 +289,7 @@ class LedgerJournal:
         except BaseException:
             os.close(fd)  # also releases the lock
             raise
-        self._num_samples = len(entries)
+        self._num_samples = steps
         self._fd = fd
 
     @property
@@ -262,8 +298,19 @@ class LedgerJournal:
         return self._num_samples
 
     def entries(self) -> list[SampleEntry]:
-        """The steps the journal holds, read back from the file."""
+        """The steps the journal holds, read back from the file (one entry per step)."""
         return read_journal(self.path)
+
+    def runs(self) -> list[tuple[SampleEntry, int]]:
+        """The steps the journal holds as runs ``[(entry, count), ...]``, read back from the
+        file in memory proportional to the runs."""
+        return read_journal_runs(self.path)
+
+    def append_runs(self, runs: Sequence[tuple[SampleEntry, int]], start: int) -> None:
+        """:meth:`append` for runs ``[(entry, count), ...]`` (one record, no step listed)."""
+        runs = list(runs)
+        if runs:
+            self.append_encoded(encode_run_counts(runs), sum(c for _, c in runs), start)
 
     def append(self, entries: Sequence[SampleEntry], start: int) -> None:
         """Appends ``entries`` as steps ``start, start + 1, ...``; ``start`` must be

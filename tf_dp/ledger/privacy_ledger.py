@@ -6,7 +6,15 @@ query at every step) and analyse the record afterwards, with any accountant, now
 
 The ledger is a ``tf.Module`` holding ``tf.Variable`` tables, so recording works inside
 ``tf.function`` and the ledger is saved by ``tf.train.Checkpoint`` (resumed training continues the
-same ledger); DP Keras optimizers also save it in ``.keras`` files and weight checkpoints. Tables
+same ledger); DP Keras optimizers also save it in ``.keras`` files and weight checkpoints.
+
+Memory grows with the distinct runs of a ledger, not with the steps it claims: content restored
+from a file, a journal or runs (:meth:`PrivacyLedger.load`, :meth:`~PrivacyLedger.restore_runs`,
+:meth:`~PrivacyLedger.attach_journal`) is kept as a *run prefix*, one table row per run of
+identical steps with its step count, and only the steps recorded after it take one row each.
+Readers (:meth:`~PrivacyLedger.runs`, :meth:`~PrivacyLedger.runs_from`, :meth:`~PrivacyLedger.save`,
+the journal) read the prefix as runs; :meth:`~PrivacyLedger.samples` and
+:meth:`~PrivacyLedger.tables` list every step. Tables
 double when full, so recording costs amortised O(1) per step. Inside an XLA-compiled step
 (``jit_compile=True``), where no variable may change shape, rows go to a fixed-size staging table
 written by index; :meth:`PrivacyLedger.flush` moves them into the ledger between compiled calls
@@ -59,6 +67,7 @@ from tf_dp.ledger.events import (
 )
 from tf_dp.ledger.journal import LedgerJournal, encode_runs
 from tf_dp.ledger.ledger_file import (
+    MAX_FILE_SAMPLES,
     LedgerFileError,
     as_runs,
     read_ledger_codes,
@@ -564,6 +573,15 @@ _CHUNK_ROWS = 1 << 16  # steps per chunk when tables are written or read in piec
 _TAIL_ROWS = 64  # most new steps a keeping-up reader turns into entries one by one
 
 
+def _joined(
+    head: list[tuple[SampleEntry, int]], tail: list[tuple[SampleEntry, int]]
+) -> list[tuple[SampleEntry, int]]:
+    """``head + tail``, a run crossing the boundary merged (consecutive runs always differ)."""
+    if head and tail and head[-1][0] == tail[0][0]:
+        return head[:-1] + [(head[-1][0], head[-1][1] + tail[0][1])] + tail[1:]
+    return head + tail
+
+
 def _drop_steps(
     runs: list[tuple[SampleEntry, int]], start: int
 ) -> list[tuple[SampleEntry, int]]:
@@ -605,6 +623,13 @@ class PrivacyLedger(tf.Module):
         super().__init__(name=name)
         self._samples = _Buffer(_SAMPLE_COLS, "samples")
         self._queries = _Buffer(_QUERY_COLS, "queries")
+        # The run prefix (steps 0 .. base - 1, restored from runs): one row per run, the sample
+        # columns then the run's step count; its query rows carry the run's index. The step
+        # tables above hold the steps recorded after it (their indices relative to ``base``).
+        self._prefix = _Buffer(_SAMPLE_COLS + 1, "prefix_runs", staging_capacity=1)
+        self._prefix_queries = _Buffer(_QUERY_COLS, "prefix_queries", staging_capacity=1)
+        with tf.init_scope():
+            self._base = ledger_variable(tf.constant(0, tf.int64), name="prefix_steps")
         self._journal: Optional[LedgerJournal] = None
         self._journal_queries = 0  # query rows already in the journal
         self._journal_key = b""  # the rows last appended to the journal...
@@ -680,13 +705,13 @@ class PrivacyLedger(tf.Module):
         self.flush()
         journal = LedgerJournal(path, fsync=fsync)
         try:
-            journaled = compress(journal.entries())
+            journaled = journal.runs()
             current = self.runs()
             n_journaled = sum(c for _, c in journaled)
             n_current = sum(c for _, c in current)
             if runs_are_prefix(journaled, current):
                 if n_current > n_journaled:
-                    journal.append(self.samples()[n_journaled:], start=n_journaled)
+                    journal.append_runs(_drop_steps(current, n_journaled), start=n_journaled)
             elif runs_are_prefix(current, journaled):
                 self.restore_runs(journaled)
             else:
@@ -717,9 +742,16 @@ class PrivacyLedger(tf.Module):
         journal = self._journal
         if journal is None or not tf.executing_eagerly():
             return
-        s0, s1 = journal.num_samples, int(self._samples.count.numpy())
-        if s1 == s0:
+        base = self._base_steps()
+        start, stop = journal.num_samples, base + int(self._samples.count.numpy())
+        if stop == start:
             return
+        if start < base:  # steps of the run prefix (restored content): appended as runs
+            journal.append_runs(_drop_steps(self._prefix_runs(), start), start=start)
+            start, self._journal_queries = base, 0
+            if stop == start:
+                return
+        s0, s1 = start - base, stop - base  # rows of the step tables
         q0, q1 = self._journal_queries, int(self._queries.count.numpy())
         samples = _read_rows(self._samples.data, s0, s1)
         queries = _read_rows(self._queries.data, q0, q1)
@@ -729,7 +761,7 @@ class PrivacyLedger(tf.Module):
         if key != self._journal_key:  # steps unlike the last ones: encode them
             self._journal_runs = encode_runs(_to_entries(samples, relative))
             self._journal_key = key
-        journal.append_encoded(self._journal_runs, s1 - s0, start=s0)
+        journal.append_encoded(self._journal_runs, s1 - s0, start=start)
         self._journal_queries = q1
 
     # -- recording (graph-safe) ------------------------------------------------------------------
@@ -801,11 +833,31 @@ class PrivacyLedger(tf.Module):
 
     def recorded_samples(self) -> tf.Tensor:
         """The number of samples recorded so far, as an int64 tensor (graph-safe)."""
-        return self._samples.total()
+        return self._base.read_value() + self._samples.total()
 
     @property
     def num_samples(self) -> int:
-        return int(self._samples.total().numpy())
+        return self._base_steps() + int(self._samples.total().numpy())
+
+    def _base_steps(self) -> int:
+        """Steps of the run prefix (eager)."""
+        return int(self._base.numpy())
+
+    def _prefix_runs(self) -> list[tuple[SampleEntry, int]]:
+        """The run prefix as runs ``[(entry, count), ...]`` (consecutive equal entries merged),
+        read in time and memory proportional to its runs."""
+        r = int(self._prefix.count.numpy())
+        if r == 0:
+            return []
+        table = _read_rows(self._prefix.data, 0, r)
+        queries = _read_rows(self._prefix_queries.data, 0, int(self._prefix_queries.count.numpy()))
+        rows = _RowEntries()
+        codes = rows.run_codes(np.ascontiguousarray(table[:, :_SAMPLE_COLS]), queries)
+        counts = table[:, _SAMPLE_COLS].astype(np.int64)
+        keep = np.flatnonzero(np.r_[True, codes[1:] != codes[:-1]])
+        totals = np.add.reduceat(counts, keep)
+        entries = rows.codes.entries
+        return [(entries[c], t) for c, t in zip(codes[keep].tolist(), totals.tolist())]
 
     def samples(self) -> list[SampleEntry]:
         """The recorded samples, in order, each with its sum queries (one entry per step;
@@ -825,7 +877,7 @@ class PrivacyLedger(tf.Module):
         """
         if tf.executing_eagerly():
             self.flush()
-        return self._runs_from(0)
+        return _joined(self._prefix_runs(), self._runs_from(0))
 
     def runs_from(self, start: int) -> list[tuple[SampleEntry, int]]:
         """The runs of the steps from index ``start`` on (``runs()`` without the first ``start``
@@ -843,19 +895,23 @@ class PrivacyLedger(tf.Module):
         """
         if isinstance(start, bool) or not isinstance(start, (int, np.integer)):
             raise TypeError(f"start must be an int step index, got {type(start).__name__}")
+        start = int(start)
+        base = self._base_steps()
         if tf.executing_eagerly():
-            tail = self._read_tail(int(start))
+            tail = self._read_tail(start - base) if start >= base else None
             if tail is not None:
                 return tail
             self.flush()
-        n = int(self._samples.count.numpy())
+        n = base + int(self._samples.count.numpy())
         if not 0 <= start <= n:
             raise ValueError(f"start must be in [0, num_samples={n}], got {start}")
-        return self._runs_from(int(start))
+        if start >= base:  # only steps recorded after the run prefix
+            return self._runs_from(start - base)
+        return _joined(_drop_steps(self._prefix_runs(), start), self._runs_from(0))
 
     def _read_tail(self, start: int) -> Optional[list[tuple[SampleEntry, int]]]:
-        """:meth:`runs_from` for a reader that keeps up (``start`` is where the previous read
-        ended, a few steps ago): the counters and then the new rows (the query row before them
+        """:meth:`runs_from` for a reader that keeps up (``start``, a row of the step tables, is
+        where the previous read ended, a few steps ago): the counters and then the new rows (the query row before them
         included, to check the tables were not replaced), about eight small eager reads. None
         (the caller reads the usual way) whenever that would not be the whole answer: rows
         still staged or dropped (a flush is due), a journal to append to, tables replaced, or
@@ -988,7 +1044,7 @@ class PrivacyLedger(tf.Module):
         runs = as_runs(runs)  # validates the items and merges consecutive identical runs
         journaled: list[tuple[SampleEntry, int]] = []
         if self._journal is not None:
-            journaled = compress(self._journal.entries())
+            journaled = self._journal.runs()
             if not runs_are_prefix(journaled, runs):
                 n_runs = sum(c for _, c in runs)
                 raise ValueError(
@@ -1003,39 +1059,52 @@ class PrivacyLedger(tf.Module):
         counts = np.fromiter(map(itemgetter(1), runs), np.int64, len(runs))
         self._write_coded(codes.entries, run_codes, counts)
         if self._journal is not None:
-            self._journal_queries = sum(len(e.queries) * c for e, c in journaled)
+            self._journal_queries = 0  # the step tables are empty: every step is in the prefix
             self._sync_journal()
 
     def _write_coded(
         self, entries: Sequence[SampleEntry], run_codes: np.ndarray, counts: np.ndarray
     ) -> None:
-        """Replaces the tables with runs given as codes (indices into the distinct ``entries``)
-        and step counts. Every entry converts first (nothing changes if one cannot); the tables
-        are then built in place, a piece of steps at a time (no full-length host copy, no
-        per-step Python work)."""
+        """Replaces the content with runs given as codes (indices into the distinct
+        ``entries``) and step counts: they become the run prefix (one row per run, memory
+        proportional to the runs, whatever the step count) and the step tables are emptied.
+        Every entry converts first (nothing changes if one cannot)."""
         rows = _entry_rows(entries)
-        ends = np.cumsum(counts)
-        n_samples = int(ends[-1]) if len(ends) else 0
-        n_queries = int(np.dot(rows[2][run_codes], counts)) if len(ends) else 0
-        self._samples.allocate(n_samples)
-        self._queries.allocate(n_queries)
-        query_row = 0
-        for s0 in range(0, n_samples, _CHUNK_ROWS):
-            s1 = min(s0 + _CHUNK_ROWS, n_samples)
-            r0, r1 = np.searchsorted(ends, [s0, s1 - 1], side="right")
-            r1 += 1
-            taken = np.minimum(ends[r0:r1], s1) - np.maximum(ends[r0:r1] - counts[r0:r1], s0)
-            samples, queries = _step_tables(rows, np.repeat(run_codes[r0:r1], taken), s0)
-            self._samples.write(s0, samples)
-            self._queries.write(query_row, queries)
-            query_row += queries.shape[0]
-        self._samples.set_count(n_samples)
-        self._queries.set_count(n_queries)
+        run_codes = np.asarray(run_codes, np.int64)
+        counts = np.asarray(counts, np.int64)
+        total = int(counts.sum()) if counts.size else 0
+        if counts.size and (int(counts.min()) < 1 or total > MAX_FILE_SAMPLES):
+            raise ValueError(
+                f"run counts must be >= 1 and total at most {MAX_FILE_SAMPLES:.0e} steps, got "
+                f"counts in [{int(counts.min())}, {int(counts.max())}] totalling {total}"
+            )
+        prefix, queries = _step_tables(rows, run_codes)  # one "step" per run
+        self._prefix.load(np.concatenate([prefix, counts[:, None].astype(np.float64)], axis=1))
+        self._prefix_queries.load(queries)
+        self._base.assign(total)
+        for buffer in (self._samples, self._queries):
+            buffer.allocate(0)
+            buffer.set_count(0)
+        self._runs_cursor = (0, 0)
 
     def tables(self) -> tuple[np.ndarray, np.ndarray]:
-        """The raw sample and query tables (float64), e.g. to store them in a weights file."""
+        """The raw sample and query tables (float64), one sample row per step (the run prefix
+        listed step by step), e.g. to store them in a weights file."""
         self.flush()
-        return self._samples.numpy().copy(), self._queries.numpy().copy()
+        samples, queries = self._samples.numpy().copy(), self._queries.numpy().copy()
+        r = int(self._prefix.count.numpy())
+        if r == 0:
+            return samples, queries
+        prefix = self._prefix.numpy()
+        prefix_queries = self._prefix_queries.numpy()
+        counts = prefix[:, _SAMPLE_COLS].astype(np.int64)
+        per_run = np.bincount(prefix_queries[:, 0].astype(np.int64), minlength=r)
+        head, head_queries = _step_tables(
+            (prefix[:, :_SAMPLE_COLS], prefix_queries[:, 1:], per_run),
+            np.repeat(np.arange(r), counts),
+        )
+        queries[:, 0] += head.shape[0]
+        return np.concatenate([head, samples]), np.concatenate([head_queries, queries])
 
     @property
     def missing_steps(self) -> int:
