@@ -198,7 +198,22 @@ def _relative(dtype=None):
 # and the sums over 8 rows; 2 casts
 RELATIVE_TERMS = 2 * ((24 + 1) + (6 + 3) + 1 + 8 + (6 + 1)) + 3 + (6 + 3) + 8 + 2
 
+
+def _separable(dtype=None):
+    keras.utils.set_random_seed(24)
+    inp = keras.Input((8, 8, 3))
+    h = L.SeparableConv2D(4, 3, depth_multiplier=2, padding="same", dtype=dtype)(inp)
+    out = L.Dense(3, dtype="float32")(L.GlobalAveragePooling2D(dtype=dtype)(h))
+    return _compile(keras.Model(inp, out))
+
+
+# roundings of _separable: depthwise fan-in 9, pointwise 6 + bias 1, mean over 64 pixels, dense
+# 4 + 1, log-softmax 3; backward the same without the softmax, both kernels' sums over the 64
+# pixels; 2 casts
+SEPARABLE_TERMS = 2 * (9 + 7 + 64 + 5) + 3 + 64 + 64 + 2
+
 MODELS = {
+    "separable": (_separable, SEPARABLE_TERMS),
     "depthwise_llama_norm": (_combined, COMBINED_TERMS),
     "relative": (_relative, RELATIVE_TERMS),
 }
@@ -336,3 +351,44 @@ def test_tiny_deberta_v3_backbone_has_no_fallback():
     atol = tolerance("float32", terms, _magnitude(model, (x, y, None)))
     for v, a, b in zip(model.trainable_variables, got, ref):
         np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
+
+
+# -- separable convolutions ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "layer, shape, graph",
+    [
+        (
+            lambda: L.SeparableConv2D(4, 3, depth_multiplier=2, padding="same"),
+            (9, 9, 3),
+            False,
+        ),
+        (
+            lambda: L.SeparableConv2D(
+                5, (3, 2), strides=2, activation="relu", use_bias=False
+            ),
+            (9, 9, 3),
+            True,
+        ),
+        (
+            lambda: L.SeparableConv2D(4, 3, dilation_rate=2, padding="same"),
+            (9, 9, 3),
+            False,
+        ),
+        (
+            lambda: L.SeparableConv1D(4, 3, depth_multiplier=3, padding="same"),
+            (10, 3),
+            False,
+        ),
+        (lambda: L.SeparableConv1D(4, 3, strides=2, activation="tanh"), (10, 3), True),
+    ],
+)
+def test_separable_conv(layer, shape, graph):
+    r = rng(51)
+    pool = L.GlobalAveragePooling2D() if len(shape) == 3 else L.GlobalAveragePooling1D()
+    model = keras.Sequential([keras.Input(shape), layer(), pool, L.Dense(3)])
+    size = (6,) + shape
+    scale = r.uniform(0.2, 3.0, (6,) + (1,) * len(shape))
+    x = (r.normal(size=size) * scale).astype("float32")
+    check(model, x, r.integers(0, 3, 6), graph=graph, reference=LoopReference)

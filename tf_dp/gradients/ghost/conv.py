@@ -5,6 +5,10 @@
   channel ``c``, so the per-example gradient of the ``[kh, kw, C, M]`` kernel is
   ``sum_t patches[t, k, c] g[t, c, m]``, materialised per example (:class:`PerExample`; it has
   the kernel's size, small, and costs what the forward convolution costs); the bias is per example.
+- ``SeparableConv1D`` and ``SeparableConv2D``: the recorded pass runs the depthwise and the
+  pointwise (1x1) convolution apart and watches both outputs; the depthwise kernel's factor is the
+  depthwise rule's, from the layer input and the gradient at the depthwise output; the pointwise
+  kernel's is ``Outer(depthwise output, g)``; the bias is per example.
 """
 
 from __future__ import annotations
@@ -141,5 +145,74 @@ def conv_rule(layer, inputs, grad_output):
         )
     ]
     if layer.bias is not None:
+        out.append((layer.bias, bias_per_example(g, layer.bias)))
+    return out
+
+
+def _separable_supports(layer) -> Optional[str]:
+    reason = plain(layer)
+    if reason:
+        return reason
+    if getattr(layer, "rank", None) not in (1, 2):
+        return f"{layer.name}: only 1-D and 2-D separable convolutions have a built-in norm rule"
+    if layer.padding == "causal":
+        return f"{layer.name}: causal separable convolutions have no built-in norm rule"
+    return None
+
+
+def separable_forward(layer, call, args, kwargs, watch):
+    """The separable convolution as its two convolutions, both outputs watched (no activation:
+    the rule is registered with ``split_activation``)."""
+    x = args[0] if args else kwargs["inputs"]
+    mid = keras.ops.depthwise_conv(
+        x,
+        layer.depthwise_kernel,
+        strides=layer.strides,
+        padding=layer.padding,
+        data_format=layer.data_format,
+        dilation_rate=layer.dilation_rate,
+    )
+    mid = watch(mid)
+    out = keras.ops.conv(
+        mid, layer.pointwise_kernel, strides=1, padding="valid", data_format=layer.data_format
+    )
+    if layer.use_bias:
+        axis = -1 if layer.data_format == "channels_last" else 1
+        shape = [1] * (layer.rank + 2)
+        shape[axis] = layer.filters
+        out = out + keras.ops.reshape(layer.bias, shape)
+    return watch(out), (x, mid)
+
+
+@norm_rule(
+    getattr(keras.layers, "SeparableConv1D", None),
+    getattr(keras.layers, "SeparableConv2D", None),
+    supports=_separable_supports,
+    split_activation=True,
+    forward=separable_forward,
+)
+def separable_conv_rule(layer, context, grads):
+    x, mid = context
+    g_mid, g = f32(grads[0]), f32(grads[1])
+    patches, g_mid = _patches(layer, f32(x), g_mid)
+    kernel = layer.depthwise_kernel  # [kh, (kw,) C, M]
+    c, m = kernel.shape[-2], kernel.shape[-1]
+    taps = int(np.prod(kernel.shape[:-2]))
+    b = batch_size(g)
+    p = tf.reshape(patches, [b, -1, taps, c])
+    per_example = tf.einsum("btkc,btcm->bkcm", p, tf.reshape(g_mid, [b, -1, c, m]))
+    mid = f32(mid)
+    if layer.data_format == "channels_first":
+        perm = [0] + list(range(2, layer.rank + 2)) + [1]
+        mid, g = tf.transpose(mid, perm), tf.transpose(g, perm)
+    f = g.shape[-1]
+    out = [
+        (kernel, PerExample(tf.reshape(per_example, [b] + list(kernel.shape)))),
+        (
+            layer.pointwise_kernel,
+            Outer(tf.reshape(mid, [b, -1, c * m]), tf.reshape(g, [b, -1, f])),
+        ),
+    ]
+    if layer.use_bias:
         out.append((layer.bias, bias_per_example(g, layer.bias)))
     return out
