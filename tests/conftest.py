@@ -26,6 +26,7 @@ UNIT = {
     "test_batch_selection_accounting",
     "test_batch_selection_calibration",
     "test_mf_accounting",
+    "test_mf_ledger",
     "test_cli",
     "test_data_datasets",
     "test_dp_query_graph",

@@ -21,6 +21,9 @@ bound ``sqrt(sum |C^T C|)`` over them (an upper bound, said in the result).
   (Choquette-Choo et al. 2023, Thm. 4); composed by tf_dp's accountants (``pld`` or ``rdp``).
   ``b = 1`` is DP-SGD's accounting, number for number.
 * :func:`calibrate_mf_noise`: the noise multiplier for a target epsilon, for either.
+* :func:`mf_epsilon_from_ledger`: epsilon recomputed from a saved ledger file whose metadata holds
+  a :class:`~tf_dp.ledger.events.MatrixFactorizationEvent` (``C`` rebuilt from the strategy's
+  config for the number of steps the ledger records).
 
 Example:
 
@@ -48,6 +51,8 @@ __all__ = [
     "amplified_bandmf_epsilon",
     "calibrate_mf_noise",
     "mf_epsilon",
+    "mf_epsilon_from_ledger",
+    "mf_matrix_from_config",
     "mf_sensitivity",
 ]
 
@@ -261,3 +266,92 @@ def calibrate_mf_noise(strategy: Any, target_epsilon: float, delta: float,
         else:
             lo = mid
     return hi
+
+
+def mf_matrix_from_config(config: dict, num_steps: Optional[int] = None) -> np.ndarray:
+    """``C`` (dense, ``[num_steps, num_steps]``, default the config's ``num_steps``) from a
+    strategy's ``to_config()`` dict, in numpy: ``banded``, the lower-triangular Toeplitz of the
+    coefficients; ``blt``, the inverse of the Toeplitz ``C^{-1}`` with first column ``1, sum_i
+    omega_i theta_i^(k-1)`` (lag ``k >= 1``). Past the config's ``num_steps`` both continue as
+    Toeplitz (what the runtime noise does).
+
+    Example: ``mf_matrix_from_config({"kind": "banded", "coefficients": [1, .5], "num_steps": 3})``.
+    """
+    from tf_dp.ledger.events import MatrixFactorizationEvent
+
+    MatrixFactorizationEvent(config, 1.0, 1.0)  # validates the config
+    n = config["num_steps"] if num_steps is None else num_steps
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"num_steps must be an integer >= 0, got {num_steps!r}")
+    n = int(n)
+    lag = np.arange(n)[:, None] - np.arange(n)[None, :]
+    if config["kind"] == "banded":
+        col = np.zeros(n)
+        coef = np.asarray(config["coefficients"], np.float64)[:n]
+        col[: len(coef)] = coef
+        return np.where(lag >= 0, col[np.clip(lag, 0, max(n - 1, 0))], 0.0)
+    omega = np.asarray(config["omega"], np.float64)
+    theta = np.asarray(config["theta"], np.float64)
+    k = np.arange(1, n)
+    inv_col = np.r_[1.0, (omega[None, :] * theta[None, :] ** (k - 1)[:, None]).sum(axis=1)][:n]
+    inv = np.where(lag >= 0, inv_col[np.clip(lag, 0, max(n - 1, 0))], 0.0)
+    return np.linalg.solve(inv, np.eye(n)) if n else inv
+
+
+def mf_epsilon_from_ledger(path: Any, delta: float, accountant: str = "pld") -> MFPrivacy:
+    """Recomputes a matrix-factorization run's epsilon from its saved ledger file.
+
+    The file's metadata holds the run's :class:`~tf_dp.ledger.events.MatrixFactorizationEvent`
+    under :data:`~tf_dp.ledger.events.MF_METADATA_KEY` (covered by the file's checksum); the
+    ledger's steps give ``n``, the number of releases, and ``C`` is rebuilt for ``n`` steps
+    (:func:`mf_matrix_from_config`). ``cyclic_poisson`` with a ``C`` of at most ``period`` bands:
+    :func:`amplified_bandmf_epsilon` (``accountant``); otherwise, and for ``single`` / ``periodic``
+    participation: :func:`mf_epsilon` (no amplification). Refuses (ValueError) a file without the
+    event, a cyclic Poisson claim the ledger's sampling events contradict, or a step whose recorded
+    sensitivity exceeds the event's clip norm.
+
+    Example::
+
+        ledger.save("run.ledger.json", metadata={MF_METADATA_KEY: event.to_dict()})
+        mf_epsilon_from_ledger("run.ledger.json", delta=1e-5).epsilon
+    """
+    import json
+    import os
+
+    from tf_dp.ledger.events import MF_METADATA_KEY, MatrixFactorizationEvent
+    from tf_dp.ledger.ledger_file import read_ledger_runs
+
+    delta = _check_delta(delta)
+    runs = read_ledger_runs(path)  # validates the file and its checksum (metadata included)
+    with open(os.fspath(path), encoding="utf-8") as f:
+        meta = json.load(f).get("metadata") or {}
+    if MF_METADATA_KEY not in meta:
+        raise ValueError(f"ledger file {os.fspath(path)!r} has no matrix-factorization event "
+                         f"(metadata key {MF_METADATA_KEY!r}); save it with "
+                         f"metadata={{{MF_METADATA_KEY!r}: event.to_dict()}}")
+    event = MatrixFactorizationEvent.from_dict(meta[MF_METADATA_KEY])
+    n = sum(count for _, count in runs)
+    clip = float(event.l2_norm_clip)
+    for entry, _ in runs:
+        smp = entry.sampling
+        if event.participation == "cyclic_poisson" and not (
+                smp.policy == "cyclic_poisson" and smp.num_parts == event.period
+                and math.isclose(smp.selection_probability, event.sampling_probability,
+                                 rel_tol=2.0**-23)):
+            raise ValueError(
+                f"the event claims cyclic Poisson sampling over {event.period} parts at rate "
+                f"{event.sampling_probability}, but the ledger records a {smp.policy!r} draw "
+                f"(num_parts={smp.num_parts}, q={smp.selection_probability})")
+        for q in entry.queries:
+            if q.l2_sensitivity > clip * (1 + 2.0**-23):
+                raise ValueError(f"a step's l2_sensitivity {q.l2_sensitivity} exceeds the "
+                                 f"event's l2_norm_clip {clip}")
+    if n == 0:
+        return MFPrivacy(0.0, delta, 0.0, True, "no steps recorded")
+    c = mf_matrix_from_config(event.strategy, n)
+    z = float(event.noise_multiplier)
+    if event.participation == "cyclic_poisson" and _banded_width(c) <= min(event.period, n):
+        return amplified_bandmf_epsilon(c, z, delta, float(event.sampling_probability),
+                                        bands=min(event.period, n), accountant=accountant)
+    period = None if event.participation == "single" else min(event.period, n)
+    return mf_epsilon(c, z, delta, period)

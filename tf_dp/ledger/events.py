@@ -468,3 +468,111 @@ def runs_are_prefix(
         if count < other_count and i != len(a) - 1:
             return False
     return True
+
+
+#: Participation schemas of a matrix-factorization run (see :class:`MatrixFactorizationEvent`).
+MF_PARTICIPATIONS = ("single", "periodic", "cyclic_poisson")
+
+#: Key of the :class:`MatrixFactorizationEvent` in a ledger file's ``metadata`` (covered by the
+#: file's checksum).
+MF_METADATA_KEY = "matrix_factorization"
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixFactorizationEvent:
+    """A correlated-noise (DP matrix factorization) run: the released step-``t`` sum is the clipped
+    sum plus row ``t`` of ``C^{-1} Z``, ``Z`` i.i.d. ``N(0, (noise_multiplier * l2_norm_clip)^2)``.
+
+    The event describes the mechanism once per run; the ledger's steps say how many ran. It is
+    kept in a ledger file's metadata under :data:`MF_METADATA_KEY`
+    (``ledger.save(path, metadata={MF_METADATA_KEY: event.to_dict()})``), and
+    ``tf_dp.accounting.matrix_factorization.mf_epsilon_from_ledger`` recomputes epsilon from it.
+
+    Attributes:
+      strategy: the strategy's ``to_config()`` dict (``{"kind": "banded", "coefficients": [...],
+        "num_steps": n}``: ``C`` lower-triangular Toeplitz with that first column; or ``{"kind":
+        "blt", "omega": [...], "theta": [...], "num_steps": n}``: ``C^{-1}`` Toeplitz with first
+        column ``1, sum_i omega_i theta_i^(k-1)``). Steps past ``num_steps`` continue the Toeplitz.
+      noise_multiplier: ``z >= 0``.
+      l2_norm_clip: the clip norm ``> 0``.
+      participation: one of :data:`MF_PARTICIPATIONS`. ``single``: a record is in at most one
+        step. ``periodic``: a record's steps are ``period`` apart (a fixed cyclic order). ``cyclic_
+        poisson``: the records split into ``period`` parts, step ``t`` a Poisson sample at rate
+        ``sampling_probability`` of part ``t mod period``.
+      period: steps between a record's participations (``periodic``/``cyclic_poisson``; an integer
+        >= 1), None for ``single``.
+      sampling_probability: ``q`` in (0, 1] for ``cyclic_poisson``; else None.
+
+    Example:
+
+    >>> e = MatrixFactorizationEvent({"kind": "banded", "coefficients": [1.0, 0.5],
+    ...                               "num_steps": 10}, 2.0, 1.0, "periodic", period=5)
+    >>> MatrixFactorizationEvent.from_dict(e.to_dict()) == e
+    True
+    """
+
+    strategy: dict
+    noise_multiplier: float
+    l2_norm_clip: float
+    participation: str = "single"
+    period: Optional[int] = None
+    sampling_probability: Optional[float] = None
+
+    def __post_init__(self):
+        s = self.strategy
+        if not isinstance(s, dict) or s.get("kind") not in ("banded", "blt"):
+            raise ValueError(f"strategy must be a strategy's to_config() dict (kind 'banded' or "
+                             f"'blt'), got {s!r}")
+        keys = ("coefficients",) if s["kind"] == "banded" else ("omega", "theta")
+        for key in keys:
+            v = s.get(key)
+            if not (isinstance(v, (list, tuple)) and len(v) >= (1 if key == "coefficients" else 0)
+                    and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                            and math.isfinite(x) for x in v)):
+                raise ValueError(f"strategy[{key!r}] must be a list of finite numbers, got {v!r}")
+        if s["kind"] == "banded" and not s["coefficients"][0] > 0:
+            raise ValueError("strategy['coefficients'][0] must be > 0 (C's diagonal), got "
+                             f"{s['coefficients'][0]!r}")
+        if s["kind"] == "blt" and len(s["omega"]) != len(s["theta"]):
+            raise ValueError("strategy['omega'] and strategy['theta'] must have the same length")
+        n = s.get("num_steps")
+        if isinstance(n, bool) or not (isinstance(n, int) and n >= 1):
+            raise ValueError(f"strategy['num_steps'] must be an integer >= 1, got {n!r}")
+        z, c = self.noise_multiplier, self.l2_norm_clip
+        if isinstance(z, bool) or not (isinstance(z, (int, float)) and math.isfinite(z) and z >= 0):
+            raise ValueError(f"noise_multiplier must be a finite number >= 0, got {z!r}")
+        if isinstance(c, bool) or not (isinstance(c, (int, float)) and math.isfinite(c) and c > 0):
+            raise ValueError(f"l2_norm_clip must be a finite number > 0, got {c!r}")
+        if self.participation not in MF_PARTICIPATIONS:
+            raise ValueError(f"participation must be one of {MF_PARTICIPATIONS}, got "
+                             f"{self.participation!r}")
+        p = self.period
+        if self.participation == "single":
+            if p is not None:
+                raise ValueError("period is only allowed for participation 'periodic' or "
+                                 "'cyclic_poisson'")
+        elif isinstance(p, bool) or not (isinstance(p, int) and p >= 1):
+            raise ValueError(f"period must be an integer >= 1 for participation "
+                             f"{self.participation!r}, got {p!r}")
+        q = self.sampling_probability
+        if self.participation == "cyclic_poisson":
+            if isinstance(q, bool) or not (isinstance(q, (int, float)) and 0 < q <= 1):
+                raise ValueError(f"sampling_probability must be in (0, 1] for cyclic_poisson, "
+                                 f"got {q!r}")
+        elif q is not None:
+            raise ValueError("sampling_probability is only allowed for participation "
+                             "'cyclic_poisson'")
+
+    def to_dict(self) -> dict:
+        """A JSON-safe dict (:meth:`from_dict` reads it back)."""
+        return {"strategy": dict(self.strategy), "noise_multiplier": self.noise_multiplier,
+                "l2_norm_clip": self.l2_norm_clip, "participation": self.participation,
+                "period": self.period, "sampling_probability": self.sampling_probability}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MatrixFactorizationEvent":
+        if not isinstance(d, dict) or set(d) - {
+                "strategy", "noise_multiplier", "l2_norm_clip", "participation", "period",
+                "sampling_probability"}:
+            raise ValueError(f"not a MatrixFactorizationEvent dict: {d!r}")
+        return cls(**d)
