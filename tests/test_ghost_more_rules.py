@@ -212,7 +212,24 @@ def _separable(dtype=None):
 # pixels; 2 casts
 SEPARABLE_TERMS = 2 * (9 + 7 + 64 + 5) + 3 + 64 + 64 + 2
 
+
+def _transpose(dtype=None):
+    keras.utils.set_random_seed(25)
+    inp = keras.Input((8, 8, 3))
+    h = L.Conv2DTranspose(
+        4, 3, strides=2, padding="same", activation="tanh", dtype=dtype
+    )(inp)
+    out = L.Dense(3, dtype="float32")(L.GlobalAveragePooling2D(dtype=dtype)(h))
+    return _compile(keras.Model(inp, out))
+
+
+# roundings of _transpose: each output pixel sums at most 3 x 3 x 3 products + bias 1, tanh 1,
+# mean over 256 pixels, dense 4 + 1, log-softmax 3; backward the same without the softmax, the
+# kernel's sum over the 64 input pixels; 2 casts
+TRANSPOSE_TERMS = 2 * (27 + 2 + 256 + 5) + 3 + 64 + 2
+
 MODELS = {
+    "transpose": (_transpose, TRANSPOSE_TERMS),
     "separable": (_separable, SEPARABLE_TERMS),
     "depthwise_llama_norm": (_combined, COMBINED_TERMS),
     "relative": (_relative, RELATIVE_TERMS),
@@ -388,6 +405,36 @@ def test_separable_conv(layer, shape, graph):
     r = rng(51)
     pool = L.GlobalAveragePooling2D() if len(shape) == 3 else L.GlobalAveragePooling1D()
     model = keras.Sequential([keras.Input(shape), layer(), pool, L.Dense(3)])
+    size = (6,) + shape
+    scale = r.uniform(0.2, 3.0, (6,) + (1,) * len(shape))
+    x = (r.normal(size=size) * scale).astype("float32")
+    check(model, x, r.integers(0, 3, 6), graph=graph, reference=LoopReference)
+
+
+# -- transposed convolutions -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "layer, shape, graph",
+    [
+        (lambda: L.Conv2DTranspose(4, 3, strides=2, padding="same"), (5, 5, 3), False),
+        (lambda: L.Conv2DTranspose(4, 3, strides=2, padding="valid"), (5, 5, 3), True),
+        (
+            lambda: L.Conv2DTranspose(4, 2, strides=3, activation="relu"),
+            (4, 4, 9),
+            False,
+        ),
+        (lambda: L.Conv2DTranspose(3, (3, 2), padding="same"), (5, 6, 2), False),
+        (lambda: L.Conv1DTranspose(4, 3, strides=2, padding="same"), (7, 3), False),
+        (lambda: L.Conv1DTranspose(4, 4, strides=2, use_bias=False), (7, 3), True),
+    ],
+)
+def test_conv_transpose(layer, shape, graph):
+    r = rng(61)
+    pool = L.GlobalAveragePooling2D() if len(shape) == 3 else L.GlobalAveragePooling1D()
+    model = keras.Sequential(
+        [keras.Input(shape), layer(), L.Activation("tanh"), pool, L.Dense(3)]
+    )
     size = (6,) + shape
     scale = r.uniform(0.2, 3.0, (6,) + (1,) * len(shape))
     x = (r.normal(size=size) * scale).astype("float32")

@@ -9,6 +9,10 @@
   pointwise (1x1) convolution apart and watches both outputs; the depthwise kernel's factor is the
   depthwise rule's, from the layer input and the gradient at the depthwise output; the pointwise
   kernel's is ``Outer(depthwise output, g)``; the bias is per example.
+- ``Conv1DTranspose`` and ``Conv2DTranspose`` (no ``output_padding``, no dilation): the layer is
+  the adjoint of a convolution from its output to its input, so its ``[kh, kw, F, C]`` kernel's
+  per-example gradient is ``sum_t patches(g)[t] x[t]^T``, the output gradient unfolded with the
+  layer's kernel size, strides and padding (one patch per input position): ``Outer(patches(g), x)``.
 """
 
 from __future__ import annotations
@@ -214,5 +218,50 @@ def separable_conv_rule(layer, context, grads):
         ),
     ]
     if layer.use_bias:
+        out.append((layer.bias, bias_per_example(g, layer.bias)))
+    return out
+
+
+def _transpose_supports(layer) -> Optional[str]:
+    reason = plain(layer)
+    if reason:
+        return reason
+    if getattr(layer, "rank", None) not in (1, 2):
+        return f"{layer.name}: only 1-D and 2-D transposed convolutions have a built-in norm rule"
+    if getattr(layer, "output_padding", None) is not None:
+        return f"{layer.name}: transposed convolutions with output_padding have no built-in rule"
+    if any(d != 1 for d in layer.dilation_rate):
+        return f"{layer.name}: dilated transposed convolutions have no built-in norm rule"
+    return None
+
+
+@norm_rule(
+    getattr(keras.layers, "Conv1DTranspose", None),
+    getattr(keras.layers, "Conv2DTranspose", None),
+    supports=_transpose_supports,
+    split_activation=True,
+)
+def conv_transpose_rule(layer, inputs, grad_output):
+    x, g = f32(inputs), f32(grad_output)
+    rank = layer.rank
+    if layer.data_format == "channels_first":
+        perm = [0] + list(range(2, rank + 2)) + [1]
+        x, g = tf.transpose(x, perm), tf.transpose(g, perm)
+    ks, st = list(layer.kernel_size), list(layer.strides)
+    if rank == 1:
+        x, g = x[:, None], g[:, None]
+        ks, st = [1] + ks, [1] + st
+    patches = _unfold(g, ks, st, [1, 1], layer.padding.upper())  # [B, H_in, W_in, kh kw F]
+    b = batch_size(x)
+    c = x.shape[-1]
+    out = [
+        (
+            layer.kernel,
+            Outer(
+                tf.reshape(patches, [b, -1, patches.shape[-1]]), tf.reshape(x, [b, -1, c])
+            ),
+        )
+    ]
+    if layer.bias is not None:
         out.append((layer.bias, bias_per_example(g, layer.bias)))
     return out
