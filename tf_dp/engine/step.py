@@ -535,7 +535,7 @@ class DPEngine:
         # record keep the privacy spent unknown, and an unverified ledger stays unverified
         self.ledger.expect_trained_steps(previous.ledger.trained_steps)
         if previous.ledger.num_samples:
-            self.ledger.restore_entries(previous.ledger.samples())
+            self.ledger.restore_runs(previous.ledger.runs())  # by runs, not steps
             self.ledger.verified = self.ledger.verified and previous.ledger.verified
             _logger.info(
                 "tf_dp: the new optimizer continues the model's ledger (%d recorded steps)",
