@@ -24,7 +24,8 @@ factors into things the forward and backward passes already computed. Signature:
 Each layer family's rules live in a module named after it, marked with
 :func:`~tf_dp.gradients.ghost.registry.norm_rule`: ``dense.py`` (``Dense``, ``EinsumDense``, with
 ``lora.py`` for LoRA; ``MultiHeadAttention`` owns no variables itself: its four projections are
-``EinsumDense`` layers), ``conv.py`` (``Conv1D``, ``Conv2D``), ``embeddings.py`` (``Embedding``,
+``EinsumDense`` layers), ``conv.py`` (``Conv1D``, ``Conv2D``, ``DepthwiseConv1D/2D``, ``SeparableConv1D/2D``,
+``Conv1DTranspose/2DTranspose``), ``embeddings.py`` (``Embedding``,
 ``ReversibleEmbedding``), ``normalization.py`` (``LayerNormalization``, ``GroupNormalization``,
 ``RMSNormalization``), ``recurrent.py`` (``LSTM``, ``GRU``, ``SimpleRNN``, which use the optional
 ``forward`` and ``variables`` hooks), and ``keras_hub_rules.py`` (loaded the first time a keras-hub
