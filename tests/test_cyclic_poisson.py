@@ -55,6 +55,32 @@ def test_inclusion_probabilities_and_separation():
     assert abs(counts.sum() / (n * passes) - q) <= 5 * pooled_sd
 
 
+def test_inclusion_never_above_the_recorded_rate_at_the_float64_grid(monkeypatch):
+    """A float64 uniform is a multiple of 2^-52; a rate q off that grid must take the
+    floor(q 2^52) lowest values only (probability <= q, the rule of every tf_dp Poisson sampler):
+    the value k0 2^-52 with k0 = floor(q 2^52) is out, k0 - 1 is in (counted by hand here)."""
+    import tensorflow as tf
+
+    n, b, q = 30, 3, 0.1  # 0.1 is not a multiple of 2^-52
+    k0 = math.floor(q * 2**52)
+    assert k0 * 2.0**-52 < q < (k0 + 1) * 2.0**-52
+    x = np.arange(n, dtype=np.float32)[:, None]
+    real = tf.random.stateless_uniform
+    for k, joins in ((k0, False), (k0 - 1, True)):
+        def fake(shape, seed, dtype=tf.float32, k=k, **_):
+            return tf.fill(shape, tf.constant(k * 2.0**-52, tf.float64))
+
+        monkeypatch.setattr(tf.random, "stateless_uniform", fake)
+        batches = tf_dp.data.cyclic_poisson_batches(
+            x, np.zeros(n, np.int32), num_parts=b, sampling_probability=q, seed=0
+        )
+        monkeypatch.setattr(tf.random, "stateless_uniform", real)
+        (steps,) = _passes(batches, 1)
+        for t, ids in enumerate(steps):
+            want = np.flatnonzero(batches.parts == t) if joins else np.array([], int)
+            np.testing.assert_array_equal(np.sort(ids), want)
+
+
 def test_fit_records_the_claim_and_it_round_trips(tmp_path):
     n, b, batch = 64, 4, 4
     rng = np.random.default_rng(0)

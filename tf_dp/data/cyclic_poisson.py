@@ -35,6 +35,7 @@ from tf_dp.data.poisson import (
     _check_probability,
     default_max_batch_size,
 )
+from tf_dp.data.inclusion import included
 from tf_dp.data.sampling import Sampling
 from tf_dp.data.truncated_poisson import check_arrays, gather_padded, sampler_key
 
@@ -145,7 +146,8 @@ def cyclic_poisson_batches(
         u = tf.random.stateless_uniform(
             [n], seed=tf.stack([tf.bitwise.bitwise_xor(key_t, counter), step]), dtype=tf.float64
         )
-        chosen = tf.logical_and(tf.equal(parts_t, step), u < q)
+        # included(): probability floor(q 2^52) 2^-52 <= q (u < q would be above q off the grid)
+        chosen = tf.logical_and(tf.equal(parts_t, step), included(u, tf.constant(q, tf.float64)))
         idx = tf.reshape(tf.where(chosen), [-1])
         return gather_padded(x_t, y_t, sw_t, idx, max_batch_size, fixed=False)
 
