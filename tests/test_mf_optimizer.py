@@ -305,3 +305,44 @@ def test_for_target_epsilon_calibrates_the_gaussian_mechanism_of_c():
         DPKerasMFOptimizer.for_target_epsilon(
             3.0, 1e-5, strategy=strategy, noise_multiplier=1.0, l2_norm_clip=1.0
         )
+
+
+def test_saved_ledger_with_the_mechanism_gives_dp_sgd_epsilon_for_one_band(tmp_path):
+    """One band (C = I) on cyclic Poisson batches of one part (Poisson sampling): the ledger saved
+    with the run's event recomputes DP-SGD's epsilon, as dp_accounting's PLD composes it."""
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    import tf_dp
+    from tf_dp.accounting.matrix_factorization import mf_epsilon_from_ledger
+    from tf_dp.correlated.strategies import BandedStrategy
+
+    n, batch, sigma, epochs = 64, 8, 1.3, 2
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    y = rng.normal(size=(n, 2)).astype("float32")
+    batches = tf_dp.data.cyclic_poisson_batches(x, y, num_parts=1, batch_size=batch, seed=2)
+    model = _model()
+    opt = DPKerasMFOptimizer(
+        l2_norm_clip=1.0, noise_multiplier=sigma, strategy=BandedStrategy.square_root(16, 1)
+    )
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(batches, epochs=epochs, verbose=0)
+    path = str(tmp_path / "run.ledger.json")
+    opt.save_ledger(path)
+    ours = mf_epsilon_from_ledger(path, 1e-5).epsilon
+    acc = pld_privacy_accountant.PLDAccountant()
+    acc.compose(
+        dp_accounting.PoissonSampledDpEvent(batch / n, dp_accounting.GaussianDpEvent(sigma)),
+        epochs,
+    )
+    ref = acc.get_epsilon(1e-5)
+    assert abs(ours - ref) <= 0.02 * ref  # two pessimistic PLD discretisations
+    with pytest.raises(ValueError, match="participation is required"):
+        DPKerasMFOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=1.0, strategy=BandedStrategy.square_root(16, 2)
+        ).mf_event()
+    with pytest.raises(TypeError, match="to_config"):
+        DPKerasMFOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, strategy=BLT_PARAMS).mf_event(
+            "single"
+        )

@@ -226,6 +226,67 @@ class DPKerasMFOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
             return 0 if pending is None else int(np.asarray(pending[_STEP_KEY]))
         return int(self._engine.global_state.step.numpy())
 
+    # -- the mechanism for the ledger ----------------------------------------------------------
+
+    def mf_event(
+        self,
+        participation: Optional[str] = None,
+        period: Optional[int] = None,
+        sampling_probability: Optional[float] = None,
+    ):
+        """The run's :class:`tf_dp.ledger.events.MatrixFactorizationEvent` (strategy config,
+        noise, clip, participation), what the accountant needs beside the ledger's steps.
+
+        By default the participation comes from the declared (or last recorded) sampling: cyclic
+        Poisson batches
+        (``tf_dp.data.cyclic_poisson_batches``) give ``cyclic_poisson`` with their parts and rate.
+        Otherwise pass it: ``"periodic"`` with ``period`` (fixed batches in a fixed order,
+        ``period`` per epoch) or ``"single"`` (each record in at most one step).
+        """
+        from tf_dp.ledger.events import MatrixFactorizationEvent
+
+        strategy = self._mf_strategy
+        if not hasattr(strategy, "to_config"):
+            raise TypeError(
+                "mf_event needs a strategy of tf_dp.correlated.strategies (with to_config()); "
+                f"this optimizer was given a bare {type(strategy).__name__}"
+            )
+        sampling = self._engine.sampling
+        runs = self._engine.ledger.runs()
+        if sampling is None and runs:  # after fit: the sampling its input declared, as recorded
+            sampling = runs[-1][0].sampling
+        if participation is None:
+            if sampling is None or sampling.policy != "cyclic_poisson":
+                raise ValueError(
+                    "participation is required unless the batches are cyclic Poisson: "
+                    "'periodic' (with period: fixed batches in a fixed order) or 'single'; got "
+                    f"a declared sampling {None if sampling is None else sampling.policy!r}"
+                )
+            participation, period = "cyclic_poisson", sampling.num_parts
+            sampling_probability = sampling.selection_probability
+        return MatrixFactorizationEvent(
+            strategy.to_config(),
+            self._mf_noise_multiplier,
+            self._mf_clip,
+            participation,
+            period=period,
+            sampling_probability=sampling_probability,
+        )
+
+    def save_ledger(self, path: Any, **participation: Any) -> None:
+        """Saves the ledger with the run's :meth:`mf_event` in its (checksummed) metadata, the
+        file ``tf_dp.accounting.matrix_factorization.mf_epsilon_from_ledger`` reads.
+
+        Example::
+
+            opt.save_ledger("run.ledger.json")          # cyclic Poisson batches
+            mf_epsilon_from_ledger("run.ledger.json", delta=1e-5)
+        """
+        from tf_dp.ledger.events import MF_METADATA_KEY
+
+        event = self.mf_event(**participation)
+        self._engine.ledger.save(path, metadata={MF_METADATA_KEY: event.to_dict()})
+
     # -- the noise state -----------------------------------------------------------------------
 
     def build(self, variables) -> None:
