@@ -55,6 +55,8 @@ from tf_dp.accounting.matrix_factorization import (
     amplified_bandmf_epsilon,
     calibrate_mf_noise,
     mf_epsilon,
+    mf_epsilon_from_ledger,
+    mf_matrix_from_config,
     mf_sensitivity,
 )
 from tf_dp.accounting.pld import Mixture, SubsampledGaussian, pld_delta, pld_epsilon
@@ -81,6 +83,8 @@ __all__ = [
     "amplified_bandmf_epsilon",
     "calibrate_mf_noise",
     "mf_epsilon",
+    "mf_epsilon_from_ledger",
+    "mf_matrix_from_config",
     "mf_sensitivity",
     "BallsInBinsEstimate",
     "balls_in_bins_estimate",
