@@ -348,9 +348,10 @@ class CorrelatedNoiseSumQuery(dp_query.SumAggregationDPQuery):
         return tf.nest.pack_sequence_as(dense, out), new_state
 
     def sum_query_specs(self, global_state: CorrelatedNoiseState) -> list[dp_query.SumQuerySpec]:
-        # Until the ledger has a matrix-factorization event, the release is recorded as a sum
-        # query without noise: the accountants then report an infinite epsilon (a valid bound),
-        # never DP-SGD's epsilon for noise that is not independent across steps.
+        # Each release is recorded as a sum query without independent noise: DP-SGD's
+        # accountants then report an infinite epsilon (a valid bound), never DP-SGD's epsilon for
+        # correlated noise. The mechanism is recorded once per run, in the ledger file's metadata
+        # (DPKerasMFOptimizer.save_ledger), for mf_epsilon_from_ledger.
         return [
             dp_query.SumQuerySpec(
                 tf.convert_to_tensor(global_state.l2_norm_clip, tf.float32),
