@@ -73,11 +73,37 @@ def tier_of(path: str | pathlib.Path) -> str:
     return "integration"
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--conformance-full",
+        action="store_true",
+        default=False,
+        help="also run the full conformance sweep (tests marked conformance_full: every Keras "
+        "layer, keras.applications model and keras-hub task, one subprocess each; hours on 2 "
+        "cores). Without it those tests are deselected, not skipped.",
+    )
+
+
 def pytest_configure(config):
     for name in TIERS:
-        config.addinivalue_line("markers", f"{name}: tf_dp test tier (see tests/conftest.py)")
+        config.addinivalue_line(
+            "markers", f"{name}: tf_dp test tier (see tests/conftest.py)"
+        )
+    config.addinivalue_line(
+        "markers",
+        "conformance_full: the full conformance sweep (opt-in: --conformance-full)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(getattr(pytest.mark, tier_of(item.path)))
+    if not config.getoption("--conformance-full", default=False):
+        full = [item for item in items if item.get_closest_marker("conformance_full")]
+        if full:
+            config.hook.pytest_deselected(items=full)
+            items[:] = [
+                item
+                for item in items
+                if not item.get_closest_marker("conformance_full")
+            ]
