@@ -9,6 +9,7 @@ mixed float16, and the ghost plan must cover every variable (mode ``"ghost"``, n
 from __future__ import annotations
 
 import keras
+import keras_hub
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -19,7 +20,6 @@ from tests.test_ghost_finetuning_rules import _sum_fn
 from tf_dp.gradients.ghost import GhostClipper
 
 L = keras.layers
-keras_hub = pytest.importorskip("keras_hub")  # an install extra; the suite's env has it
 
 
 def _hub_class(module, name):
