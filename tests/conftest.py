@@ -37,6 +37,7 @@ UNIT = {
     "test_ledger_runs",
     "test_lint",
     "test_noise",
+    "test_partition_selection",
     "test_tree_aggregation",
     "test_correlated_noise",
     "test_research_correlated_noise",
