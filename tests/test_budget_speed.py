@@ -14,6 +14,7 @@ from tf_dp import accounting
 from tf_dp.accounting import rdp
 from tf_dp.engine import budget as budget_module
 from tf_dp.keras import callbacks as dpcb
+from tf_dp.engine import budget as budget_internals  # the planner's internals
 from tf_dp.ledger import query_with_ledger
 from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
 
@@ -320,13 +321,13 @@ def test_a_checked_window_covers_steps_that_cost_no_more_privacy():
     # one that differs otherwise, is not (it is checked again).
     sampling = SamplingEvent(N, Q)
     step = SampleEntry(sampling, (SumQueryEvent(0.9, 1.2),))
-    checked = dpcb._pessimistic(step)
+    checked = budget_internals._pessimistic(step)
     (c,) = checked.queries
     assert c.l2_sensitivity == 0.9 * (1 + 2.0**-21) and c.noise_stddev == 1.2
     ulp = 2.0**-23
     for clip in (0.9, 0.9 * (1 + ulp), 0.9 * (1 - ulp), 0.9 * (1 + 2.0**-22)):
-        assert dpcb._covered(SampleEntry(sampling, (SumQueryEvent(clip, 1.2),)), checked)
-    assert dpcb._covered(SampleEntry(sampling, (SumQueryEvent(0.9, 1.3),)), checked)  # more noise
+        assert budget_internals._covered(SampleEntry(sampling, (SumQueryEvent(clip, 1.2),)), checked)
+    assert budget_internals._covered(SampleEntry(sampling, (SumQueryEvent(0.9, 1.3),)), checked)  # more noise
     costlier = [
         SampleEntry(sampling, (SumQueryEvent(0.9 * (1 + 2.0**-20), 1.2),)),  # beyond the slack
         SampleEntry(sampling, (SumQueryEvent(0.9, 1.19),)),                  # less noise
@@ -335,13 +336,13 @@ def test_a_checked_window_covers_steps_that_cost_no_more_privacy():
         SampleEntry(sampling, (SumQueryEvent(0.9, 1.2, noise_seed=3),)),
     ]
     for entry in costlier:
-        assert not dpcb._covered(entry, checked)
+        assert not budget_internals._covered(entry, checked)
     # JL and grid-noise queries are covered only when equal (their cost is not z alone)
     for query in (SumQueryEvent(0.9, 1.2, mechanism="jl", jl_projections=8),
                   SumQueryEvent(0.9, 1.2, noise_grid=2.0**-10)):
         entry = SampleEntry(sampling, (query,))
-        assert dpcb._pessimistic(entry) == entry and dpcb._covered(entry, entry)
-        assert not dpcb._covered(
+        assert budget_internals._pessimistic(entry) == entry and budget_internals._covered(entry, entry)
+        assert not budget_internals._covered(
             SampleEntry(sampling, (dataclasses.replace(query, noise_stddev=1.3),)), entry)
 
 
@@ -351,7 +352,7 @@ def test_the_composed_curve_reads_new_steps_also_when_it_cannot_compose_them():
     ledger = tf_dp.PrivacyLedger()
     shuffled = SampleEntry(SamplingEvent(N, Q, policy="shuffle"), (SumQueryEvent(1.0, 1.2),))
     ledger.restore_runs([(shuffled, 3)])
-    curve = dpcb._ComposedCurve(1e-5, "pld")
+    curve = budget_internals._ComposedCurve(1e-5, "pld")
     curve.update(ledger)
     assert not curve.composable and curve.take_unseen() == [(0, [(shuffled, 3)])]
     other = SampleEntry(SamplingEvent(N, Q, policy="shuffle"), (SumQueryEvent(1.0, 0.9),))

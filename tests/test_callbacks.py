@@ -13,6 +13,7 @@ from sklearn.datasets import load_digits
 import tf_dp
 from tf_dp import accounting
 from tf_dp.keras import callbacks as dpcb
+from tf_dp.engine import budget as budget_internals  # the planner's internals
 from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
 from tf_dp.ledger.ledger_file import LedgerFileError, read_ledger_file
 
@@ -373,7 +374,7 @@ def test_budget_composed_curve_follows_a_growing_ledger_like_dp_accounting():
     import dp_accounting
 
     ledger = tf_dp.PrivacyLedger()
-    curve = dpcb._ComposedCurve(1e-5, "rdp")
+    curve = budget_internals._ComposedCurve(1e-5, "rdp")
     steps = []
     rng = np.random.default_rng(3)
     pool = [SampleEntry(SamplingEvent(N, q, "poisson"), (SumQueryEvent(1.0, z),))

@@ -37,9 +37,6 @@ from tf_dp.engine.budget import (  # noqa: F401 -- the budget's names, also here
     SCHEDULE_MARGIN,
     BudgetExhaustedError,
     BudgetPlanner,
-    _ComposedCurve,
-    _covered,
-    _pessimistic,
     compute_epsilon,
 )
 from tf_dp.keras.backup import JOURNAL_NAME, LEDGER_BACKUP_NAME, BackupAndRestore
