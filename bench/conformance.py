@@ -346,7 +346,39 @@ def _yn(v):
     return "Y" if v else "N"
 
 
+def _summary(results: list, skipped: dict, pending) -> str:
+    checked = [r for r in results if r.get("status") == "checked"]
+    trains = [
+        r for r in checked if r["trains"] and r["ledger_ok"] and not r.get("error")
+    ]
+    lora = sorted(
+        r["step_ratio"]
+        for r in checked
+        if r["case"].endswith("+lora") and r.get("step_ratio")
+    )
+    text = (
+        f"{len(checked)} checked, {len(trains)} train (ledger kept), "
+        f"{sum(bool(r['exact']) for r in checked)} exact, "
+        f"{sum(r['mode'] == 'ghost' for r in checked)} all on fast rules, "
+        f"{sum(r['mode'] != 'ghost' for r in checked)} with a fallback, "
+        f"{sum(r.get('status') in ('crashed', 'timeout') for r in results)} crashed or timed "
+        f"out; {len(skipped)} not swept (reasons below); {len(pending)} not yet run."
+    )
+    if lora:
+        q = np.percentile(lora, [25, 50, 75])
+        text += (
+            f" DP / non-private step ratio of the {len(lora)} LoRA decoders: median {q[1]:.2f}, "
+            f"quartiles {q[0]:.2f}-{q[2]:.2f}, range {lora[0]:.2f}-{lora[-1]:.2f}."
+        )
+    return text
+
+
 def table(results: list, skipped: dict, pending: list = ()) -> str:
+    skipped = dict(skipped)
+    for r in results:
+        if r.get("status") == "not constructible":
+            skipped[r["case"]] = "not constructible: " + str(r.get("error", ""))
+    results = [r for r in results if r.get("status") != "not constructible"]
     lines = [
         "# Coverage: models and layers under DP training",
         "",
@@ -357,17 +389,14 @@ def table(results: list, skipped: dict, pending: list = ()) -> str:
             "save and reload and a third step with ledger steps == 3), *exact* (the step with noise 0 "
             "equals a per-example GradientTape reference within float32's bound), *rule* (`ghost`: "
             "every variable on an exact fast rule; otherwise the layers that fall back to per-example "
-            "gradients), *ratio* (median DP / non-private step time, 3 interleaved pairs, shared CPU)."
+            "gradients), *ratio* (median DP / non-private step time of interleaved one-step fits, shared CPU)."
         ),
+        "",
+        "Summary: " + _summary(results, skipped, pending),
         "",
         "| case | trains | exact | rule or fallback | ratio | note |",
         "|---|---|---|---|---|---|",
     ]
-    skipped = dict(skipped)
-    for r in results:
-        if r.get("status") == "not constructible":
-            skipped[r["case"]] = "not constructible: " + str(r.get("error", ""))
-    results = [r for r in results if r.get("status") != "not constructible"]
     for r in results:
         if r.get("status") != "checked":
             lines.append(
