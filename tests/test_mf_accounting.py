@@ -77,10 +77,7 @@ def test_sensitivity_is_the_largest_over_every_participation_pattern(period):
     sens, exact = mf_sensitivity(c, period)
     want = (_brute_sensitivity(c, 1 if period is None else period) if period else
             float(np.linalg.norm(c, axis=0).max()))
-    if period is None:
-        assert exact and sens == pytest.approx(want, rel=1e-12)
-    else:
-        assert exact and sens == pytest.approx(want, rel=1e-12)
+    assert exact and sens == pytest.approx(want, rel=1e-12)
     assert BandedStrategy.square_root(n, 4).sensitivity(period) == pytest.approx(sens, rel=1e-12)
 
 

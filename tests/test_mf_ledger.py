@@ -129,7 +129,9 @@ def test_banded_amplified_from_saved_ledger_per_dp_accounting(tmp_path):
 def test_periodic_from_privacy_ledger_save_matches_enumeration(tmp_path, config, period):
     n, z = 12, 2.5
     ledger = PrivacyLedger()
-    ledger.restore_runs(_runs(n, SamplingEvent(1000, 0.01), 1.0))
+    # cyclic Poisson over `period` parts: a record can take part every `period` steps
+    smp = SamplingEvent(1000, 0.01, "cyclic_poisson", num_parts=period)
+    ledger.restore_runs(_runs(n, smp, 1.0))
     event = MatrixFactorizationEvent(config, z, 1.0, "periodic", period=period)
     ledger.save(tmp_path / "l.json", metadata={MF_METADATA_KEY: event.to_dict()})
     res = mf_epsilon_from_ledger(tmp_path / "l.json", DELTA)
@@ -156,3 +158,32 @@ def test_refusals(tmp_path):
     _save(tmp_path / "clip.json", _runs(10, smp, 2.0), event)
     with pytest.raises(ValueError, match="l2_sensitivity"):
         mf_epsilon_from_ledger(tmp_path / "clip.json", DELTA)
+
+
+def test_a_participation_claim_the_sampling_contradicts_is_refused(tmp_path):
+    """Poisson draws let a record take part in any step: a 'periodic' (period > 1) or 'single'
+    claim would understate the sensitivity (100 steps, 4 bands, z = 1.5: 6.4 instead of 255)."""
+    cfg = {"kind": "banded", "coefficients": [1.0, 0.6, 0.3, 0.1], "num_steps": 40}
+    n, z = 40, 1.5
+
+    def eps(smp, participation, period=None):
+        event = MatrixFactorizationEvent(cfg, z, 1.0, participation, period=period)
+        _save(tmp_path / "l.json", _runs(n, smp, 1.0), event)
+        return mf_epsilon_from_ledger(tmp_path / "l.json", DELTA)
+
+    poisson = SamplingEvent(1000, 0.1)
+    for participation, period in (("periodic", 10), ("single", None)):
+        with pytest.raises(ValueError, match="can take part in any step"):
+            eps(poisson, participation, period)
+    every = eps(poisson, "periodic", 1)  # every step: valid for any sampling
+    assert every.sensitivity == pytest.approx(
+        float(np.linalg.norm(_loop_c(cfg, n).sum(axis=1))), rel=1e-12)
+    cyclic = SamplingEvent(1000, 0.1, "cyclic_poisson", num_parts=8)
+    with pytest.raises(ValueError, match="period dividing 8"):
+        eps(cyclic, "periodic", 3)
+    assert eps(cyclic, "periodic", 4).epsilon >= eps(cyclic, "periodic", 8).epsilon
+    shuffle = SamplingEvent(1000, 0.1, "shuffle")  # 10 steps an epoch
+    with pytest.raises(ValueError, match="period 10, the epoch"):
+        eps(shuffle, "periodic", 5)
+    fixed_order = eps(shuffle, "periodic", 10)
+    assert "the user's claim" in fixed_order.assumptions

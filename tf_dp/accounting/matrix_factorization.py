@@ -332,6 +332,7 @@ def mf_epsilon_from_ledger(path: Any, delta: float, accountant: str = "pld") -> 
     event = MatrixFactorizationEvent.from_dict(meta[MF_METADATA_KEY])
     n = sum(count for _, count in runs)
     clip = float(event.l2_norm_clip)
+    declared_order = _check_participation(event, runs, sum(count for _, count in runs))
     for entry, _ in runs:
         smp = entry.sampling
         if event.participation == "cyclic_poisson" and not (
@@ -354,4 +355,48 @@ def mf_epsilon_from_ledger(path: Any, delta: float, accountant: str = "pld") -> 
         return amplified_bandmf_epsilon(c, z, delta, float(event.sampling_probability),
                                         bands=min(event.period, n), accountant=accountant)
     period = None if event.participation == "single" else min(event.period, n)
-    return mf_epsilon(c, z, delta, period)
+    result = mf_epsilon(c, z, delta, period)
+    if declared_order:
+        result = dataclasses.replace(result, assumptions=result.assumptions + (
+            "; the ledger records shuffled fixed-size batches: that every epoch visits the "
+            "batches in the same order (each record every period steps) is the user's claim, "
+            "not checked by tf_dp"))
+    return result
+
+
+def _check_participation(event: Any, runs: Any, n: int) -> bool:
+    """Refuses a ``single`` / ``periodic`` claim the ledger's sampling contradicts; True when the
+    claim rests on the user's word that shuffled batches kept one order (``periodic`` over
+    ``shuffle`` draws with the epoch's length as period)."""
+    from tf_dp.accounting.ledger_analysis import shuffle_steps_per_epoch
+
+    if event.participation == "cyclic_poisson":
+        return False
+    period = 1 if event.participation == "periodic" and event.period == 1 else None
+    declared = False
+    for entry, _ in runs:
+        smp = entry.sampling
+        claim = (f"the event claims {event.participation!r} participation"
+                 + (f" (period {event.period})" if event.participation == "periodic" else ""))
+        if smp.policy == "cyclic_poisson":
+            ok = (n <= smp.num_parts if event.participation == "single"
+                  else smp.num_parts % event.period == 0)
+            why = (f"a record of a cyclic Poisson part can take part every {smp.num_parts} steps "
+                   f"(a periodic claim needs a period dividing {smp.num_parts}; single needs at "
+                   f"most {smp.num_parts} steps)")
+        elif smp.policy == "shuffle":
+            per_epoch = shuffle_steps_per_epoch(smp.population_size, smp.selection_probability)
+            ok = (n <= per_epoch if event.participation == "single"
+                  else period == 1 or event.period == per_epoch)
+            declared = declared or (event.participation == "periodic" and period is None)
+            why = (f"shuffled batches visit each record once per epoch of {per_epoch} steps (a "
+                   f"periodic claim needs period {per_epoch}, the epoch, or 1; single needs at "
+                   f"most {per_epoch} steps)")
+        else:
+            ok = period == 1 or (event.participation == "single" and n <= 1)
+            why = (f"the ledger records {smp.policy!r} draws, in which a record can take part in "
+                   "any step: only participation 'periodic' with period 1 (or "
+                   "'cyclic_poisson' batches) describes them")
+        if not ok:
+            raise ValueError(f"{claim}, which the ledger contradicts: {why}")
+    return declared

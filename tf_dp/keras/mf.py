@@ -177,6 +177,11 @@ class DPKerasMFOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         with ``num_parts`` equal to the strategy's bands). ``kwargs``: the other arguments
         (``l2_norm_clip`` required; ``noise_multiplier`` is set here).
 
+        The target holds for a run of at most ``strategy.num_steps`` steps: the noise is
+        calibrated for that many releases, and later steps (which reuse the strategy's last row)
+        spend more; ``mf_epsilon_from_ledger`` on the saved ledger always reports the run's own
+        figure, for the steps it recorded.
+
         Example::
 
             strategy = BandedStrategy.optimize(num_steps=400, bands=8)
