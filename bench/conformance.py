@@ -56,6 +56,23 @@ TINY = {
     "num_experts_per_tok": 1,
     "moe_intermediate_dim": 8,
     "shared_expert_intermediate_dim": 8,
+    "shared_expert_intermediate_size": 8,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 1,
+    "hidden_size": 8,
+    "intermediate_size": 16,
+    "head_size": 4,
+    "max_position_embeddings": 16,
+    "rope_theta": 10000.0,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "mlp_bias": False,
+    "layer_norm_epsilon": 1e-6,
+    "partial_rotary_factor": 1.0,
+    "patch_size": 4,
+    "mlp_dim": 16,
+    "embed_dim": 8,
+    "window_size": 4,
 }
 
 #: task families the harness can make inputs for (base class name -> kind)

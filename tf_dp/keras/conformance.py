@@ -232,6 +232,7 @@ def check_model(
     if folder is None:
         own_folder = tempfile.TemporaryDirectory()
         folder = own_folder.name
+    private = None
     try:
         model(x)  # builds it
         private = make_private(_no_dropout(_copy(model, folder, "original")))
@@ -340,6 +341,17 @@ def check_model(
         record.step_ratio = float(np.median(ratios))
     except Exception as e:  # noqa: BLE001 - a conformance check records what failed
         record.error = f"{type(e).__name__}: {str(e)[:500]}"
+        if not record.mode and private is not None:
+            try:  # the plan of the model whose step failed: what would have fallen back
+                from tf_dp.gradients.ghost.clipper import make_plan
+
+                plan = make_plan(private, list(private.trainable_variables))
+                record.mode = "failed (plan: " + plan.mode + ")"
+                record.fallback_reasons = {
+                    f"{u.name} ({type(u).__name__})": str(r) for u, r, _ in plan.local
+                }
+            except Exception:  # noqa: BLE001, S110 - the first error is the one reported
+                pass
     finally:
         if own_folder is not None:
             own_folder.cleanup()
