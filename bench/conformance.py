@@ -371,7 +371,7 @@ def _summary(results: list, skipped: dict, pending) -> str:
     lora = sorted(
         r["step_ratio"]
         for r in checked
-        if r["case"].endswith("+lora") and r.get("step_ratio")
+        if r["case"].endswith("+lora") and np.isfinite(r.get("step_ratio") or np.nan)
     )
     text = (
         f"{len(checked)} checked, {len(trains)} train (ledger kept), "
