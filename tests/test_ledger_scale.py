@@ -277,6 +277,19 @@ import tf_dp
 from tf_dp.accounting import compute_epsilon
 from tf_dp.ledger import read_ledger_runs
 
+def peak_rss_mb():
+    # VmHWM: this process image's own peak (ru_maxrss keeps the parent's across fork + exec on
+    # Linux, so a subprocess of a 7 GB pytest process would report 7 GB)
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 path, journal, out, n, q, clip, std, extra = sys.argv[1:]
 ledger = tf_dp.PrivacyLedger.load(path)
 loaded_steps = ledger.num_samples
@@ -301,7 +314,7 @@ result = {
     "runs": [[e.sampling.selection_probability, e.effective_noise_multiplier(), c]
              for e, c in resumed.runs()],
     "saved_runs": len(read_ledger_runs(out)),
-    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    "peak_rss_mb": peak_rss_mb(),
 }
 print("RESULT " + json.dumps(result))
 """

@@ -34,6 +34,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_dp import _compat
+
 #: float32 machine epsilon (the gap between 1 and the next float32)
 _EPS32 = 2.0**-23
 
@@ -91,7 +93,7 @@ def _copy(model: keras.Model, folder: str, name: str) -> keras.Model:
 
 def _no_dropout(model: keras.Model) -> keras.Model:
     """Sets every dropout layer's rate to 0: a random mask cannot be compared with a reference."""
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+    for layer in _compat.flatten_layers(model, include_self=False) or []:
         if (
             isinstance(layer, (keras.layers.Dropout, keras.layers.SpatialDropout1D))
             or hasattr(layer, "noise_shape")
@@ -129,8 +131,8 @@ def _gradient_terms(model: keras.Model, x: Any) -> int:
     positions); 2 casts."""
     positions = _positions(x)
     total = 0
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        own = getattr(layer, "_trainable_variables", None) or []
+    for layer in _compat.flatten_layers(model, include_self=False) or []:
+        own = _compat.own_trainable_variables(layer) or []
         if not own:
             continue
         fan_in = max(
