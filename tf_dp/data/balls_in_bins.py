@@ -64,6 +64,22 @@ class BallsInBinsBatches(SampledBatches):
         return Sampling(n, q, "balls_in_bins", origin="sampled")
 
 
+def batches_per_pass(n: int, batch_size: Optional[int], num_batches: Optional[int]) -> int:
+    """``T``, the batches of one pass: ``num_batches``, or ``ceil(n / batch_size)`` (exactly one
+    given; each checked against ``[1, n]``)."""
+    if (batch_size is None) == (num_batches is None):
+        raise ValueError("give exactly one of batch_size (expected size b) and num_batches (T)")
+    if num_batches is None:
+        batch_size = _check_positive_int("batch_size", batch_size)
+        if batch_size > n:
+            raise ValueError(f"batch_size must be in [1, n={n}], got {batch_size}")
+        num_batches = math.ceil(n / batch_size)
+    num_batches = _check_positive_int("num_batches", num_batches)
+    if num_batches > n:
+        raise ValueError(f"num_batches must be in [1, n={n}], got {num_batches}")
+    return num_batches
+
+
 def balls_in_bins_batches(
     x: Any,
     y: Any = None,
@@ -105,17 +121,7 @@ def balls_in_bins_batches(
     from tf_dp.data.poisson import default_max_batch_size
 
     x, y, sample_weight, n = check_arrays(x, y, sample_weight)
-    if (batch_size is None) == (num_batches is None):
-        raise ValueError("give exactly one of batch_size (expected size b) and num_batches (T)")
-    if num_batches is None:
-        batch_size = _check_positive_int("batch_size", batch_size)
-        if batch_size > n:
-            raise ValueError(f"batch_size must be in [1, n={n}], got {batch_size}")
-        num_batches = math.ceil(n / batch_size)
-    num_batches = _check_positive_int("num_batches", num_batches)
-    if num_batches > n:
-        raise ValueError(f"num_batches must be in [1, n={n}], got {num_batches}")
-    t = num_batches
+    t = batches_per_pass(n, batch_size, num_batches)
     q = 1.0 / t
     if max_batch_size is None:
         max_batch_size = default_max_batch_size(n, q, overflow_probability)

@@ -30,13 +30,12 @@ Example::
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import numpy as np
 import tensorflow as tf
 
-from tf_dp.data.balls_in_bins import BallsInBinsBatches
+from tf_dp.data.balls_in_bins import BallsInBinsBatches, batches_per_pass
 from tf_dp.data.inclusion import poisson_subset
 from tf_dp.data.poisson import (
     DEFAULT_OVERFLOW_PROBABILITY,
@@ -163,16 +162,7 @@ def balls_in_bins_sample(
         model.fit(tf_dp.data.balls_in_bins_sample(source, batch_size=256), epochs=3)
     """
     n = check_source(source)
-    if (batch_size is None) == (num_batches is None):
-        raise ValueError("give exactly one of batch_size (expected size b) and num_batches (T)")
-    if num_batches is None:
-        batch_size = _check_positive_int("batch_size", batch_size)
-        if batch_size > n:
-            raise ValueError(f"batch_size must be in [1, n={n}], got {batch_size}")
-        num_batches = math.ceil(n / batch_size)
-    t = _check_positive_int("num_batches", num_batches)
-    if t > n:
-        raise ValueError(f"num_batches must be in [1, n={n}], got {t}")
+    t = batches_per_pass(n, batch_size, num_batches)
     q = 1.0 / t
     if max_batch_size is None:
         max_batch_size = default_max_batch_size(n, q, overflow_probability)
