@@ -197,9 +197,9 @@ def test_mirrored_strategy_refuses_another_unit():
 
 def test_xla_steps_without_flush_are_applied_and_recorded_until_the_staging_table_is_full():
     """docs/keras.md: a compiled DPTrainStep called repeatedly without flush() applies and
-    records 63 steps, records the 64th (staging table full) without applying it, records and
-    applies nothing after, and the next flush raises LedgerOverflowError. Counted by the calls
-    made and the weights seen."""
+    records 64 steps (the staging table's rows; the room is taken before a step records, so the
+    step that fills the table is applied too), records and applies nothing after, and the next
+    flush raises LedgerOverflowError. Counted by the calls made and the weights seen."""
     from tf_dp.ledger.privacy_ledger import LedgerOverflowError
 
     rng = np.random.default_rng(0)
@@ -223,7 +223,8 @@ def test_xla_steps_without_flush_are_applied_and_recorded_until_the_staging_tabl
         after = [w.numpy() for w in model.trainable_weights]
         applied.append(any(not np.array_equal(a, b) for a, b in zip(before, after)))
     # noise makes a zero update impossible: an unchanged weight is a withheld step
-    assert applied == [True] * 63 + [False, False]
+    assert applied == [True] * 64 + [False]
     with pytest.raises(LedgerOverflowError):
         dp_step.flush()
-    assert opt.ledger.num_samples == 64  # 63 applied + the 64th (withheld, still counted)
+    assert opt.ledger.num_samples == 64  # every applied step, nothing else
+    assert int(opt.engine.skipped_steps) == 0  # none recorded without its update

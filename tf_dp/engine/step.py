@@ -427,7 +427,7 @@ class DPEngine:
         no room to record the step inside a compiled call (nothing released or recorded), or the
         step was traced for another unit of privacy than the one declared when it runs (see
         :meth:`private_gradients`)."""
-        room = self.recorder.has_room(self.global_state)
+        room = self.recorder.step_released(self.global_state)
         finite = tf.reduce_all(tf.stack([
             tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
             for g in grads if g is not None

@@ -105,6 +105,9 @@ class QueryWithLedger(DPQuery):
             # the unit (code, k) the last of them was traced for
             self._unit_mismatches = ledger_variable(tf.constant(0, tf.int64))
             self._mismatched_trace = ledger_variable(tf.constant([0, 0], tf.int32))
+            # compiled steps: 1 if the last step's get_noised_result recorded and released
+            # (room checked before its rows were staged), read by step_released()
+            self._released = ledger_variable(tf.constant(1, tf.int32))
         self._invalid_reported = 0
         #: counts the eager calls that change what the next step records (set_sampling,
         #: start_pass, set_mechanism): a reader that caches predicted entries compares it
@@ -366,6 +369,15 @@ class QueryWithLedger(DPQuery):
         return tf.logical_and(room, _valid_values(
             [(s.l2_sensitivity, s.noise_stddev) for s in specs]))
 
+    def step_released(self, global_state: Any) -> tf.Tensor:
+        """After this step's :meth:`get_noised_result`: whether the step was recorded and its
+        result released (a step for which this is false must apply nothing). In a compiled step
+        this is the room taken *before* the step's rows were staged (so the step that fills the
+        staging table is applied as well as recorded); elsewhere :meth:`has_room`."""
+        if not _fixed_shape_context():
+            return self.has_room(global_state)
+        return tf.equal(self._released.read_value(), 1)
+
     def check_values(self) -> None:
         """Raises (eagerly, between compiled calls) if a compiled step met a clip or noise value
         that is not a finite number >= 0 (e.g. a ``tf.Variable`` clip set to inf), or ran under
@@ -454,6 +466,8 @@ class QueryWithLedger(DPQuery):
                     # a step that recorded nothing leaves the pass mark for the next one
                     self._pass_start.assign(
                         0 if keep is None else tf.where(keep, 0, self._pass_start.read_value()))
+        if _fixed_shape_context():  # what step_released() reads after this step
+            self._released.assign(tf.cast(room, tf.int32))
         if not (isinstance(room, tf.Tensor) and tf.get_static_value(room) is True):
             result = tf.nest.map_structure(
                 lambda t: _where(room, t), result
