@@ -29,10 +29,13 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import math
+from typing import Any, Optional
 
 import tensorflow as tf
 
+from tf_dp.dp_query.dp_query import DPQuery, SumQuerySpec
 from tf_dp.dp_query.noise import gaussian_noise, make_generator
 
 __all__ = [
@@ -42,6 +45,8 @@ __all__ = [
     "sparse_noised_sum",
     "top_rows",
     "make_generator",
+    "SparseEmbeddingConfig",
+    "PartitionSelectionQuery",
 ]
 
 
@@ -170,3 +175,167 @@ def top_rows(frequencies: Any, k: int) -> tf.Tensor:
     if not (isinstance(k, int) and 0 < k <= n):
         raise ValueError(f"k must be an integer in [1, {n}], got {k!r}")
     return tf.sort(tf.cast(tf.math.top_k(freqs, k).indices, tf.int64))
+
+
+def _finite(name: str, value: Any, low: float, strict: bool) -> float:
+    ok = (not isinstance(value, bool)) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not ok or (value <= low if strict else value < low):
+        rel = ">" if strict else ">="
+        raise ValueError(f"{name} must be a finite number {rel} {low:g}, got {value!r}")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseEmbeddingConfig:
+    """DP-AdaFEST for the embedding tables of a Keras model (the ``sparse_embeddings`` argument of
+    the DP optimizers): per step each table gets the noised gradient on privately selected rows
+    only, as a ``tf.IndexedSlices``.
+
+    Attributes:
+      threshold: ``tau`` (finite, >= 0): a row is selected when its clipped count plus noise
+        exceeds it.
+      selection_noise_multiplier: ``sigma1`` (finite, >= 0): the count noise stddev is
+        ``sigma1 * contribution_bound`` (0: no privacy, for tests only).
+      contribution_bound: ``C1`` (finite, > 0): the L2 bound of one example's contribution map
+        (its distinct rows over all sparse tables, each of weight ``min(1, C1 / sqrt(k))``).
+      layers: names of the ``keras.layers.Embedding`` layers to train sparsely (None: every
+        ``Embedding`` of the model, ``ReversibleEmbedding`` included).
+
+    Example:
+
+    >>> cfg = SparseEmbeddingConfig(threshold=5.0, selection_noise_multiplier=3.0)
+    >>> cfg.contribution_bound
+    1.0
+    >>> SparseEmbeddingConfig.from_config(cfg.get_config()) == cfg
+    True
+    """
+
+    threshold: float
+    selection_noise_multiplier: float
+    contribution_bound: float = 1.0
+    layers: Optional[tuple] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "threshold", _finite("threshold", self.threshold, 0.0, False))
+        object.__setattr__(self, "selection_noise_multiplier", _finite(
+            "selection_noise_multiplier", self.selection_noise_multiplier, 0.0, False))
+        object.__setattr__(self, "contribution_bound", _finite(
+            "contribution_bound", self.contribution_bound, 0.0, True))
+        if self.layers is not None:
+            names = (self.layers,) if isinstance(self.layers, str) else tuple(self.layers)
+            if not names or not all(isinstance(n, str) for n in names):
+                raise ValueError(
+                    f"layers must be None or a non-empty sequence of layer names, got {self.layers!r}")
+            object.__setattr__(self, "layers", names)
+
+    @property
+    def selection_stddev(self) -> float:
+        """``sigma1 * C1``, the noise stddev of each row's count."""
+        return self.selection_noise_multiplier * self.contribution_bound
+
+    def get_config(self) -> dict:
+        return {"threshold": self.threshold,
+                "selection_noise_multiplier": self.selection_noise_multiplier,
+                "contribution_bound": self.contribution_bound,
+                "layers": None if self.layers is None else list(self.layers)}
+
+    @classmethod
+    def from_config(cls, config: dict) -> "SparseEmbeddingConfig":
+        return cls(**config)
+
+
+class PartitionSelectionQuery(DPQuery):
+    """A sum query (the gradient's, e.g. :class:`~tf_dp.dp_query.GaussianSumQuery`) together with
+    the partition selection of the sparse tables' rows in the same step.
+
+    The wrapped query noises the dense leaves as usual; :meth:`noised_rows` selects rows from the
+    clipped contribution map and adds the wrapped query's noise stddev to the selected rows of the
+    sparse tables only. :meth:`sum_query_specs` reports both sum queries, so a ledger records the
+    selection (sensitivity ``C1``, noise ``sigma1 C1``) beside the gradient query at every step.
+
+    Example::
+
+        query = PartitionSelectionQuery(GaussianSumQuery(1.0, 1.1), SparseEmbeddingConfig(5.0, 3.0))
+        len(query.sum_query_specs(query.initial_global_state()))     # 2
+    """
+
+    def __init__(self, query: DPQuery, config: SparseEmbeddingConfig,
+                 seed: Optional[int] = None) -> None:
+        if not isinstance(config, SparseEmbeddingConfig):
+            raise TypeError(
+                f"sparse_embeddings must be a SparseEmbeddingConfig, got {type(config).__name__}")
+        self.query = query
+        self.queries = [query]  # for walkers of nested queries (noise mode, prefetching)
+        self.config = config
+        self._seed = seed
+        with tf.init_scope():  # a seed (tests only) keys a stream apart from the gradient's
+            self._generator = make_generator(None if seed is None else (int(seed) + 0x5E1EC7) % 2**31)
+
+    # the wrapped query's protocol
+    def initial_global_state(self):
+        return self.query.initial_global_state()
+
+    def derive_sample_params(self, global_state):
+        return self.query.derive_sample_params(global_state)
+
+    def initial_sample_state(self, template):
+        return self.query.initial_sample_state(template)
+
+    def preprocess_record(self, params, record):
+        return self.query.preprocess_record(params, record)
+
+    def accumulate_preprocessed_record(self, sample_state, preprocessed_record):
+        return self.query.accumulate_preprocessed_record(sample_state, preprocessed_record)
+
+    def merge_sample_states(self, sample_state_1, sample_state_2):
+        return self.query.merge_sample_states(sample_state_1, sample_state_2)
+
+    def get_noised_result(self, sample_state, global_state):
+        return self.query.get_noised_result(sample_state, global_state)
+
+    def derive_metrics(self, global_state):
+        return self.query.derive_metrics(global_state)
+
+    @property
+    def supports_norm_clipping(self) -> bool:
+        return self.query.supports_norm_clipping
+
+    def clip_weights(self, params, squared_norms):
+        return self.query.clip_weights(params, squared_norms)
+
+    def accumulate_norms(self, params, sample_state, norms, record_mask=None):
+        return self.query.accumulate_norms(params, sample_state, norms, record_mask)
+
+    def sum_query_specs(self, global_state) -> list:
+        c = self.config
+        return list(self.query.sum_query_specs(global_state)) + [SumQuerySpec(
+            c.contribution_bound, c.selection_stddev, noise_seed=self._seed, exact_gaussian=True)]
+
+    def noised_rows(self, global_state: Any, ids: list, slices: list) -> list:
+        """The released updates of the sparse tables (a list of ``tf.IndexedSlices``).
+
+        Args:
+          global_state: the wrapped query's global state (its noise stddev is used).
+          ids: per table, ``[B, T]`` int64 row ids of each example (``-1``: not counted, e.g.
+            padding records).
+          slices: per table, the clipped rows: ``tf.IndexedSlices(values [B*T, d], indices =
+            ids flattened, dense_shape [V, d])``.
+
+        One selection for all tables: the tables' rows are numbered one after another, so each
+        example's contribution map over all of them has L2 norm ``<= C1``.
+        """
+        c = self.config
+        sizes = [int(s.dense_shape[0]) if tf.get_static_value(s.dense_shape) is None
+                 else int(tf.get_static_value(s.dense_shape)[0]) for s in slices]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        all_ids = tf.concat([tf.where(t >= 0, t + o, -1) for t, o in zip(ids, offsets)], axis=1)
+        counts = contribution_map(all_ids, sum(sizes), c.contribution_bound)
+        selected = select_rows(self._generator, counts, c.threshold, c.selection_stddev)
+        std = self.query.sum_query_specs(global_state)[0].noise_stddev
+        out = []
+        for t, s, o, v in zip(ids, slices, offsets, sizes):
+            mine = tf.boolean_mask(selected, (selected >= o) & (selected < o + v)) - o
+            row_ids = tf.where(tf.reshape(t, [-1]) >= 0, tf.cast(s.indices, tf.int64), -1)
+            out.append(sparse_noised_sum(self._generator, mine, row_ids, s.values,
+                                         tf.cast(std, s.values.dtype), s.dense_shape))
+        return out

@@ -44,6 +44,10 @@ class PrivacyConfig:
       noise_seed: tests and debugging only (a known seed voids the guarantee). Seeds the noise
         and the public randomness of the gradient modes (microbatch assignment, JL directions,
         keyed by the seed and the step), so that a run repeats bit for bit in another process.
+      sparse_embeddings: None, or a
+        :class:`~tf_dp.dp_query.partition_selection.SparseEmbeddingConfig`: the model's
+        embedding tables get DP-AdaFEST updates (noise on privately selected rows only, a
+        ``tf.IndexedSlices``), the selection recorded as a second sum query of every step.
     """
 
     l2_norm_clip: Any = None
@@ -53,6 +57,7 @@ class PrivacyConfig:
     noise_mode: Optional[str] = None
     num_microbatches: Optional[int] = None
     noise_seed: Optional[int] = None
+    sparse_embeddings: Any = None
 
     def __post_init__(self):
         clip, z, std = (
@@ -84,6 +89,8 @@ class PrivacyConfig:
             object.__setattr__(self, "noise_seed", int(self.noise_seed))
         for name, value in (("l2_norm_clip", clip), ("noise_multiplier", z), ("noise_stddev", std)):
             object.__setattr__(self, name, validation.number_or_schedule(value))
+        if self.sparse_embeddings is not None:
+            _check_sparse(self)
 
     @property
     def has_schedules(self) -> bool:
@@ -139,8 +146,36 @@ class SpeedConfig:
         )
 
 
+def _check_sparse(privacy: PrivacyConfig) -> None:
+    """``sparse_embeddings`` runs with a fixed clip and noise on the built Gaussian query."""
+    from tf_dp.dp_query.partition_selection import SparseEmbeddingConfig
+
+    if not isinstance(privacy.sparse_embeddings, SparseEmbeddingConfig):
+        raise TypeError(
+            "sparse_embeddings must be None or a tf_dp.keras.SparseEmbeddingConfig, got "
+            f"{type(privacy.sparse_embeddings).__name__}")
+    refused = [
+        ("dp_sum_query", privacy.query is not None),
+        ("a clip or noise schedule", privacy.has_schedules),
+        ("num_microbatches", privacy.num_microbatches is not None),
+        ("noise_mode='grid'", privacy.noise_mode == "grid"),
+    ]
+    for name, given in refused:
+        if given:
+            raise ValueError(
+                f"sparse_embeddings is not supported with {name}: it needs a fixed l2_norm_clip "
+                "and noise_multiplier (or noise_stddev) with per-example clipping")
+
+
 def check_combination(privacy: PrivacyConfig, speed: SpeedConfig) -> None:
     """The checks that need both halves (microbatches against the gradient mode)."""
+    if privacy.sparse_embeddings is not None and (
+        speed.gradient_mode not in ("auto", "ghost") or speed.max_physical_batch_size is not None
+    ):
+        raise ValueError(
+            "sparse_embeddings needs gradient_mode='auto' or 'ghost' (the tables' rows come from "
+            f"the ghost clipper) and max_physical_batch_size=None; got gradient_mode="
+            f"{speed.gradient_mode!r}, max_physical_batch_size={speed.max_physical_batch_size!r}")
     validation.check_microbatch_options(
         speed.gradient_mode, privacy.num_microbatches, speed.max_physical_batch_size
     )

@@ -47,11 +47,13 @@ from tf_dp.dp_query.dp_query import DPQuery
 from tf_dp.dp_query.gaussian_query import GaussianGlobalState, GaussianSumQuery
 from tf_dp.dp_query.noise import DEFAULT_NOISE_MODE
 from tf_dp.dp_query.normalized_query import NormalizedQuery
+from tf_dp.dp_query.partition_selection import PartitionSelectionQuery
 from tf_dp.dp_query.xla import in_xla_context
 from tf_dp.engine import validation
 from tf_dp.engine.config import PrivacyConfig, SpeedConfig, check_combination
 from tf_dp.data.sampling import Sampling
 from tf_dp.gradients import ClippedGradients, GradientClipper, make_clipper
+from tf_dp.gradients.embedding_rows import sparse_table_keys
 from tf_dp.gradients.per_user import for_users
 from tf_dp.gradients.physical_batches import PhysicalBatches
 from tf_dp.ledger.privacy_ledger import PrivacyLedger, ledger_variable
@@ -93,7 +95,12 @@ class DPEngine:
             query = self._build_query(privacy)
         else:
             _refuse_query(query, owner, allow_tree=placeholder_state is not None)
+        if privacy.sparse_embeddings is not None:  # DP-AdaFEST on the embedding tables
+            query = PartitionSelectionQuery(query, privacy.sparse_embeddings, privacy.noise_seed)
         self.ledger = PrivacyLedger(name=f"{name}_ledger")
+        if privacy.sparse_embeddings is not None:  # the threshold is in no event: say it
+            self.ledger.set_file_metadata("sparse_embeddings",
+                                          privacy.sparse_embeddings.get_config())
         self.recorder = QueryWithLedger(query, self.ledger)
         self.query = query
         self._normalized = isinstance(query, NormalizedQuery)
@@ -197,8 +204,9 @@ class DPEngine:
         options = {}
         if speed.jl_projections is not None:
             options = {"jl_projections": speed.jl_projections, "jl_method": speed.jl_method}
+        sparse = self.privacy.sparse_embeddings
         strategy = make_clipper(
-            speed.gradient_mode, model=model, num_microbatches=self.privacy.num_microbatches,
+            "ghost" if sparse is not None else speed.gradient_mode, model=model, num_microbatches=self.privacy.num_microbatches,
             seed=self.privacy.noise_seed, **options,
         )
         if speed.max_physical_batch_size is not None:
@@ -215,6 +223,8 @@ class DPEngine:
                 f"gradient clipper {strategy.name!r} needs a query with a norm-based "
                 f"clipping rule; {type(self.query).__name__} has none"
             )
+        if sparse is not None:  # the tables' clipped rows come back as tf.IndexedSlices
+            strategy.sparse_keys = sparse_table_keys(model, sparse)
         self.clipper = strategy
         _logger.info(
             "tf_dp: gradient_mode=%r uses the %r clipper", speed.gradient_mode, strategy.name
@@ -391,8 +401,14 @@ class DPEngine:
         after = clipped.noise_after_sum and not tf.executing_eagerly()
         # a query whose sample state holds more than the clipped sum (adaptive clipping's count
         # of unclipped records) completes it from the per-record norms; others return it as is
+        sums = list(clipped.clipped_sum)
+        sparse_at = [i for i, g in enumerate(sums) if isinstance(g, tf.IndexedSlices)]
+        if sparse_at:  # the sparse tables are noised by the partition selection, not here
+            _refuse_sparse_context()
+            sums = [tf.zeros([0], g.values.dtype) if i in sparse_at else g
+                    for i, g in enumerate(sums)]
         state = q.accumulate_norms(
-            q.derive_sample_params(self.global_state), clipped.clipped_sum, clipped.norms,
+            q.derive_sample_params(self.global_state), sums, clipped.norms,
             getattr(clipped, "record_mask", None),
         )
         replicas = _replicas_in_sync()
@@ -402,6 +418,8 @@ class DPEngine:
         deps = tf.nest.flatten(clipped.clipped_sum, expand_composites=True) if after else []
         with tf.control_dependencies(deps):
             noised, new_state = q.get_noised_result(state, self.global_state)
+        if sparse_at:  # after the step was recorded (both sum queries)
+            noised = self._noised_rows(clipped, noised, sparse_at)
         keep = _keep_state(self.global_state, new_state)
         records = tf.cast(clipped.num_records, tf.float32)
         if replicas > 1:
@@ -420,6 +438,23 @@ class DPEngine:
                 denominator = tf.where(self._poisson, self._expected_batch, records)
             denominator = tf.maximum(denominator, 1e-12)
             return _share([_divide(g, denominator) for g in noised], replicas)
+
+    def _noised_rows(self, clipped: ClippedGradients, noised: list, sparse_at: list) -> list:
+        """``noised`` with the sparse tables' entries replaced by their DP-AdaFEST releases:
+        rows selected from the contribution map of the batch's real records, the query's noise
+        on those rows only (:meth:`PartitionSelectionQuery.noised_rows`)."""
+        slices = [clipped.clipped_sum[i] for i in sparse_at]
+        mask = clipped.record_mask
+        b = tf.shape(tf.reshape(slices[0].indices, [-1]))[0] if mask is None else tf.shape(mask)[0]
+        real = tf.ones([b], tf.bool) if mask is None else tf.cast(mask, tf.bool)
+        ids = [tf.where(real[:, None], tf.reshape(tf.cast(s.indices, tf.int64), [b, -1]),
+                        tf.constant(-1, tf.int64)) for s in slices]
+        with tf.control_dependencies(tf.nest.flatten(noised)):
+            rows = self.query.noised_rows(self.global_state, ids, slices)
+        noised = list(noised)
+        for i, r in zip(sparse_at, rows):
+            noised[i] = r
+        return noised
 
     def apply(self, grads: list, variables: list, apply_fn: ApplyFn) -> None:
         """Applies ``grads`` with ``apply_fn`` unless they are not finite (the step stays in
@@ -719,6 +754,21 @@ def _zero_unless(ok: tf.Tensor, g: Any) -> Any:
         return tf.IndexedSlices(tf.where(ok, g.values, tf.zeros_like(g.values)), g.indices,
                                 g.dense_shape)
     return tf.where(ok, g, tf.zeros_like(g))
+
+
+def _refuse_sparse_context() -> None:
+    """sparse_embeddings selects a data-dependent number of rows: not under XLA, and its
+    release is not all-reduced across replicas."""
+    if in_xla_context():
+        raise ValueError(
+            "sparse_embeddings cannot run under XLA (the number of selected rows varies from step "
+            "to step): compile the model with jit_compile=False")
+    if tf.distribute.has_strategy() and not isinstance(
+            tf.distribute.get_strategy(), tf.distribute.OneDeviceStrategy):
+        raise ValueError(
+            "sparse_embeddings does not support tf.distribute strategies (other than "
+            "OneDeviceStrategy): train without a distribution strategy, or set "
+            "sparse_embeddings=None")
 
 
 def _replicas_in_sync() -> int:

@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from tf_dp.dp_query import partition_selection as ps
 
-__all__ = ["EmbeddingRows", "embedding_rows", "squared_norms", "adafest_update"]
+__all__ = ["EmbeddingRows", "embedding_rows", "squared_norms", "adafest_update", "sparse_table_keys"]
 
 
 class EmbeddingRows(NamedTuple):
@@ -92,3 +92,38 @@ def adafest_update(
     return ps.sparse_noised_sum(
         generator, selected, row_ids, values, gradient_stddev, tf.stack([vocab_size, d])
     )
+
+
+def sparse_table_keys(model: Any, config: Any) -> frozenset:
+    """The keys (as the ghost clipper keys variables) of the embedding tables that
+    ``config`` (a :class:`~tf_dp.dp_query.partition_selection.SparseEmbeddingConfig`) trains
+    sparsely: every trainable ``keras.layers.Embedding`` table of ``model`` (ReversibleEmbedding
+    included), or those of the layers named in ``config.layers``. ValueError when there is none
+    or a named layer is missing or not an Embedding."""
+    import keras
+
+    from tf_dp import _compat
+    from tf_dp.gradients import base
+
+    layers = _compat.flatten_layers(model) or []
+    embeddings = {l.name: l for l in layers if isinstance(l, keras.layers.Embedding)}
+    if config.layers is None:
+        chosen = list(embeddings.values())
+    else:
+        missing = [n for n in config.layers if n not in embeddings]
+        if missing:
+            raise ValueError(
+                f"SparseEmbeddingConfig(layers=...) names {missing}, which are not "
+                f"keras.layers.Embedding layers of the model (its Embedding layers: "
+                f"{sorted(embeddings)})")
+        chosen = [embeddings[n] for n in config.layers]
+    tables = []
+    for layer in chosen:
+        table = _compat.embeddings_variable(layer)
+        if getattr(table, "trainable", True) and layer.trainable:
+            tables.append(table)
+    if not tables:
+        raise ValueError(
+            "sparse_embeddings was given but the model has no trainable keras.layers.Embedding "
+            "table to train sparsely: set sparse_embeddings=None")
+    return frozenset(id(base.as_tf_variables([t])[0]) for t in tables)

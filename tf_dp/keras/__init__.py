@@ -19,6 +19,7 @@ from tf_dp.keras.losses import PerExampleLoss
 from tf_dp.keras.mf import DPKerasMFOptimizer
 from tf_dp.keras.models import DPModel, DPSequential, is_private, make_private
 from tf_dp.keras.schedules import DecreasingClip
+from tf_dp.dp_query.partition_selection import SparseEmbeddingConfig
 from tf_dp.keras.optimizers import (
     DPKerasAdagradOptimizer,
     DPKerasAdamOptimizer,
@@ -47,6 +48,7 @@ __all__ = [
     "DPSequential",
     "DPTrainStep",
     "PerExampleLoss",
+    "SparseEmbeddingConfig",
     "fix_for_dp",
     "is_private",
     "make_dp_optimizer_class",

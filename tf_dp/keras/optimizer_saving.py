@@ -100,6 +100,8 @@ class OptimizerSaving:
                 "noise_mode": privacy.noise_mode,
             }
         )
+        if privacy.sparse_embeddings is not None:
+            config["sparse_embeddings"] = privacy.sparse_embeddings.get_config()
         return config
 
     @classmethod
@@ -109,6 +111,11 @@ class OptimizerSaving:
         config = dict(config)
         if isinstance(config.get("dp_sum_query"), dict):
             config["dp_sum_query"] = deserialize_query(config["dp_sum_query"])
+        if isinstance(config.get("sparse_embeddings"), dict):
+            from tf_dp.dp_query.partition_selection import SparseEmbeddingConfig
+
+            config["sparse_embeddings"] = SparseEmbeddingConfig.from_config(
+                config["sparse_embeddings"])
         for key in ("l2_norm_clip", "noise_multiplier", "noise_stddev"):
             if isinstance(config.get(key), dict):
                 config[key] = keras.saving.deserialize_keras_object(

@@ -61,10 +61,11 @@ class DPOptimizerMixin(OptimizerSettings, OptimizerSampling, OptimizerSaving):
         max_physical_batch_size: Optional[int] = None,
         noise_mode: Optional[str] = None,
         placeholder_state: Any = None,
+        sparse_embeddings: Any = None,
     ) -> None:
         privacy = PrivacyConfig(
             l2_norm_clip, noise_multiplier, noise_stddev, dp_sum_query, noise_mode,
-            num_microbatches, noise_seed,
+            num_microbatches, noise_seed, sparse_embeddings,
         )
         speed = SpeedConfig(gradient_mode, max_physical_batch_size, jl_projections, jl_method)
         self._engine = DPEngine(
@@ -259,6 +260,7 @@ def make_dp_optimizer_class(optimizer_class: type) -> type:
         noise_stddev: Any = None,
         max_physical_batch_size: Optional[int] = None,
         noise_mode: Optional[str] = None,
+        sparse_embeddings: Any = None,
         **kwargs: Any,
     ) -> None:
         optimizer_class.__init__(self, *args, **kwargs)
@@ -274,6 +276,7 @@ def make_dp_optimizer_class(optimizer_class: type) -> type:
             noise_stddev,
             max_physical_batch_size,
             noise_mode,
+            sparse_embeddings=sparse_embeddings,
         )
 
     name = f"DPKeras{optimizer_class.__name__}"
@@ -304,6 +307,9 @@ def make_dp_optimizer_class(optimizer_class: type) -> type:
         "    tf_dp.GaussianSumQuery. 'grid' releases multiples of a power of two g, so the low\n"
         "    bits of the update carry nothing about the data; the ledger charges C + g sqrt(d).\n"
         "  noise_seed: tests and debugging only (a known seed voids the guarantee).\n"
+        "  sparse_embeddings: None, or a tf_dp.keras.SparseEmbeddingConfig: the model's\n"
+        "    keras.layers.Embedding tables get DP-AdaFEST updates (noise only on privately\n"
+        "    selected rows, applied as tf.IndexedSlices); see docs/sparse_embeddings.md.\n"
     )
     cls = type(name, (DPOptimizerMixin, optimizer_class), {"__init__": __init__, "__doc__": doc})
     cls.__module__ = __name__

@@ -17,8 +17,9 @@ the journal) read the prefix as runs; :meth:`~PrivacyLedger.samples` and
 :meth:`~PrivacyLedger.tables` list every step. Tables
 double when full, so recording costs amortised O(1) per step. Inside an XLA-compiled step
 (``jit_compile=True``), where no variable may change shape, rows go to a fixed-size staging table
-written by index; :meth:`PrivacyLedger.flush` moves them into the ledger between compiled calls
-(reading methods and the Keras integration do this for you). A compiled step that finds the
+written by index; :meth:`PrivacyLedger.flush`, between compiled calls, moves them into the ledger
+whenever the staging table could not hold another call's reserved rows (the Keras integration
+flushes after every call; reading methods see staged rows too). A compiled step that finds the
 staging table full records nothing and must release nothing (:meth:`PrivacyLedger.has_room`;
 the DP optimizers withhold its update), and the next flush raises :class:`LedgerOverflowError`.
 
@@ -43,6 +44,7 @@ per step):
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from operator import itemgetter
 from typing import Any, Mapping, Optional, Sequence
@@ -62,6 +64,8 @@ from tf_dp.ledger.events import (
     EntryCodes,
     SumQueryEvent,
     compress,
+    mf_strategy_code,
+    mf_strategy_of_code,
     runs_are_prefix,
     without_gc,
 )
@@ -82,7 +86,7 @@ from tf_dp.ledger.ledger_file import (
 # before a column existed) are read with zeros there: no pass start, declared, example-level.
 _SAMPLE_COLS = 8
 # sample index, l2_sensitivity, noise_stddev, mechanism code, jl_projections (jl) or tree_step
-# (tree), noise seed (NaN: none), noise grid (NaN: continuous noise)
+# (tree) or the strategy's mf_strategy_code (mf: a code of this process, never saved), noise seed (NaN: none), noise grid (NaN: continuous noise)
 _QUERY_COLS = 7
 _INITIAL_CAPACITY = 64
 
@@ -181,7 +185,7 @@ class _Buffer(tf.Module):
     Rows live in ``data`` (a growable table: it doubles when full, amortised O(1) per row) and,
     for rows recorded inside an XLA-compiled step, in ``staged``: a fixed-size table written by
     index, because XLA cannot grow a variable. :meth:`flush` (eager, between compiled calls) moves
-    staged rows to ``data``. A row recorded while ``staged`` is full is not written: ``overflow``
+    staged rows to ``data`` (the ledger's flush calls it only when :meth:`needs_move`). A row recorded while ``staged`` is full is not written: ``overflow``
     counts it, :meth:`has_room` lets the step release nothing instead, and :meth:`flush` raises.
     """
 
@@ -199,6 +203,9 @@ class _Buffer(tf.Module):
             )
             self.staged_count = ledger_variable(tf.constant(0, tf.int64), name="staged_count")
             self.overflow = ledger_variable(tf.constant(0, tf.int64), name="overflow")
+        # rows one compiled call may stage (set by reserve); 0: nothing reserved, so every
+        # flush moves the staged rows (a call of unknown length finds the whole table free)
+        self.call_rows = 0
 
     @property
     def staging_capacity(self) -> int:
@@ -315,10 +322,33 @@ class _Buffer(tf.Module):
             )
 
     def reserve(self, rows: int) -> None:
-        """Eagerly makes room for ``rows`` staged rows (flushes first)."""
+        """Eagerly makes room for ``rows`` staged rows (flushes first); from then on a flush
+        leaves staged rows in place while ``rows`` more still fit (:meth:`needs_move`)."""
         self.flush()
         if rows > self.staging_capacity:
             self.staged.assign(tf.zeros([int(rows), self.staged.shape[1]], tf.float64))
+        self.call_rows = int(rows)
+
+    def needs_move(self, staged: int) -> bool:
+        """Whether, with ``staged`` rows staged, a flush must move them to ``data``: nothing
+        was reserved, or the next compiled call's reserved rows would not fit after them."""
+        if staged == 0:
+            return False
+        if self.call_rows <= 0:
+            return True
+        return staged + self.call_rows > _capacity(self.staged)
+
+    def rows(self, start: int, stop: int, recorded: int) -> np.ndarray:
+        """Rows ``start:stop`` of all rows, the ``recorded`` rows of ``data`` followed by the
+        staged ones, eagerly: one gather per table touched."""
+        parts = []
+        if start < recorded:
+            parts.append(_read_rows(self.data, start, min(stop, recorded)))
+        if stop > recorded:
+            parts.append(_read_rows(self.staged, max(start, recorded) - recorded, stop - recorded))
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts or [np.zeros([0, int(self.data.shape[1])])], axis=0)
 
     def numpy(self) -> np.ndarray:
         """The recorded rows (flushed, then staged), read without copying the spare capacity."""
@@ -399,6 +429,7 @@ def _to_entries(samples: np.ndarray, queries: np.ndarray, first: int = 0) -> lis
                 noise_seed=None if np.isnan(seed) else int(seed),
                 tree_step=int(r) if mech_name == "tree" else None,
                 noise_grid=None if np.isnan(grid) else float(grid),
+                mf_strategy=mf_strategy_of_code(int(r)) if mech_name == "mf" else None,
             )
         )
     return [
@@ -539,7 +570,8 @@ def _entry_rows(entries: Sequence[SampleEntry]) -> tuple[np.ndarray, np.ndarray,
     query_rows = np.array(
         [
             [q.l2_sensitivity, q.noise_stddev, mechanism_code(q.mechanism),
-             q.jl_projections or q.tree_step or 0,
+             q.jl_projections or q.tree_step
+             or (mf_strategy_code(q.mf_strategy) if q.mechanism == "mf" else 0),
              float("nan") if q.noise_seed is None else float(q.noise_seed),
              float("nan") if q.noise_grid is None else float(q.noise_grid)]
             for e in entries
@@ -638,6 +670,7 @@ class PrivacyLedger(tf.Module):
         #: written before ledger checksums): privacy statements computed from it say so.
         self.verified = True
         self._trained_steps = 0  # steps the loaded weights were trained with (see missing_steps)
+        self._file_metadata = "{}"  # JSON: informative metadata :meth:`save` always writes
 
     # -- compiled (XLA) steps ----------------------------------------------------------------------
 
@@ -656,19 +689,44 @@ class PrivacyLedger(tf.Module):
         self._queries.reserve(int(samples) * max(1, int(queries_per_sample)))
 
     def flush(self) -> None:
-        """Moves rows recorded inside XLA-compiled steps into the ledger proper and appends the
-        steps recorded since the last flush to the attached journal, if any (eager only).
+        """Between compiled calls (eager only): raises :class:`LedgerOverflowError` if steps
+        were withheld for lack of room, makes room in the staging tables for the next compiled
+        call, and appends the steps recorded since the last flush to the attached journal, if
+        any.
 
-        Reading methods flush by themselves; the Keras integration flushes after every compiled
-        call. Raises :class:`LedgerOverflowError` if steps were withheld for lack of room.
+        Rows recorded inside XLA-compiled steps are moved into the ledger proper when the
+        staging tables could not hold another call's reserved rows (:meth:`reserve`; at every
+        flush if nothing was reserved), so that a flush after each call costs a few reads; every
+        reading method (:meth:`runs`, :meth:`samples`, :attr:`num_samples`, :meth:`save`...)
+        sees the staged rows too. The Keras integration flushes after every compiled call.
+
+        Example (a custom loop with an XLA-compiled step that records one sample per call)::
+
+            ledger.reserve(1)          # room for one step per compiled call
+            for batch in batches:
+                train_step(batch)      # tf.function(jit_compile=True)
+                ledger.flush()
         """
+        s, q = self._samples, self._queries
+        staged = int(s.staged_count.numpy()), int(q.staged_count.numpy())
+        if (
+            int(s.overflow.numpy()) == 0 and int(q.overflow.numpy()) == 0
+            and not s.needs_move(staged[0]) and not q.needs_move(staged[1])
+        ):
+            self._sync_journal(staged)  # nothing to move (or room for another call)
+            return
+        self._flush_all()
+
+    def _flush_all(self) -> None:
+        """Moves every staged row into the ledger proper (what the readers of ``data`` need),
+        appends to the journal, and raises if rows were dropped."""
         overflow: Optional[LedgerOverflowError] = None
         for buffer in (self._samples, self._queries):
             try:
                 buffer.flush()
             except LedgerOverflowError as e:
                 overflow = overflow or e
-        self._sync_journal()
+        self._sync_journal((0, 0))
         if overflow is not None:
             raise overflow
 
@@ -702,7 +760,7 @@ class PrivacyLedger(tf.Module):
                 ledger.flush()
         """
         self.detach_journal()
-        self.flush()
+        self._flush_all()
         journal = LedgerJournal(path, fsync=fsync)
         try:
             journaled = journal.runs()
@@ -737,13 +795,15 @@ class PrivacyLedger(tf.Module):
             self._journal.close()
             self._journal = None
 
-    def _sync_journal(self) -> None:
-        """Appends the rows recorded since the last append to the journal (after a flush)."""
+    def _sync_journal(self, staged: tuple[int, int] = (0, 0)) -> None:
+        """Appends the rows recorded since the last append to the journal (after a flush);
+        ``staged``: the rows still staged in the sample and query tables (read just before)."""
         journal = self._journal
         if journal is None or not tf.executing_eagerly():
             return
         base = self._base_steps()
-        start, stop = journal.num_samples, base + int(self._samples.count.numpy())
+        n, m = int(self._samples.count.numpy()), int(self._queries.count.numpy())
+        start, stop = journal.num_samples, base + n + staged[0]
         if stop == start:
             return
         if start < base:  # steps of the run prefix (restored content): appended as runs
@@ -751,10 +811,10 @@ class PrivacyLedger(tf.Module):
             start, self._journal_queries = base, 0
             if stop == start:
                 return
-        s0, s1 = start - base, stop - base  # rows of the step tables
-        q0, q1 = self._journal_queries, int(self._queries.count.numpy())
-        samples = _read_rows(self._samples.data, s0, s1)
-        queries = _read_rows(self._queries.data, q0, q1)
+        s0, s1 = start - base, stop - base  # rows of the step tables (recorded, then staged)
+        q0, q1 = self._journal_queries, m + staged[1]
+        samples = self._samples.rows(s0, s1, n)
+        queries = self._queries.rows(q0, q1, m)
         relative = queries.copy()
         relative[:, 0] -= s0
         key = f"{len(samples)},{len(relative)}:".encode() + samples.tobytes() + relative.tobytes()
@@ -876,7 +936,7 @@ class PrivacyLedger(tf.Module):
             tf_dp.accounting.compute_epsilon(runs, delta=1e-5)
         """
         if tf.executing_eagerly():
-            self.flush()
+            self._flush_all()
         return _joined(self._prefix_runs(), self._runs_from(0))
 
     def runs_from(self, start: int) -> list[tuple[SampleEntry, int]]:
@@ -901,7 +961,7 @@ class PrivacyLedger(tf.Module):
             tail = self._read_tail(start - base) if start >= base else None
             if tail is not None:
                 return tail
-            self.flush()
+            self._flush_all()
         n = base + int(self._samples.count.numpy())
         if not 0 <= start <= n:
             raise ValueError(f"start must be in [0, num_samples={n}], got {start}")
@@ -1008,7 +1068,15 @@ class PrivacyLedger(tf.Module):
                 "written from it would under-state the privacy spent; restore the run's ledger "
                 "first (ledger.restore_entries(tf_dp.ledger.read_ledger_file(path)))"
             )
+        metadata = {**json.loads(self._file_metadata), **dict(metadata or {})}
         write_ledger_runs(path, self.runs(), metadata, overwrite=overwrite)
+
+    def set_file_metadata(self, key: str, value: Any) -> None:
+        """Metadata (informative, JSON) that :meth:`save` writes into every ledger file, e.g.
+        the mechanism settings that the events do not hold (a partition selection's threshold)."""
+        extra = json.loads(self._file_metadata)
+        extra[str(key)] = value
+        self._file_metadata = json.dumps(extra)
 
     @classmethod
     def load(cls, path: str | os.PathLike, name: str = "privacy_ledger") -> "PrivacyLedger":

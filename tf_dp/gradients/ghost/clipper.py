@@ -86,6 +86,11 @@ class Plan:
     model_loop: Optional[str] = None
     #: fallback layers (by id) whose local per-example gradients loop: id -> reason
     local_loop: dict = dataclasses.field(default_factory=dict)
+    #: layers moved out of their rule (or per-layer fallback) by a traced step, because a call's
+    #: output does not have the examples on axis 0: layer name -> where their variables went
+    demoted: dict = dataclasses.field(default_factory=dict)
+    #: whether a shape probe (:func:`_probe_axis0`) has run for a trace with an unknown batch size
+    probed: bool = False
 
     @property
     def mode(self) -> str:
@@ -108,6 +113,8 @@ class Plan:
             suffix += (
                 "; per-example loop, not vectorized_map, for: " + ", ".join(loops) + f" ({reason})"
             )
+        if self.demoted:
+            suffix += "; " + "; ".join(f"{k}: {v}" for k, v in self.demoted.items())
         return "ghost+vectorized (layers: " + ", ".join(parts) + ")" + suffix
 
 
@@ -237,6 +244,8 @@ class _Record:
     kwargs: dict
     inputs: Any
     outputs: list  # float output leaves (watched)
+    #: ids of the recorded layers whose calls were running when this call started (outermost first)
+    enclosing: tuple = ()
 
 
 def _float_leaves(z) -> list:
@@ -252,6 +261,7 @@ class _Capture:
         self.records: list[_Record] = []
         self.nested: set = set()
         self._saved: list = []
+        self._stack: list = []  # ids of the recorded layers whose calls are running
 
     def __enter__(self):
         try:
@@ -297,12 +307,15 @@ class _Capture:
                 watched.append(t)
                 return t
 
+            enclosing = tuple(self._stack)
+            self._stack.append(id(layer))
             try:
                 if entry is not None and entry.forward is not None and not nested:
                     z, inputs = entry.forward(layer, orig, args, kwargs, watch)
                 else:
                     z = orig(*args, **kwargs)
             finally:
+                self._stack.pop()
                 if split:
                     object.__setattr__(layer, "activation", act)
             leaves = watched if watched else _float_leaves(z)
@@ -312,17 +325,24 @@ class _Capture:
                 self.nested.add(id(layer))
                 return act(z) if act is not None else z
             self._tape.watch(leaves)
-            self.records.append(_Record(layer, entry, orig, args, kwargs, inputs, leaves))
+            self.records.append(
+                _Record(layer, entry, orig, args, kwargs, inputs, leaves, enclosing)
+            )
             return act(z) if act is not None else z
 
         return call
 
 
-def _local_per_example(rec: _Record, grads: list, variables: list, loop: bool = False) -> list:
+def _local_per_example(
+    rec: _Record, grads: list, variables: list, loop: bool = False, batch: Optional[int] = None
+) -> list:
     """Per-example gradients of ``variables`` through one recorded call of its layer alone
-    (``loop``: a ``map_fn`` over the examples, never ``vectorized_map``)."""
+    (``loop``: a ``map_fn`` over the examples, never ``vectorized_map``). The call's tensor
+    arguments whose axis 0 has the batch's static size ``batch`` (default: the output's) are
+    split per example; the others (a constant table, position ids) are passed whole."""
     flat = tf.nest.flatten((rec.args, rec.kwargs))
-    batch = rec.outputs[0].shape[0] if rec.outputs else None
+    if batch is None:
+        batch = rec.outputs[0].shape[0] if rec.outputs else None
     slots = [
         i
         for i, t in enumerate(flat)
@@ -355,6 +375,126 @@ def _local_per_example(rec: _Record, grads: list, variables: list, loop: bool = 
     except (TypeError, ValueError, NotImplementedError) as e:  # e.g. Keras RNN loops under pfor
         _logger.info("tf_dp: vectorized_map failed on layer %r (%s); using map_fn", rec.layer.name, e)
         return tf.map_fn(one, elems, fn_output_signature=signature)
+
+
+def _axis0_is_examples(rec: _Record, n: Optional[int]) -> Optional[bool]:
+    """Whether every recorded output of ``rec`` has the examples on axis 0, which every norm
+    rule and the per-layer fallback assume. ``False`` when the static shapes say not: axis 0 of
+    another size than the batch's ``n`` (tokens flattened to ``[B*T, d]`` before a router or
+    an expert bank), or of a fixed size where the batch's is unknown (a ``[1, P, d]`` position
+    table broadcast over the batch); ``None`` when they cannot tell (both sizes unknown)."""
+    unknown = False
+    for t in rec.outputs:
+        rank = t.shape.rank
+        if rank == 0:
+            return False
+        d = t.shape[0] if rank is not None else None
+        if d is not None and (n is None or d != n):
+            return False
+        if d is None:
+            unknown = True
+    return None if unknown else True
+
+
+def _demote_off_axis(plan: Plan, records: list, n: Optional[int], index: dict) -> list:
+    """Moves the layers of ``records`` whose outputs do not have the examples on axis 0 (see
+    :func:`_axis0_is_examples`) out of their rule or per-layer fallback, for good (the plan is
+    kept for later traces): their variables get per-example gradients from the per-layer fallback
+    of the recorded fallback layer whose call encloses every call of theirs (e.g. the decoder block
+    around a mixture-of-experts router), or else from the whole-model fallback. Without this the
+    rule's norms were per token (``[B*T]``) or per table (``[1]``) and the step failed with an
+    ``AddN`` shape mismatch; a wrong grouping could also have mixed examples' contributions.
+
+    Returns the records whose axis 0 the static shapes cannot check (both sizes unknown)."""
+    verdict: dict = {}
+    unknown = []
+    for rec in records:
+        ok = _axis0_is_examples(rec, n)
+        if ok is None:
+            unknown.append(rec)
+        if ok is not False:
+            verdict.setdefault(id(rec.layer), True)
+        else:
+            verdict[id(rec.layer)] = False
+    bad = [rec.layer for rec in records if verdict.get(id(rec.layer)) is False]
+    bad = list({id(layer): layer for layer in bad}.values())
+    if not bad:
+        return unknown
+    bad_ids = {id(layer) for layer in bad}
+    units = {id(u): vs for u, _, vs in plan.local if id(u) not in bad_ids}
+    entries = {id(layer): entry for layer, entry in plan.ghost}
+    for layer in bad:
+        if id(layer) in entries:
+            own = _rule_variables(layer, entries[id(layer)])
+        else:
+            own = next(vs for u, _, vs in plan.local if u is layer)
+        own = [v for v in own if _key(v) in index]
+        # the innermost recorded fallback layer around each call; one for all calls, or none
+        around = set()
+        for rec in records:
+            if rec.layer is layer:
+                inner = [i for i in rec.enclosing if i in units]
+                around.add(inner[-1] if inner else None)
+        unit_id = around.pop() if len(around) == 1 else None
+        shape = next(
+            list(t.shape)
+            for rec in records
+            if rec.layer is layer
+            for t in rec.outputs
+            if t.shape.rank == 0 or (t.shape.rank and t.shape[0] is not None and t.shape[0] != n)
+        )
+        why = f"output shape {shape} has no example axis 0 (batch {n})"
+        if unit_id is not None:
+            unit_vs = units[unit_id]
+            unit_vs.extend(v for v in own if all(_key(v) != _key(u) for u in unit_vs))
+            unit = next(u for u, _, _ in plan.local if id(u) == unit_id)
+            plan.demoted[layer.name] = f"{why}; per-example gradients through {unit.name}"
+        else:
+            for v in own:
+                if _key(v) not in plan.model_level:
+                    plan.model_level.append(_key(v))
+                    plan.model_level_names.append(getattr(v, "path", None) or v.name)
+            plan.demoted[layer.name] = f"{why}; per-example gradients through the model"
+        _logger.info("tf_dp: ghost clipper: %s: %s", layer.name, plan.demoted[layer.name])
+    plan.ghost[:] = [(l, e) for l, e in plan.ghost if id(l) not in bad_ids]
+    plan.local[:] = [(u, r, vs) for u, r, vs in plan.local if id(u) not in bad_ids]
+    return [rec for rec in unknown if id(rec.layer) not in bad_ids]
+
+
+#: the batch sizes of the shape probe: a tensor whose axis 0 has each of them is taken as
+#: having the examples on axis 0 (a fixed size cannot equal both)
+_PROBE_SIZES = (2, 3)
+
+
+def _probe_axis0(plan: Plan, loss_fn, data, index: dict) -> None:
+    """For a step traced with an unknown batch size (``[None, ...]``), where
+    :func:`_demote_off_axis` cannot tell tokens flattened to ``[B*T, d]`` from examples: traces
+    (never runs) the recorded forward pass with static batch sizes ``_PROBE_SIZES`` and demotes the
+    layers whose outputs' axis 0 is not the batch. Tracing only: no op of the probe runs, so no
+    random state moves and no variable changes."""
+    plan.probed = True
+
+    def spec(t):
+        t = tf.convert_to_tensor(t)
+        return tf.TensorSpec([size] + t.shape.as_list()[1:], t.dtype)
+
+    for size in _PROBE_SIZES:
+
+        def forward(x, y, sw):
+            with tf.GradientTape() as tape:
+                with _Capture(plan, tape) as capture:
+                    loss_fn(x, y, sw)
+            records = [r for r in capture.records if id(r.layer) not in capture.nested]
+            _demote_off_axis(plan, records, size, index)
+            return tf.constant(0.0)
+
+        x, y, sw = data
+        specs = [tf.nest.map_structure(spec, t) if t is not None else None for t in (x, y, sw)]
+        try:
+            tf.function(forward, autograph=False).get_concrete_function(*specs)
+        except Exception as e:  # noqa: BLE001 -- a model that cannot trace at this size
+            _logger.info("tf_dp: ghost clipper: shape probe at batch %d failed (%s)", size, e)
+            return
 
 
 def _whole_model_per_example(loss_fn, data, variables, loop: bool = False) -> list:
@@ -401,6 +541,10 @@ class GhostClipper(base.GradientClipper):
     name = "ghost"
 
     def __init__(self, **_options: Any):
+        #: keys of embedding tables whose clipped sum is returned as ``tf.IndexedSlices`` of the
+        #: clipped per-example rows (``values [B*T, d]``, ``indices`` the ids; set by the engine
+        #: for ``sparse_embeddings``)
+        self.sparse_keys: frozenset = frozenset()
         self._plans: dict = {}
         self._logged: set = set()
         self.mode: Optional[str] = None
@@ -461,19 +605,50 @@ class GhostClipper(base.GradientClipper):
         data = base.fill_padding_rows(data)
         x, y, sw = data
 
+        index = {_key(v): i for i, v in enumerate(variables)}
+        n = tf.nest.flatten(x)[0].shape[0]
+        demoted = len(plan.demoted)
+        if n is None and not plan.probed:
+            _probe_axis0(plan, loss_fn, data, index)
         with tf.GradientTape() as tape:
             with _Capture(plan, tape) as capture:
                 losses, y_pred = loss_fn(x, y, sw)
             total = tf.reduce_sum(losses)
         records = [r for r in capture.records if id(r.layer) not in capture.nested]
+        unchecked = _demote_off_axis(plan, records, n, index)
+        if len(plan.demoted) != demoted:
+            self.mode, self.description = plan.mode, plan.description
+        records = [
+            r
+            for r in records
+            if any(r.layer is l for l, _ in plan.ghost) or any(r.layer is u for u, _, _ in plan.local)
+        ]
+        checks = []
+        for rec in unchecked:  # shapes unknown at trace time: checked when the step runs
+            for t in rec.outputs:
+                checks.append(
+                    tf.debugging.assert_equal(
+                        tf.shape(t)[0],
+                        base.batch_size_of(x),
+                        message=(
+                            f"tf_dp ghost clipper: an output of layer {rec.layer.name!r} does not "
+                            "have the examples on axis 0 (its rule would group its rows as "
+                            "examples); trace the step with a static batch size, which moves "
+                            "such a layer to a per-example fallback"
+                        ),
+                    )
+                )
         targets = [t for rec in records for t in rec.outputs]
         out_grads = (
             tape.gradient(total, targets, unconnected_gradients=tf.UnconnectedGradients.ZERO)
             if targets
             else []
         )
+        checks = [c for c in checks if c is not None]  # eager: already checked
+        if checks:
+            with tf.control_dependencies(checks):
+                out_grads = [tf.identity(g) for g in out_grads]
 
-        index = {_key(v): i for i, v in enumerate(variables)}
         unit_vars = {id(layer): vs for layer, _, vs in plan.local}
         model_level = set(plan.model_level)
         for layer, entry in plan.ghost:
@@ -502,7 +677,7 @@ class GhostClipper(base.GradientClipper):
             elif unit_vars.get(id(rec.layer)):
                 own = unit_vars[id(rec.layer)]
                 per_ex = _local_per_example(
-                    rec, grads, own, loop=id(rec.layer) in plan.local_loop
+                    rec, grads, own, loop=id(rec.layer) in plan.local_loop, batch=n
                 )
                 for v, pe in zip(own, per_ex):
                     parts.setdefault(_key(v), []).append(F.PerExample(pe))
@@ -532,6 +707,11 @@ class GhostClipper(base.GradientClipper):
         for v in variables:
             shape = list(v.shape)
             factors = parts.get(_key(v))
+            if _key(v) in self.sparse_keys:  # a table released sparsely (engine: sparse_embeddings)
+                sq, summer = _sparse_rows(v, factors, shape, k, batch)
+                squared.append(sq)
+                summers.append(summer)
+                continue
             if not factors:  # the variable took no part in this forward pass
                 squared.append(tf.zeros([batch], tf.float32))
                 summers.append(lambda w, shape=shape: tf.zeros(shape, tf.float32))
@@ -558,3 +738,33 @@ class GhostClipper(base.GradientClipper):
             y_pred=y_pred,
             losses=losses,
         )
+
+
+def _sparse_rows(v, factors, shape, group_size, batch):
+    """Squared norms and the weighted sum of a sparse table as ``tf.IndexedSlices`` of the
+    clipped per-example rows (not merged: ``indices`` reshaped to ``[B, -1]`` are the ids)."""
+    name = getattr(v, "path", None) or v.name
+    if group_size != 1:
+        raise ValueError(
+            f"sparse_embeddings: user-level clipping (records_per_unit > 1) is not supported for "
+            f"the sparse table {name}")
+    if not factors:
+        d = int(shape[1])
+        empty = tf.IndexedSlices(tf.zeros([0, d]), tf.zeros([0], tf.int64),
+                                 tf.constant(shape, tf.int64))
+        return tf.zeros([batch], tf.float32), lambda w: empty
+    f = F.combine(factors, shape)
+    if not isinstance(f, F.Rows):
+        raise ValueError(
+            f"sparse_embeddings: the table {name} is not only looked up (it is also used as a "
+            "matrix, e.g. a tied ReversibleEmbedding called with reverse=True, or its layer has no "
+            "row rule): leave it out of SparseEmbeddingConfig(layers=...)")
+    sq, _ = F.squared_norm_and_sum(f, shape)
+
+    def summer(w):
+        w = tf.cast(w, f.g.dtype)
+        g = tf.where(tf.not_equal(w, 0)[:, None, None], f.g, 0.0) * w[:, None, None]
+        return tf.IndexedSlices(tf.reshape(g, [-1, int(shape[1])]), tf.reshape(f.ids, [-1]),
+                                tf.constant(shape, tf.int64))
+
+    return sq, summer
