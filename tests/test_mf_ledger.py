@@ -187,3 +187,99 @@ def test_a_participation_claim_the_sampling_contradicts_is_refused(tmp_path):
         eps(shuffle, "periodic", 5)
     fixed_order = eps(shuffle, "periodic", 10)
     assert "the user's claim" in fixed_order.assumptions
+
+
+# -- long runs: the accountants read C as a filter (O(n * bands)), never as an n x n matrix ------
+
+
+def _no_dense(monkeypatch):
+    from tf_dp.accounting import matrix_factorization as mf
+
+    def boom(*a, **k):
+        raise AssertionError("an n x n matrix was built")
+
+    monkeypatch.setattr(mf, "mf_matrix_from_config", boom)
+    monkeypatch.setattr(mf, "_matrix", boom)
+    monkeypatch.setattr(mf.ToeplitzC, "matrix", boom)
+
+
+def test_1e5_step_amplified_ledger_without_a_dense_c_per_dp_accounting(tmp_path, monkeypatch):
+    n, b, z, q = 100_000, 8, 1.2, 0.01
+    coef = [1.0, 0.45, 0.3, 0.22, 0.17, 0.13, 0.1, 0.08]
+    event = MatrixFactorizationEvent({"kind": "banded", "coefficients": coef, "num_steps": n},
+                                     z, 1.0, "cyclic_poisson", period=b, sampling_probability=q)
+    smp = SamplingEvent(10**6, q, "cyclic_poisson", origin="sampled", num_parts=b)
+    _save(tmp_path / "l.json", _runs(n, smp, 1.0), event)
+    _no_dense(monkeypatch)
+    res = mf_epsilon_from_ledger(tmp_path / "l.json", DELTA)
+    col = math.sqrt(sum(x * x for x in coef))
+    acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z / col)),
+                n // b)
+    assert res.epsilon == pytest.approx(acc.get_epsilon(DELTA), rel=2 * PLD_REL)
+
+
+@pytest.mark.parametrize("config", [
+    {"kind": "banded", "coefficients": [1.0, 0.5, 0.25], "num_steps": 7},
+    {"kind": "blt", "omega": [-0.2, -0.02], "theta": [0.6, 0.9], "num_steps": 7},
+])
+def test_1e5_step_periodic_ledger_without_a_dense_c_is_the_gaussian_of_c_u(
+        tmp_path, monkeypatch, config):
+    n, p, z = 100_000, 1000, 40.0
+    event = MatrixFactorizationEvent(config, z, 1.0, "periodic", period=p)
+    _save(tmp_path / "l.json", _runs(n, SamplingEvent(p * 100, 1 / p, "shuffle"), 1.0), event)
+    # independent: C's column by its defining recurrence (banded: the coefficients; BLT: C C^{-1}
+    # = I with C^{-1}'s column 1, sum_i omega_i theta_i^(k-1)), then C u_0 as a convolution
+    m = 2000  # enough lags: C's column decays below 1e-30 (BLT) or ends (banded) well before
+    if config["kind"] == "banded":
+        col = np.r_[config["coefficients"], np.zeros(m - 3)]
+    else:
+        k = np.arange(1, m)
+        inv = np.r_[1.0, sum(o * t ** (k - 1) for o, t in zip(config["omega"], config["theta"]))]
+        col = np.zeros(m)
+        for t in range(m):  # forward substitution of the lower-triangular Toeplitz C^{-1}
+            col[t] = (1.0 if t == 0 else 0.0) - np.dot(inv[1 : t + 1], col[t - 1 :: -1][:t])
+    assert np.all(col >= 0)  # C >= 0: the all-offset-0 pattern is the worst (exact sensitivity)
+    u = np.zeros(n)
+    u[::p] = 1.0
+    sens = float(np.linalg.norm(np.convolve(col, u)[:n]))
+    _no_dense(monkeypatch)
+    res = mf_epsilon_from_ledger(tmp_path / "l.json", DELTA)
+    assert res.exact_sensitivity
+    assert res.sensitivity == pytest.approx(sens, rel=1e-9)
+    assert res.epsilon == pytest.approx(_gaussian_epsilon(sens / z, DELTA), rel=1e-9)
+
+
+@pytest.mark.parametrize("config", [
+    {"kind": "banded", "coefficients": [1.0, 0.5, 0.25], "num_steps": 30},
+    {"kind": "banded", "coefficients": [1.0, -0.9, 0.5], "num_steps": 30},  # C^T C < 0 somewhere
+    {"kind": "blt", "omega": [-0.2, -0.02], "theta": [0.6, 0.9], "num_steps": 30},
+    {"kind": "blt", "omega": [0.4], "theta": [-0.5], "num_steps": 30},  # C with negative entries
+])
+@pytest.mark.parametrize("period", [None, 1, 3, 7, 30])
+def test_filter_sensitivity_equals_the_dense_one_on_small_n(config, period, monkeypatch):
+    from tf_dp.accounting import matrix_factorization as mf
+
+    n = 30
+    dense = _loop_c(config, n)
+    want = mf.mf_sensitivity(dense, period)
+    got = mf.mf_sensitivity(mf.ToeplitzC.from_config(config, n), period)
+    assert got[1] == want[1] and got[0] == pytest.approx(want[0], rel=64 * n * 2.0**-52)
+    if want[1]:  # where C^T C >= 0 on the pattern, the strategies' own max ||C u_j|| agrees
+        assert from_config_sens(config, n, period) == pytest.approx(want[0], rel=64 * n * 2.0**-52)
+    # above the dense limit, C with negative entries gets the ||(|C|) u|| bound: never below
+    monkeypatch.setattr(mf, "_DENSE_BOUND_STEPS", 0)
+    bound, exact = mf.mf_sensitivity(mf.ToeplitzC.from_config(config, n), period)
+    assert (want[1] or not exact) and bound >= want[0] * (1 - 64 * n * 2.0**-52)
+    if period is not None and n // period <= 12:  # and above every pattern, by enumeration
+        brute = max(float(np.linalg.norm(dense[:, sub].sum(axis=1)))
+                    for j in range(period) for k in range(1, len(range(j, n, period)) + 1)
+                    for sub in map(list, itertools.combinations(range(j, n, period), k)))
+        assert bound >= brute * (1 - 64 * n * 2.0**-52)
+
+
+def from_config_sens(config, n, period):
+    """The strategies' own sensitivity (max ||C u_j||), from their filter."""
+    from tf_dp.correlated.strategies import from_config
+
+    return from_config(dict(config, num_steps=n)).sensitivity(period)

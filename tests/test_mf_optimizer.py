@@ -346,3 +346,103 @@ def test_saved_ledger_with_the_mechanism_gives_dp_sgd_epsilon_for_one_band(tmp_p
         DPKerasMFOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, strategy=BLT_PARAMS).mf_event(
             "single"
         )
+
+
+# -- the ledger-driven numbers: every reader of the ledger dispatches on the recorded mechanism --
+
+
+def _dp_accounting_amplified(q, z, col, releases, delta=1e-5):
+    import dp_accounting
+
+    acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z / col)),
+                releases)
+    return acc.get_epsilon(delta)
+
+
+def test_fit_statement_budget_and_cli_use_the_amplified_bandmf_epsilon(tmp_path, capsys):
+    """BandMF on cyclic Poisson batches over b = bands parts: PrivacyReport's printed epsilon,
+    compute_epsilon on the ledger and on its file, and the CLI all give amplified BandMF's
+    epsilon: ceil(n / b) Poisson-subsampled Gaussians of sensitivity C's column norm, composed by
+    dp_accounting (the coefficients from their closed form binom(2k, k) / 4^k)."""
+    import math
+
+    import tf_dp
+    from tf_dp.accounting import compute_epsilon
+    from tf_dp.accounting.matrix_factorization import amplified_bandmf_epsilon
+    from tf_dp.correlated.strategies import BandedStrategy
+
+    n_rec, bands, batch, z = 96, 4, 6, 1.5
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n_rec, 4)).astype("float32")
+    y = rng.normal(size=(n_rec, 2)).astype("float32")
+    batches = tf_dp.data.cyclic_poisson_batches(x, y, num_parts=bands, batch_size=batch, seed=2)
+    strategy = BandedStrategy.square_root(64, bands)
+    model = _model()
+    opt = DPKerasMFOptimizer(l2_norm_clip=1.0, noise_multiplier=z, strategy=strategy)
+    model.compile(optimizer=opt, loss="mse")
+    report = tf_dp.keras.PrivacyReport(1e-5, accountant="pld", verbose=True)
+    history = model.fit(batches, epochs=2, verbose=0, callbacks=[report])
+    steps = opt.ledger.num_samples
+    q = batch * bands / n_rec
+    col = math.sqrt(sum((math.comb(2 * k, k) / 4**k) ** 2 for k in range(bands)))
+    ref = _dp_accounting_amplified(q, z, col, math.ceil(steps / bands))
+    eps_fit = history.history["epsilon"][-1]
+    assert math.isfinite(eps_fit) and eps_fit == pytest.approx(ref, rel=1e-2)  # two PLD grids
+    assert f"epsilon = {eps_fit:.4g}" in capsys.readouterr().out
+    ours = amplified_bandmf_epsilon(BandedStrategy.square_root(steps, bands), z, 1e-5, q).epsilon
+    assert compute_epsilon(opt.ledger, 1e-5, "pld").epsilon == pytest.approx(ours, rel=1e-9)
+    path = str(tmp_path / "run.ledger.json")
+    opt.save_ledger(path)
+    assert compute_epsilon(path, 1e-5, "pld").epsilon == pytest.approx(ours, rel=1e-9)
+    p = subprocess.run([sys.executable, "-m", "tf_dp.cli.compute_dp_sgd_privacy",
+                        f"--ledger={path}", "--delta=1e-5", "--accountant=pld", "--format=json"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["pld"]["epsilon"] == pytest.approx(ours, rel=1e-9)
+
+
+def test_fit_on_shuffled_arrays_reports_the_gaussian_of_c_and_the_budget_stops_on_it():
+    """BLT on Keras's shuffled batches: no amplification, replace-one adjacency; the run is one
+    Gaussian mechanism of sensitivity 2 ||C 1|| (C from numpy's inverse of the BLT's C^{-1},
+    C >= 0 here), whose exact epsilon GDP gives. PrivacyBudget stops at the last step whose
+    independently computed epsilon is within the target."""
+    import math
+
+    from scipy import optimize, stats
+
+    import tf_dp
+    from tf_dp.accounting import compute_epsilon
+    from tf_dp.correlated.strategies import BLTStrategy
+
+    def gaussian_eps(mu, delta=1e-5):
+        def d(e):
+            return (stats.norm.cdf(-e / mu + mu / 2)
+                    - math.exp(e) * stats.norm.cdf(-e / mu - mu / 2) - delta)
+        return optimize.brentq(d, 0.0, 500.0, xtol=1e-14)
+
+    def sens(steps):
+        lag = np.arange(steps)[:, None] - np.arange(steps)[None, :]
+        k = np.maximum(lag, 1)
+        inv = np.where(lag > 0, -0.3 * 0.5 ** (k - 1), np.where(lag == 0, 1.0, 0.0))
+        c = np.linalg.inv(inv)
+        assert np.all(c >= -1e-12)
+        return 2.0 * float(np.linalg.norm(c.sum(axis=1)))
+
+    z, batch, n_rec = 3.0, 8, 64
+    strategy = BLTStrategy([-0.3], [0.5], 100)
+    model = _model()
+    opt = DPKerasMFOptimizer(l2_norm_clip=1.0, noise_multiplier=z, strategy=strategy)
+    model.compile(optimizer=opt, loss="mse")
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(n_rec, 4)).astype("float32")
+    y = rng.normal(size=(n_rec, 2)).astype("float32")
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+    steps = opt.ledger.num_samples
+    assert compute_epsilon(opt.ledger, 1e-5, "gdp").epsilon == pytest.approx(
+        gaussian_eps(sens(steps) / z), rel=1e-9)
+    # the budget: it allows exactly the steps whose epsilon stays within the target
+    target = 0.5 * (gaussian_eps(sens(steps + 5) / z) + gaussian_eps(sens(steps + 6) / z))
+    budget = tf_dp.keras.PrivacyBudget(target, 1e-5, accountant="gdp")
+    model.fit(x, y, batch_size=batch, epochs=3, verbose=0, callbacks=[budget])
+    assert opt.ledger.num_samples == steps + 5

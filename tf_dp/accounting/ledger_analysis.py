@@ -57,6 +57,7 @@ import numpy as np
 from tf_dp._progress import working
 from tf_dp.accounting import gdp as _gdp
 from tf_dp.accounting import jl as _jl
+from tf_dp.accounting import matrix_factorization as _mf
 from tf_dp.accounting import pld as _pld
 from tf_dp.accounting import rdp as _rdp
 from tf_dp.accounting import tree as _tree
@@ -335,6 +336,14 @@ def composable_units(
     non_private = False
     policies = set()
     distinct = distinct_runs(runs) if distinct is None else distinct
+    if any(q.mechanism == "mf" for e, _ in distinct for q in e.queries):
+        # correlated noise (matrix factorization): its steps are one mechanism over the run's C,
+        # rewritten as the Gaussian mechanism(s) it is equivalent to (accounting.matrix_
+        # factorization); the other steps compose with it
+        runs, mf_units, mf_policies, non_private = _mf.ledger_mf_units(runs)
+        units += [_Unit(q, z, None, count, policy) for q, z, count, policy in mf_units]
+        policies |= mf_policies
+        distinct = distinct_runs(runs)
     if not any(e.sampling.policy in _PASS_POLICIES or e.tree_step is not None
                for e, _ in distinct):
         # Only Poisson steps (each its own subsampled mechanism, whatever its neighbours):
@@ -393,7 +402,7 @@ def composable_units(
 
 def _assumptions(accountant: str, policies: set, has_jl: bool, extra: str = "") -> str:
     parts = []
-    if not policies or policies - {"shuffle", "tree"}:
+    if not policies or policies - {"shuffle", "tree", "mf_replace"}:
         parts.append("add/remove-one adjacency (both directions)")
     if "poisson" in policies:
         parts.append("Poisson sampling with the recorded rate q (amplification by subsampling "
@@ -424,6 +433,21 @@ def _assumptions(accountant: str, policies: set, has_jl: bool, extra: str = "") 
                      "(an epoch is ceil(n/b) steps from the start of a pass over the data, as "
                      "recorded in the ledger, its last batch partial; a partial epoch counts as "
                      "a full one)")
+    if "mf_amplified" in policies:
+        parts.append("correlated-noise (matrix factorization) steps: a b-banded C with cyclic "
+                     "Poisson sampling over b parts (b-min-separated participations), accounted "
+                     "as ceil(n/b) Poisson-subsampled Gaussian mechanisms with sensitivity C's "
+                     "largest column norm (amplified BandMF, Choquette-Choo et al. 2023, Thm. 4)")
+    elif "mf" in policies or "mf_replace" in policies:
+        parts.append("correlated-noise (matrix factorization) steps: the run's releases C X + Z "
+                     "(n steps, the recorded strategy's C) counted as one Gaussian mechanism "
+                     "with sensitivity max ||C u|| over a record's possible participations u "
+                     "(Choquette-Choo et al. 2023), NO amplification: a record may take part in "
+                     "every step ("
+                     + ("shuffled batches: replace-one adjacency, twice that sensitivity"
+                        if "mf_replace" in policies else
+                        "or every p-th step under cyclic Poisson over p parts")
+                     + ")")
     if "tree" in policies:
         parts.append("tree-aggregation steps (Kairouz et al. 2021, Appendix D) accounted without "
                      "amplification: replace-one adjacency (leaf sensitivity 2C), each record in "

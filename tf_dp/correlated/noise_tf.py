@@ -24,8 +24,9 @@ steps, checkpoints and, under ``tf.distribute``, from the first replica's draw (
 variables keep the first replica's write: one draw per global step).
 
 A banded strategy optimised for ``n`` steps has ``n`` rows; steps past ``n`` reuse the last row
-(a Toeplitz continuation). The step index of every release is in the ledger, so the accountants
-see how many steps ran.
+(a Toeplitz continuation). Every release is recorded in the ledger as an ``mf`` sum query with
+the strategy's config and the stddev of ``Z``, so the accountants rebuild ``C`` for the steps
+that ran.
 
 Example:
 
@@ -44,6 +45,8 @@ Example:
 """
 
 from __future__ import annotations
+
+import json
 
 from typing import Any, NamedTuple, Optional
 
@@ -230,6 +233,13 @@ class CorrelatedNoiseSumQuery(dp_query.SumAggregationDPQuery):
     ):
         self._l2_norm_clip = check_scalar("l2_norm_clip", l2_norm_clip)
         self._stddev = check_scalar("stddev", stddev)
+        # the strategy's config (C), recorded with every release for the accountants; a bare
+        # recurrence has none, and its releases are recorded without noise (epsilon = inf)
+        self._strategy_json = (
+            json.dumps(recurrence.to_config(), sort_keys=True, separators=(",", ":"),
+                       allow_nan=False)
+            if hasattr(recurrence, "to_config") else None
+        )
         self._recurrence = recurrence_of(recurrence)
         self._kind, arrays = _check_recurrence(self._recurrence)
         if self._kind == "banded":
@@ -348,15 +358,20 @@ class CorrelatedNoiseSumQuery(dp_query.SumAggregationDPQuery):
         return tf.nest.pack_sequence_as(dense, out), new_state
 
     def sum_query_specs(self, global_state: CorrelatedNoiseState) -> list[dp_query.SumQuerySpec]:
-        # Each release is recorded as a sum query without independent noise: DP-SGD's
-        # accountants then report an infinite epsilon (a valid bound), never DP-SGD's epsilon for
-        # correlated noise. The mechanism is recorded once per run, in the ledger file's metadata
-        # (DPKerasMFOptimizer.save_ledger), for mf_epsilon_from_ledger.
+        # Each release is recorded as an ``mf`` sum query carrying the strategy's config (C) and
+        # the stddev of Z's entries: the accountants read the run's C from the ledger
+        # (tf_dp.accounting.compute_epsilon). A bare recurrence (no config) is recorded without
+        # noise, so every accountant reports an infinite epsilon (a valid bound), never DP-SGD's.
+        if self._strategy_json is None:
+            return [dp_query.SumQuerySpec(
+                tf.convert_to_tensor(global_state.l2_norm_clip, tf.float32),
+                tf.constant(0.0, tf.float32), noise_seed=self._seed)]
         return [
             dp_query.SumQuerySpec(
                 tf.convert_to_tensor(global_state.l2_norm_clip, tf.float32),
-                tf.constant(0.0, tf.float32),
+                tf.convert_to_tensor(global_state.stddev, tf.float32),
                 noise_seed=self._seed,
+                mf_strategy=self._strategy_json,
             )
         ]
 

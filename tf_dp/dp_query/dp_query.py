@@ -67,6 +67,9 @@ class SumQuerySpec(NamedTuple):
     #: L2 sensitivity (the ledger records the clip's sensitivity plus it). None: float noise.
     noise_grid: Any = None
     grid_sensitivity: Any = None
+    #: correlated noise (``CorrelatedNoiseSumQuery``): the strategy's config as canonical JSON (a
+    #: Python str); recorded as an ``mf`` event whose ``noise_stddev`` is that of ``Z``'s entries
+    mf_strategy: Optional[str] = None
 
 
 class DPQuery(abc.ABC):

@@ -130,12 +130,12 @@ class DPKerasMFOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
                 "analyses matrix factorization with JL clipping; use 'auto', 'vectorized', "
                 "'microbatch' or 'ghost'"
             )
-        recurrence = recurrence_of(strategy)
+        recurrence_of(strategy)  # validates it before anything is built
         keras.optimizers.SGD.__init__(self, learning_rate, momentum=momentum, **kwargs)
-        query = CorrelatedNoiseSumQuery(
+        query = CorrelatedNoiseSumQuery(  # a strategy's config goes into every ledger row
             float(l2_norm_clip),
             float(noise_multiplier) * float(l2_norm_clip),
-            recurrence,
+            strategy,
             seed=noise_seed,
         )
         self._mf_query = query

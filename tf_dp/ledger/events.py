@@ -29,9 +29,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import json
 import math
 from operator import itemgetter
-from typing import Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import numpy as np
 
@@ -93,8 +94,45 @@ PRIVACY_UNITS = ("example", "user")
 #: Kairouz et al. 2021: ``noise_stddev`` is the stddev of every tree node and the event carries
 #: ``tree_step``, the leaf's 0-based index in its tree (0: first step after a (re)start), from
 #: which the accountants rebuild the trees (``tf_dp.accounting.tree``). Codes are the positions in
-#: this tuple: new mechanisms are appended, so older ledgers keep their meaning.
-MECHANISMS = ("gaussian", "jl", "none", "tree")
+#: this tuple: new mechanisms are appended, so older ledgers keep their meaning. ``mf``: one
+#: release of a correlated-noise (DP matrix factorization) run, the clipped sum plus the step's row
+#: of ``C^{-1} Z``: ``noise_stddev`` is the stddev of each entry of ``Z`` and the event carries
+#: ``mf_strategy``, the strategy's config (``C``) as canonical JSON; consecutive ``mf`` steps are
+#: the rows of one ``C`` (``tf_dp.accounting.matrix_factorization``).
+MECHANISMS = ("gaussian", "jl", "none", "tree", "mf")
+
+_MF_CODES: dict[str, int] = {}
+_MF_STRATEGIES: list[str] = []
+
+
+def mf_strategy_json(config: Any) -> str:
+    """The canonical JSON text of a strategy's ``to_config()`` dict (validated), as
+    ``SumQueryEvent.mf_strategy`` holds it."""
+    MatrixFactorizationEvent(config, 1.0, 1.0)  # validates the config
+    return json.dumps(config, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+@functools.lru_cache(maxsize=64)
+def _is_mf_strategy_json(text: str) -> bool:
+    try:
+        return mf_strategy_json(json.loads(text)) == text
+    except (ValueError, TypeError):
+        return False
+
+
+def mf_strategy_code(strategy: str) -> int:
+    """A small integer for ``strategy`` (an ``mf_strategy`` JSON text), the same for the process's
+    lifetime: what a ledger table stores in place of the text (:func:`mf_strategy_of_code`)."""
+    code = _MF_CODES.get(strategy)
+    if code is None:
+        code = _MF_CODES[strategy] = len(_MF_STRATEGIES)
+        _MF_STRATEGIES.append(strategy)
+    return code
+
+
+def mf_strategy_of_code(code: int) -> str:
+    """The ``mf_strategy`` text of a :func:`mf_strategy_code`."""
+    return _MF_STRATEGIES[int(code)]
 
 #: Largest ``l2_sensitivity / noise_stddev`` of a noisy sum query: its square, which the
 #: accountants compose, stays far inside the float64 range. (A float32 step cannot exceed it:
@@ -244,6 +282,9 @@ class SumQueryEvent:
       noise_grid: the grid spacing ``g`` of grid-mode noise (every released value a multiple of
         ``g``; ``l2_sensitivity`` then includes the rounding term ``g sqrt(d)``); None for
         continuous floating-point noise.
+      mf_strategy: for ``mechanism == "mf"``, the strategy's config as canonical JSON
+        (:func:`mf_strategy_json`); else None. ``noise_stddev`` is then the stddev of each entry
+        of ``Z``.
     """
 
     l2_sensitivity: float
@@ -253,6 +294,7 @@ class SumQueryEvent:
     noise_seed: Optional[int] = None
     tree_step: Optional[int] = None
     noise_grid: Optional[float] = None
+    mf_strategy: Optional[str] = None
 
     def __post_init__(self):
         seed = self.noise_seed
@@ -285,6 +327,13 @@ class SumQueryEvent:
                 raise ValueError(f"tree_step must be an integer >= 0 for a tree event, got {t!r}")
         elif self.tree_step is not None:
             raise ValueError("tree_step is only allowed for mechanism='tree'")
+        if self.mechanism == "mf":
+            m = self.mf_strategy
+            if not (isinstance(m, str) and _is_mf_strategy_json(m)):
+                raise ValueError(f"mf_strategy must be a strategy config's canonical JSON "
+                                 f"(mf_strategy_json) for an mf event, got {m!r}")
+        elif self.mf_strategy is not None:
+            raise ValueError("mf_strategy is only allowed for mechanism='mf'")
         g = self.noise_grid
         if g is not None and (
             isinstance(g, bool) or not (isinstance(g, (int, float)) and math.isfinite(g) and g > 0)

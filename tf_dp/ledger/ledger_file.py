@@ -23,7 +23,8 @@ without them are byte for byte what earlier versions wrote): ``noise_seed`` (see
 runs only), ``tree_step`` (``"mechanism": "tree"`` queries only: the leaf's 0-based index in
 its tree-aggregation tree) and ``noise_grid`` (grid-mode noise only: the grid spacing; the
 sensitivity already includes the rounding term, so a reader that ignores the key still accounts
-correctly); optional sampling key ``pass_start`` (``true`` on the draws that start a new pass over
+correctly), ``mf_strategy`` (``"mechanism": "mf"`` queries only: the correlated-noise strategy's
+config, ``C``); optional sampling key ``pass_start`` (``true`` on the draws that start a new pass over
 shuffled data; a file without it is one pass from its first draw). Version 3 sampling keys:
 ``origin`` (``"sampled"`` when tf_dp drew the batches; absent: ``"declared"``, a sampling the user
 declared and tf_dp did not check), ``unit`` (``"user"`` for user-level DP, with
@@ -75,6 +76,7 @@ from tf_dp.ledger.events import (
     SamplingEvent,
     SumQueryEvent,
     compress,
+    mf_strategy_json,
     without_gc,
 )
 
@@ -128,6 +130,8 @@ def _query_payload(q: SumQueryEvent) -> dict[str, Any]:
         out["tree_step"] = q.tree_step
     if q.noise_grid is not None:  # only grid-mode noise carries the key
         out["noise_grid"] = q.noise_grid
+    if q.mf_strategy is not None:  # only correlated-noise (mf) queries carry the key
+        out["mf_strategy"] = json.loads(q.mf_strategy)
     return out
 
 
@@ -297,6 +301,8 @@ def parse_runs(runs: Any) -> tuple[list[tuple[SampleEntry, int]], int]:
                         noise_seed=q.get("noise_seed"),
                         tree_step=q.get("tree_step"),
                         noise_grid=q.get("noise_grid"),
+                        mf_strategy=(None if q.get("mf_strategy") is None
+                                     else mf_strategy_json(q["mf_strategy"])),
                     )
                     for q in run["queries"]
                 ),

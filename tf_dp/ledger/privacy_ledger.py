@@ -86,7 +86,8 @@ from tf_dp.ledger.ledger_file import (
 # before a column existed) are read with zeros there: no pass start, declared, example-level.
 _SAMPLE_COLS = 8
 # sample index, l2_sensitivity, noise_stddev, mechanism code, jl_projections (jl) or tree_step
-# (tree) or the strategy's mf_strategy_code (mf: a code of this process, never saved), noise seed (NaN: none), noise grid (NaN: continuous noise)
+# (tree) or the strategy's mf_strategy_code (mf: a code of this process, never saved), noise
+# seed (NaN: none), noise grid (NaN: continuous noise)
 _QUERY_COLS = 7
 _INITIAL_CAPACITY = 64
 

@@ -18,6 +18,8 @@ from tf_dp.ledger.events import (
     SampleEntry,
     SamplingEvent,
     SumQueryEvent,
+    mf_strategy_code,
+    mf_strategy_of_code,
 )
 from tf_dp.ledger.privacy_ledger import (
     PrivacyLedger,
@@ -287,6 +289,13 @@ class QueryWithLedger(DPQuery):
                                tf.constant(mechanism_code("tree")), tree_step, spec.noise_seed,
                                getattr(spec, "noise_grid", None)))
                 continue
+            mf = getattr(spec, "mf_strategy", None)
+            if spec.private and mf is not None:
+                # one release of a correlated-noise run: column 4 holds the strategy's code
+                sens = tf.cast(spec.l2_sensitivity, tf.float32) * self._sensitivity_multiplier
+                values.append((sens, spec.noise_stddev, tf.constant(mechanism_code("mf")),
+                               tf.constant(mf_strategy_code(mf)), spec.noise_seed, None))
+                continue
             if spec.private and getattr(spec, "exact_gaussian", False):
                 # e.g. a count of unclipped records: Gaussian whatever the gradient mode
                 mech = tf.constant(mechanism_code("gaussian"))
@@ -319,7 +328,7 @@ class QueryWithLedger(DPQuery):
             exact = bool(getattr(spec_list[len(entries)], "exact_gaussian", False))
             if name == "tree" and jl_projections:
                 _refuse_tree_with_jl(jl_projections)
-            if jl_projections is not None and name not in ("none", "tree") and not exact:
+            if jl_projections is not None and name not in ("none", "tree", "mf") and not exact:
                 jl = jl_projections
                 name = "jl" if jl_projections > 0 else "gaussian"
             sens = float(sens)
@@ -337,6 +346,7 @@ class QueryWithLedger(DPQuery):
                     noise_seed=seed,
                     tree_step=int(jl) if name == "tree" else None,
                     noise_grid=None if grid is None else float(grid),
+                    mf_strategy=mf_strategy_of_code(int(jl)) if name == "mf" else None,
                 )
             )
         policy = SAMPLING_POLICIES[int(self._policy.numpy())]
