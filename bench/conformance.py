@@ -7,7 +7,10 @@ segfault or timeout is a recorded failure).
     python -m bench.conformance --out docs/coverage.md            # the whole sweep, the table
     python -m bench.conformance --cases layer:Dense,hub:GPT2CausalLM+lora --format json
     python -m bench.conformance --list                            # the cases and the unbuildable
-    python -m bench.conformance --resume sweep.jsonl --table_only --out docs/coverage.md
+    python -m bench.conformance --resume bench/coverage_results.jsonl --table_only \
+        --out docs/coverage.md                                    # the table from the results
+    python -m bench.conformance --resume a.jsonl,b.jsonl --merged_out merged.jsonl --table_only \
+        --out docs/coverage.md                                    # merge runs (last record wins)
     python -m bench.conformance --case layer:Dense                # one case, in this process
 
 Case names: ``layer:<keras.layers class>``, ``app:<keras.applications function>``,
@@ -30,6 +33,7 @@ BATCH = 4
 SEQ = 8
 VOCAB = 64
 IMAGE = 32
+MASKS = 2
 
 #: tiny values for keras-hub backbone constructor arguments, by name
 TINY = {
@@ -73,13 +77,71 @@ TINY = {
     "mlp_dim": 16,
     "embed_dim": 8,
     "window_size": 4,
+    "vocab_size": VOCAB,
+    "image_size": IMAGE,
+    "pad_token_id": 0,
+    "sliding_window": 4,
+    "sliding_window_size": 4,
+    "key_value_dim": 8,
+    "vocab_size_per_layer_input": VOCAB,
+    "hidden_size_per_layer_input": 4,
+    "altup_num_inputs": 2,
+    "laurel_rank": 2,
+    "stem_kernel_size": 3,
+    "stem_strides": 1,
+    "max_drop_path_rate": 0.0,
+    "hidden_dims": [8],
+    "stage_type": "csp",
+    "last_layer_filter": 8,
+    "output_num_filters": 8,
+    "depthwise_filters": 8,
+    "depthwise_stride": 1,
+    "depthwise_residual": False,
 }
 
+#: list-valued (per stage or per layer) backbone settings: the value of one stage's entry, by a
+#: word of the argument's name (the first match in this order; a tuple: the candidates, tried in
+#: turn); lists get one entry per stage (``TINY_STAGES``) or per layer (names with ``layer``:
+#: ``num_layers``'s tiny value)
+TINY_LIST_ENTRY = (
+    ("rope_layer_enabled", True),
+    ("layer_types", ("full_attention", "attention", "sliding_attention")),
+    ("block_types", "v1"),
+    ("coefficients", 1.0),
+    ("pooling", False),
+    ("downsample", False),
+    ("use_", False),
+    ("repeats", 1),
+    ("blocks", 1),
+    ("depth", 1),
+    ("num_heads", 1),
+    ("sr_ratios", 1),
+    ("kernel_size", 3),
+    ("patch_sizes", 3),
+    ("strides", 1),
+    ("expansion", 1),
+    ("se_ratio", 0.25),
+    ("squeeze_and_excite", 0.25),
+    ("activation", "relu"),
+    ("padding", "same"),
+    ("filters", (8, 64)),
+    ("hidden_sizes", 8),
+    ("dims", 8),
+    ("channels", 8),
+)
+TINY_STAGES = 1
+#: string settings without a default: the accepted values, tried in this order (by name)
+TINY_CHOICES = {
+    "block_type": ("basic_block", "dark_block", "bottleneck_block"),
+    "hidden_act": ("relu",),
+    "hidden_activation": ("gelu_approximate", "gelu"),
+}
+#: prefixes/suffixes of an argument name whose stem has a tiny value (``encoder_hidden_dim``)
+TINY_AFFIXES = ("encoder_", "decoder_", "text_", "vit_", "_enc", "_dec")
+
 #: task families the harness can make inputs for (base class name -> kind)
-HUB_KINDS = ("CausalLM", "TextClassifier", "ImageClassifier")
+HUB_KINDS = ("CausalLM", "TextClassifier", "ImageClassifier", "MaskedLM", "Seq2SeqLM")
 HUB_NOT_YET = {
-    "MaskedLM": "needs mask_positions/mask_ids inputs: not made by the harness yet",
-    "Seq2SeqLM": "needs encoder and decoder inputs: not made by the harness yet",
     "ObjectDetector": "needs box targets: not made by the harness",
     "ImageSegmenter": "needs per-pixel targets: not made by the harness",
     "TextToImage": "generative diffusion task: no supervised loss",
@@ -231,6 +293,127 @@ def _build_app(name):
     return model, x, np.arange(BATCH) % 3, "sce"
 
 
+def _tiny_scalar(name: str):
+    """A tiny value for a scalar argument, by its name or its stem (``encoder_hidden_dim``)."""
+    if name in TINY:
+        return TINY[name]
+    for affix in TINY_AFFIXES:
+        stem = name.removeprefix(affix) if affix.endswith("_") else name.removesuffix(affix)
+        if stem != name and stem in TINY:
+            return TINY[stem]
+    return None
+
+
+def _list_entry(name: str):
+    for word, value in TINY_LIST_ENTRY:
+        if word in name:
+            return value if isinstance(value, tuple) else (value,)
+    return None
+
+
+def _backbone_configs(backbone_cls, kind: str):
+    """Candidate tiny configs of ``backbone_cls``, derived from its signature: scalars from
+    ``TINY`` (by name or stem), list-valued settings (``stackwise_*``, ``layerwise_*``, plural
+    names) with one entry per stage or layer from ``TINY_LIST_ENTRY``, strings from
+    ``TINY_CHOICES``. Variants, tried in turn: ambiguous settings (``stem_filters``: int or
+    list?) as lists, as scalars, stage lists nested (one list of blocks per stage), per-stage
+    scalars (``num_heads`` beside ``depths``) as lists; each candidate entry or string in turn.
+    Raises NotConstructible naming the first argument with no tiny value."""
+    fixed, listed, strings = {}, {}, {}
+    for p, spec in inspect.signature(backbone_cls.__init__).parameters.items():
+        if p in ("self", "kwargs", "args"):
+            continue
+        value = _tiny_scalar(p)
+        stagewise = p.startswith(("stackwise_", "layerwise_"))
+        if value is not None:
+            fixed[p] = value
+        elif p == "image_shape" and kind == "ImageClassifier":
+            fixed[p] = (IMAGE, IMAGE, 3)
+        elif spec.default is not inspect.Parameter.empty and not (
+            stagewise and spec.default is None
+        ):
+            continue
+        elif p in TINY_CHOICES:
+            strings[p] = TINY_CHOICES[p]
+        elif _list_entry(p) is not None:
+            length = TINY["num_layers"] if "layer" in p else TINY_STAGES
+            always = stagewise or p.endswith(("s", "_list", "_block"))
+            listed[p] = (_list_entry(p), length, always)
+        elif any(w in p for w in ("encoder", "qformer", "language_model", "decoder")):
+            raise NotConstructible(
+                f"{backbone_cls.__name__} needs a sub-model {p!r} (a separately built "
+                "backbone or layer, not a setting): not made by the harness"
+            )
+        else:
+            raise NotConstructible(
+                f"{backbone_cls.__name__} needs {p!r} (no tiny value known for it)"
+            )
+    choices = max(
+        [len(c) for c in strings.values()] + [len(e) for e, _, _ in listed.values()],
+        default=1,
+    )
+    for shape in ("flat", "scalar", "nested", "per_stage"):
+        for k in range(choices):
+            config = dict(fixed)
+            for p, c in strings.items():
+                config[p] = c[min(k, len(c) - 1)]
+            for p, (entries, length, always) in listed.items():
+                entry = entries[min(k, len(entries) - 1)]
+                if shape == "scalar" and not always:
+                    config[p] = entry
+                elif shape == "nested" and p.startswith("stackwise_"):
+                    config[p] = [[entry]] * length
+                else:
+                    config[p] = [entry] * length
+            if shape == "per_stage":
+                if not listed:
+                    continue
+                for p, value in fixed.items():
+                    if isinstance(value, int) and _list_entry(p) is not None:
+                        config[p] = [value] * TINY_STAGES
+            yield config
+
+
+def _hub_backbone(backbone_cls, kind: str):
+    errors = []
+    for config in _backbone_configs(backbone_cls, kind):
+        try:
+            return backbone_cls(**config)
+        except Exception as e:  # noqa: BLE001 - try the next candidate config
+            errors.append(f"{type(e).__name__}: {str(e)[:160]}")
+    raise NotConstructible(
+        f"{backbone_cls.__name__} not buildable from a tiny config ({len(errors)} tried; "
+        f"first: {errors[0]}; last: {errors[-1]})"
+    )
+
+
+def _hub_inputs(task, rng) -> dict:
+    """Random inputs for a text task's named inputs: token ids (any ``*token_ids``), padding
+    masks (all ones), segment ids, masked-LM positions (``MASKS`` distinct positions), images
+    (a vision-language model's ``images``, unknown sizes ``IMAGE``)."""
+    x = {}
+    for inp in task.inputs:
+        key = inp.name.split(":")[0]
+        if "padding_mask" in key or key == "mask":
+            x[key] = np.ones((BATCH, SEQ), "int32")
+        elif key == "mask_positions":
+            x[key] = np.stack(
+                [np.sort(rng.choice(SEQ, MASKS, replace=False)) for _ in range(BATCH)]
+            ).astype("int32")
+        elif "token_ids" in key:
+            x[key] = rng.integers(0, VOCAB, (BATCH, SEQ)).astype("int32")
+        elif key in ("segment_ids", "token_type_ids") or "int" in str(inp.dtype):
+            x[key] = rng.integers(0, 2, (BATCH, SEQ)).astype("int32")
+        elif "image" in key and "float" in str(inp.dtype):
+            shape = [d if d is not None else IMAGE for d in inp.shape[1:]]
+            x[key] = rng.normal(size=(BATCH, *shape)).astype("float32")
+        else:
+            raise NotConstructible(
+                f"input {key!r} ({inp.dtype}) not made by the harness"
+            )
+    return x
+
+
 def _build_hub(name):
     import keras_hub
 
@@ -238,53 +421,25 @@ def _build_hub(name):
     name = name.removesuffix("+lora")
     cls = getattr(keras_hub.models, name)
     kind = _hub_kind(cls)
-    backbone_cls = cls.backbone_cls
-    kwargs = {}
-    for p, spec in inspect.signature(backbone_cls.__init__).parameters.items():
-        if p in ("self", "kwargs", "args"):
-            continue
-        if p in TINY:
-            kwargs[p] = TINY[p]
-        elif p == "image_shape" and kind == "ImageClassifier":
-            kwargs[p] = (IMAGE, IMAGE, 3)
-        elif spec.default is inspect.Parameter.empty:
-            raise NotConstructible(
-                f"{backbone_cls.__name__} needs {p!r} (no tiny value known)"
-            )
-    try:
-        backbone = backbone_cls(**kwargs)
-    except Exception as e:
-        raise NotConstructible(
-            f"{backbone_cls.__name__} not buildable from a tiny config: {type(e).__name__}: "
-            f"{str(e)[:200]}"
-        ) from e
+    backbone = _hub_backbone(cls.backbone_cls, kind)
     rng = np.random.default_rng(0)
     if kind == "ImageClassifier":
         task = cls(backbone=backbone, num_classes=3, preprocessor=None)
         shape = [d if d is not None else IMAGE for d in task.inputs[0].shape[1:]]
         x = rng.normal(size=(BATCH, *shape)).astype("float32")
         return task, x, np.arange(BATCH) % 3, "sce"
-    x = {}
-    for inp in backbone.inputs:
-        key = inp.name.split(":")[0]
-        if "padding_mask" in key or key == "mask":
-            x[key] = np.ones((BATCH, SEQ), "int32")
-        elif key in ("token_ids", "segment_ids", "token_type_ids") or "int" in str(
-            inp.dtype
-        ):
-            high = VOCAB if key == "token_ids" else 2
-            x[key] = rng.integers(0, high, (BATCH, SEQ)).astype("int32")
-        else:
-            raise NotConstructible(
-                f"input {key!r} ({inp.dtype}) not made by the harness"
-            )
     if kind == "TextClassifier":
         task = cls(backbone=backbone, num_classes=3, preprocessor=None)
-        return task, x, np.arange(BATCH) % 3, "sce"
+        return task, _hub_inputs(task, rng), np.arange(BATCH) % 3, "sce"
     task = cls(backbone=backbone, preprocessor=None)
     if lora:
         backbone.enable_lora(4)
-    y = np.roll(x["token_ids"], -1, axis=1)
+    x = _hub_inputs(task, rng)
+    if kind == "MaskedLM":  # the original tokens at the masked positions
+        y = rng.integers(0, VOCAB, (BATCH, MASKS)).astype("int32")
+    else:  # next token (of the decoder's sequence for a seq2seq LM)
+        key = "decoder_token_ids" if "decoder_token_ids" in x else "token_ids"
+        y = np.roll(x[key], -1, axis=1)
     return task, x, y, "sce"
 
 
@@ -450,6 +605,17 @@ def table(results: list, skipped: dict, pending: list = ()) -> str:
     return "\n".join(lines) + "\n"
 
 
+def read_results(paths) -> dict:
+    """Case -> record from ``--jsonl`` files (missing ones ignored); a case recorded more than
+    once: the last record wins, files in the order given."""
+    done = {}
+    for path in paths:
+        if path and os.path.exists(path):
+            with open(path) as f:
+                done.update((r["case"], r) for r in map(json.loads, filter(str.strip, f)))
+    return done
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -463,7 +629,15 @@ def main(argv=None):
     parser.add_argument(
         "--jsonl", help="append each record to this file as it finishes"
     )
-    parser.add_argument("--resume", help="a --jsonl file whose cases are not run again")
+    parser.add_argument(
+        "--resume",
+        help="--jsonl file(s), comma-separated, whose cases are not run again (a case recorded "
+        "more than once: the last record wins, files in the order given)",
+    )
+    parser.add_argument(
+        "--merged_out",
+        help="write the --resume records (the last of each case) to this jsonl file",
+    )
     parser.add_argument(
         "--table_only",
         action="store_true",
@@ -486,10 +660,10 @@ def main(argv=None):
         for k, v in skipped.items():
             print(f"# {k}: {v}")
         return
-    done = {}
-    if args.resume and os.path.exists(args.resume):
-        with open(args.resume) as f:
-            done = {r["case"]: r for r in map(json.loads, f)}
+    done = read_results((args.resume or "").split(","))
+    if args.merged_out:
+        with open(args.merged_out, "w") as f:
+            f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in done.values())
     if args.table_only:
         results = [done[c] for c in cases if c in done]
         pending = [c for c in cases if c not in done]
