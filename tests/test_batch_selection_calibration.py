@@ -173,3 +173,32 @@ def test_hyperparameter_runs_have_the_samplers_steps_per_epoch(n, b):
     entry, steps = acc.dp_sgd_run(n, b, 1.0, epochs=1, sampling="balls_in_bins")
     assert steps == batches.steps_per_epoch
     assert entry.sampling.selection_probability == batches.sampling_probability
+
+
+def test_epochs_plan_the_steps_the_poisson_family_samplers_run():
+    """dp_sgd_run(epochs=E) must count what the samplers run: E fit epochs of round(n / b)
+    batches (n = 260, b = 100: 1 / q = 2.6, 3 batches an epoch, 30 in 10 epochs; the expected
+    count ceil(E n / b) = 26 under-counts by 4 steps). Counted by iterating each sampler's
+    dataset, and the calibrated noise must meet the target over the 30 steps that run."""
+    import numpy as np
+
+    from tf_dp import data
+
+    n, b, epochs = 260, 100, 10
+    x, y = np.zeros((n, 1), np.float32), np.zeros(n, np.int32)
+    q = b / n
+    samplers = [
+        data.poisson_batches(x, y, sampling_probability=q, seed=0),
+        data.poisson_sample(data.ArraySource(x, y), sampling_probability=q, seed=0),
+        data.truncated_poisson_batches(x, y, sampling_probability=q, seed=0),
+        data.truncated_poisson_sample(data.ArraySource(x, y), sampling_probability=q, seed=0),
+    ]
+    for s in samplers:
+        ran = sum(sum(1 for _ in s.dataset) for _ in range(epochs))  # fit's epochs
+        assert ran == 30
+        _, planned = acc.dp_sgd_run(n, b, 1.0, epochs=epochs, sampling=s.sampling.policy,
+                                    max_batch_size=s.sampling.max_batch_size)
+        assert planned == ran
+    target = 2.0
+    z = acc.calibrate_noise_multiplier(target, DELTA, n, b, epochs=epochs)
+    assert acc.dp_sgd_epsilon(n, b, z, DELTA, steps=30).epsilon <= target

@@ -32,7 +32,6 @@ import numpy as np
 from tf_dp.accounting import (
     SubsampledGaussian,
     dp_sgd_epsilon,
-    dp_sgd_run,
     gaussian_tradeoff,
     gdp,
     pld_tradeoff,
@@ -59,13 +58,20 @@ TABLE1 = [
 NOISE_REDUCTION = {"sigma": 1.3, "epochs": 20, "paper_sigma_tilde": 1.06, "paper_eps": 1.34}
 
 
+def paper_steps(epochs: float) -> int:
+    """The paper's step count, ``T = ceil(epochs / p)`` (tf_dp's samplers run ``round(1 / p)``
+    steps per epoch: ``dp_sgd_run(..., epochs=...)`` counts those)."""
+    return math.ceil(epochs * N / BATCH)
+
+
 def table1(accountants=("gdp", "moments", "rdp", "pld")) -> list[dict]:
     rows = []
     for eta, clip, sigma, epochs, acc, p_mu, p_clt, p_ma in TABLE1:
         row = {"sigma": sigma, "epochs": epochs, "paper_mu": p_mu, "paper_eps_clt": p_clt,
                "paper_eps_ma": p_ma, "paper_accuracy_mnist": acc}
         for name in accountants:
-            r = dp_sgd_epsilon(N, BATCH, sigma, DELTA, epochs=epochs, accountant=name)
+            r = dp_sgd_epsilon(N, BATCH, sigma, DELTA, steps=paper_steps(epochs),
+                               accountant=name)
             row["steps"] = r.steps
             if name == "gdp":
                 row["mu"] = r.mu
@@ -80,7 +86,7 @@ def table1(accountants=("gdp", "moments", "rdp", "pld")) -> list[dict]:
 
 def noise_reduction(accountants=("moments", "rdp", "pld", "gdp")) -> dict:
     s, epochs = NOISE_REDUCTION["sigma"], NOISE_REDUCTION["epochs"]
-    _, steps = dp_sgd_run(N, BATCH, s, epochs=epochs)
+    steps = paper_steps(epochs)
     s_tilde = gdp.reduced_noise(Q, s, steps, DELTA)
     out = {"sigma": s, "epochs": epochs, "steps": steps, "sigma_tilde": s_tilde,
            "paper_sigma_tilde": NOISE_REDUCTION["paper_sigma_tilde"],

@@ -17,7 +17,7 @@ Example (``compute_epsilon(ledger_or_file, delta)`` does the same from a ledger 
 >>> from tf_dp.accounting import dp_sgd_epsilon
 >>> result = dp_sgd_epsilon(60000, 256, 1.1, 1e-5, epochs=60)
 >>> round(result.epsilon, 3), result.certified
-(2.597, True)
+(2.594, True)
 """
 
 from tf_dp.accounting.balls_in_bins import (

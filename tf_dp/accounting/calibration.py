@@ -10,7 +10,7 @@ Example:
 >>> from tf_dp.accounting import calibrate_noise_multiplier
 >>> sigma = calibrate_noise_multiplier(3.0, 1e-5, n=60000, batch_size=256, epochs=60)
 >>> round(sigma, 3)
-1.015
+1.014
 """
 
 from __future__ import annotations

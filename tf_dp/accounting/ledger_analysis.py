@@ -57,7 +57,7 @@ import numpy as np
 from tf_dp._progress import working
 from tf_dp.accounting import gdp as _gdp
 from tf_dp.accounting import jl as _jl
-from tf_dp.accounting import matrix_factorization as _mf
+from tf_dp.accounting import matrix_sensitivity as _mf
 from tf_dp.accounting import pld as _pld
 from tf_dp.accounting import rdp as _rdp
 from tf_dp.accounting import tree as _tree
@@ -84,6 +84,7 @@ __all__ = [
     "dp_sgd_epsilon",
     "dp_sgd_run",
     "shuffle_epochs",
+    "poisson_steps_per_epoch",
     "shuffle_steps_per_epoch",
     "shuffle_epoch_runs",
 ]
@@ -241,6 +242,23 @@ def shuffle_steps_per_epoch(population_size: int, selection_probability: float) 
             f"a shuffled batch holds selection_probability * population_size records, which must "
             f"be >= 1; got {selection_probability!r} * {n} = {b:g}")
     return max(1, int(math.ceil(n / b - 1e-9)))
+
+
+def poisson_steps_per_epoch(selection_probability: float) -> int:
+    """Steps of one epoch of Poisson-family batches: ``round(1 / q)``, at least 1.
+
+    The one count that :func:`tf_dp.data.poisson_batches`, :func:`tf_dp.data.poisson_sample`,
+    :func:`tf_dp.data.truncated_poisson_batches` and :func:`tf_dp.data.truncated_poisson_sample`
+    run per ``fit`` epoch by default, and that :func:`dp_sgd_run` plans with ``epochs`` (so a
+    plan of ``E`` epochs is the ``E * round(1 / q)`` steps the samplers run).
+
+    Example: ``poisson_steps_per_epoch(100 / 260)`` is 3 (``1 / q = 2.6``).
+    """
+    q = selection_probability
+    if isinstance(q, bool) or not isinstance(q, (int, float)) or not (
+            math.isfinite(q) and 0.0 < q <= 1.0):
+        raise ValueError(f"sampling_probability must be in (0, 1], got {q!r}")
+    return max(1, int(round(1.0 / q)))
 
 
 def shuffle_epochs(steps: int, population_size: int, selection_probability: float) -> int:
@@ -806,11 +824,13 @@ def dp_sgd_run(
     number of steps, for these hyperparameters.
 
     ``sampling`` is one of :data:`DP_SGD_SAMPLINGS`. With ``epochs``: ``poisson`` and
-    ``truncated_poisson`` run ``ceil(epochs * n / batch_size)`` steps (the expected batch size is
-    ``batch_size``; ``truncated_poisson`` keeps at most ``max_batch_size`` examples a step, which
-    it requires); ``shuffle`` runs ``ceil(n / batch_size)`` steps per epoch (the last batch of an
-    epoch partial, as Keras does), ``ceil(epochs * ceil(n / batch_size))`` in all, so the
-    accountants count exactly ``ceil(epochs)`` epochs; ``balls_in_bins`` runs
+    ``truncated_poisson`` run ``round(n / batch_size)`` steps per epoch
+    (:func:`poisson_steps_per_epoch`, what their samplers run per ``fit`` epoch),
+    ``ceil(epochs * round(n / batch_size))`` in all (the expected batch size is ``batch_size``;
+    ``truncated_poisson`` keeps at most ``max_batch_size`` examples a step, which it requires);
+    ``shuffle`` runs ``ceil(n / batch_size)`` steps per epoch (the last batch of an epoch
+    partial, as Keras does), ``ceil(epochs * ceil(n / batch_size))`` in all, so the accountants
+    count exactly ``ceil(epochs)`` epochs; ``balls_in_bins`` runs
     ``T = ceil(n / batch_size)`` steps per epoch (as
     :func:`tf_dp.data.balls_in_bins_batches`), ``ceil(epochs) * T`` in all (whole epochs).
     ``microbatch_size > 1`` means several examples share one clipped gradient: the sensitivity
@@ -848,8 +868,8 @@ def dp_sgd_run(
             per_epoch = shuffle_steps_per_epoch(n, batch_size / n)
         elif sampling == "balls_in_bins":
             per_epoch = math.ceil(n / batch_size)
-        else:
-            per_epoch = n / batch_size
+        else:  # what the Poisson-family samplers run per epoch
+            per_epoch = poisson_steps_per_epoch(batch_size / n)
         if epochs * per_epoch > MAX_STEPS:
             raise ValueError(
                 f"epochs must be in (0, {MAX_STEPS / per_epoch:.4g}] for N={n} and batch_size="

@@ -32,6 +32,7 @@ import dataclasses
 import math
 from typing import Any, Optional
 
+import numpy as np
 import tensorflow as tf
 
 from tf_dp.data.poisson import (
@@ -40,7 +41,14 @@ from tf_dp.data.poisson import (
     _check_positive_int,
 )
 from tf_dp.data.sampling import Sampling
-from tf_dp.data.truncated_poisson import check_arrays, gather_padded, sampler_key
+from tf_dp.data.truncated_poisson import (
+    check_arrays,
+    gather_padded,
+    gather_user_rows,
+    sampler_key,
+    step_rng,
+)
+from tf_dp.data.users import user_rows
 
 __all__ = ["BallsInBinsBatches", "balls_in_bins_batches"]
 
@@ -54,13 +62,20 @@ class BallsInBinsBatches(SampledBatches):
         ``steps_per_epoch = T`` per pass; every pass draws a fresh assignment.
       tf_dp_sampling: ``(n, 1 / T)``.
       steps_per_epoch: ``T``, the batches of one pass.
-      max_batch_size: the padded batch size (a larger batch is emitted whole).
+      max_batch_size: the padded batch size (a larger batch is emitted whole); with
+        ``user_ids`` in user slots (rows are slots * k).
+      records_per_user: ``k`` with ``user_ids`` (user-level batches), else None.
       sampling: the :class:`tf_dp.data.Sampling` (``balls_in_bins``, ``origin="sampled"``).
     """
+
+    records_per_user: Optional[int] = None
 
     @property
     def sampling(self) -> Sampling:
         n, q = int(self.tf_dp_sampling[0]), float(self.tf_dp_sampling[1])
+        if self.records_per_user is not None:  # users thrown into the bins, k records each
+            return Sampling(n, q, "balls_in_bins", origin="sampled", unit="user",
+                            records_per_unit=int(self.records_per_user))
         return Sampling(n, q, "balls_in_bins", origin="sampled")
 
 
@@ -89,6 +104,8 @@ def balls_in_bins_batches(
     max_batch_size: Optional[int] = None,
     seed: Optional[int] = None,
     overflow_probability: float = DEFAULT_OVERFLOW_PROBABILITY,
+    user_ids: Any = None,
+    max_records_per_user: Optional[int] = None,
 ) -> BallsInBinsBatches:
     """Batches where every pass assigns each example to one of ``T`` batches uniformly at random.
 
@@ -103,6 +120,14 @@ def balls_in_bins_batches(
         ``Binomial(n, 1 / T)``. A larger batch is emitted whole (never truncated).
       seed: fixes the sampling randomness. Tests and debugging only (default: OS entropy).
       overflow_probability: per-step probability that the default ``max_batch_size`` is exceeded.
+      user_ids: for user-level DP: one integer or string id per example (``[n]``). Every pass
+        then throws each *user* into one of ``T`` batches (``T`` from ``batch_size`` or
+        ``num_batches``, counted in users), and each user of a batch contributes at most
+        ``max_records_per_user`` of its examples (a fresh uniformly random choice at each
+        pass); the DP step clips each user's summed gradient to ``C``. ``max_batch_size``
+        counts user slots of ``k`` rows. The ledger records ``balls_in_bins`` over ``n =
+        number of users``, unit ``user``; the accountants charge the same mechanism over users.
+      max_records_per_user: ``k`` >= 1, required with ``user_ids``.
 
     Returns:
       A :class:`BallsInBinsBatches`; pass it to a private model's ``fit``.
@@ -120,11 +145,15 @@ def balls_in_bins_batches(
     """
     from tf_dp.data.poisson import default_max_batch_size
 
+    from tf_dp.data.users import user_index_for
+
     x, y, sample_weight, n = check_arrays(x, y, sample_weight)
-    t = batches_per_pass(n, batch_size, num_batches)
+    users, k_user = user_index_for(user_ids, max_records_per_user, n)
+    units = n if users is None else users.num_users
+    t = batches_per_pass(units, batch_size, num_batches)
     q = 1.0 / t
     if max_batch_size is None:
-        max_batch_size = default_max_batch_size(n, q, overflow_probability)
+        max_batch_size = default_max_batch_size(units, q, overflow_probability)
     max_batch_size = _check_positive_int("max_batch_size", max_batch_size)
     key = sampler_key(seed)
     x_t = tf.nest.map_structure(tf.convert_to_tensor, x)
@@ -140,6 +169,20 @@ def balls_in_bins_batches(
         idx = tf.reshape(tf.where(tf.equal(bins, step)), [-1])
         return gather_padded(x_t, y_t, sw_t, idx, max_batch_size, fixed=False)
 
+    if users is not None:
+        def draw_rows(step: np.ndarray, counter: np.ndarray) -> np.ndarray:
+            # the pass's assignment of users, redrawn from (key, counter) at every step; the
+            # records of the step's users from (key, counter, step)
+            bins = step_rng(key, counter).integers(0, t, size=users.num_users)
+            chosen = np.flatnonzero(bins == int(step)).astype(np.int64)
+            return user_rows(users, chosen, k_user, max_batch_size,
+                             step_rng(key, counter, int(step) + 1))
+
+        def batch(step: tf.Tensor, counter: tf.Tensor):  # noqa: F811 (user slots of k rows)
+            rows = tf.numpy_function(draw_rows, [step, counter], tf.int64, stateful=False)
+            rows.set_shape([None])
+            return gather_user_rows(x_t, y_t, sw_t, rows)
+
     # One random counter per pass (a fresh one at every iteration of the dataset), repeated for
     # the pass's T steps; enumerate() numbers the steps 0..T-1.
     passes = tf.data.Dataset.random(seed=key % (1 << 31), rerandomize_each_iteration=True)
@@ -153,7 +196,8 @@ def balls_in_bins_batches(
     )
     return BallsInBinsBatches(
         dataset=dataset,
-        tf_dp_sampling=(n, q),
+        tf_dp_sampling=(units, q),
         steps_per_epoch=t,
         max_batch_size=max_batch_size,
+        records_per_user=k_user,
     )

@@ -52,6 +52,7 @@ from typing import Any, Optional
 import numpy as np
 import tensorflow as tf
 
+from tf_dp.accounting.ledger_analysis import poisson_steps_per_epoch
 from tf_dp.data.inclusion import included
 from tf_dp.data.sampling import Sampling
 
@@ -336,7 +337,7 @@ def poisson_batches(
         raise ValueError(f"num_shards must be <= the number of examples ({n}), got {num_shards}")
     users = None if all_users is None else all_users.shard(num_shards, shard_index)
     if steps_per_epoch is None:
-        steps_per_epoch = max(1, int(round(1.0 / q)))
+        steps_per_epoch = poisson_steps_per_epoch(q)
         if steps_per_epoch > _INT64_MAX:
             raise ValueError(
                 f"sampling_probability={q!r} gives a default steps_per_epoch of round(1 / q) = "

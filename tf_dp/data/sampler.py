@@ -46,6 +46,7 @@ from typing import Any, Optional
 import numpy as np
 import tensorflow as tf
 
+from tf_dp.accounting.ledger_analysis import poisson_steps_per_epoch
 from tf_dp.data.poisson import (
     DEFAULT_OVERFLOW_PROBABILITY,
     PoissonBatches,
@@ -227,7 +228,7 @@ def poisson_sample(
     users = None if all_users is None else all_users.shard(num_shards, shard_index)
     rows = len(range(shard_index, n, num_shards))
     if steps_per_epoch is None:
-        steps_per_epoch = max(1, int(round(1.0 / q)))
+        steps_per_epoch = poisson_steps_per_epoch(q)
     steps_per_epoch = _check_positive_int("steps_per_epoch", steps_per_epoch)
     if max_batch_size is None:
         units = rows if users is None else users.num_users

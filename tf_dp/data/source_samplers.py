@@ -17,7 +17,13 @@ the ledger, but only the selected records are read (``source.read``), from any
 Randomness: a Philox generator keyed from OS entropy; ``seed`` fixes it (tests and debugging
 only). Reading runs in a ``tf.data`` background thread, ``prefetch`` batches ahead.
 
-Sharding over workers (``num_shards``) and user-level units are offered for Poisson only
+User-level units (``user_ids=``, ``max_records_per_user=k``): the selection runs over users
+(truncated Poisson: users sampled at rate ``q``, cut to ``B`` users; balls-in-bins: users thrown
+into the ``T`` batches), each selected user contributes at most ``k`` records chosen uniformly at
+random (:func:`tf_dp.data.users.user_rows`), and only those records are read; batches have the
+user-slot layout of :mod:`tf_dp.data.users`.
+
+Sharding over workers (``num_shards``) is offered for Poisson only
 (:func:`~tf_dp.data.poisson_sample`): a per-worker truncation or a per-worker bin assignment
 would not be the global selection the accountants analyse.
 
@@ -35,6 +41,7 @@ from typing import Any, Optional
 import numpy as np
 import tensorflow as tf
 
+from tf_dp.accounting.ledger_analysis import poisson_steps_per_epoch
 from tf_dp.data.balls_in_bins import BallsInBinsBatches, batches_per_pass
 from tf_dp.data.inclusion import poisson_subset
 from tf_dp.data.poisson import (
@@ -45,6 +52,7 @@ from tf_dp.data.poisson import (
 )
 from tf_dp.data.sampler import (
     _pad,
+    _scatter,
     check_length,
     check_source,
     generator_dataset,
@@ -55,13 +63,26 @@ from tf_dp.data.truncated_poisson import (
     DEFAULT_TRUNCATION_PROBABILITY,
     TruncatedPoissonBatches,
     default_truncation_size,
+    truncated_user_rows,
 )
+from tf_dp.data.users import user_index_for, user_rows
 
 __all__ = ["balls_in_bins_sample", "truncated_poisson_sample"]
 
 
 def _padded(source: Any, indices: np.ndarray, rows: int) -> tuple:
     return tf.nest.map_structure(lambda a: _pad(a, rows), read_records(source, indices))
+
+
+def _slotted(source: Any, slots: np.ndarray) -> tuple:
+    """The records of a user-level batch (``-1``: a padding row of zeros, weight 0)."""
+    real = slots >= 0
+    if real.any():
+        got = read_records(source, slots[real])
+    else:
+        got = tf.nest.map_structure(lambda a: a[:0], read_records(source, np.array([0])))
+    return tf.nest.map_structure(lambda a: _scatter(a, real), got)
+
 
 
 def truncated_poisson_sample(
@@ -72,6 +93,8 @@ def truncated_poisson_sample(
     seed: Optional[int] = None,
     truncation_probability: float = DEFAULT_TRUNCATION_PROBABILITY,
     prefetch: int = 2,
+    user_ids: Any = None,
+    max_records_per_user: Optional[int] = None,
 ) -> TruncatedPoissonBatches:
     """Poisson batches of one fixed shape ``[B, ...]`` read from a random-access source.
 
@@ -85,10 +108,13 @@ def truncated_poisson_sample(
       seed: fixes the sampling randomness (tests and debugging only; default OS entropy).
       truncation_probability: per-step probability that the default ``B`` drops records.
       prefetch: batches read ahead of the training step (>= 1).
+      user_ids, max_records_per_user: user-level units (see the module docstring): ``B`` users
+        per batch, every batch ``B * k`` rows.
 
     Returns:
       A :class:`~tf_dp.data.TruncatedPoissonBatches`; ``.sampling`` is
-      ``Sampling(n, q, "truncated_poisson", "sampled", max_batch_size=B)``.
+      ``Sampling(n, q, "truncated_poisson", "sampled", max_batch_size=B)`` (with ``user_ids``:
+      ``n`` users, ``unit="user"``, ``records_per_unit=k``).
 
     Example::
 
@@ -98,15 +124,18 @@ def truncated_poisson_sample(
     """
     n = check_source(source)
     q = _check_probability(sampling_probability)
+    users, k_user = user_index_for(user_ids, max_records_per_user, n)
+    units = n if users is None else users.num_users
     if steps_per_epoch is None:
-        steps_per_epoch = max(1, round(1.0 / q))
+        steps_per_epoch = poisson_steps_per_epoch(q)
     steps_per_epoch = _check_positive_int("steps_per_epoch", steps_per_epoch)
     if max_batch_size is None:
-        max_batch_size = default_truncation_size(n, q, truncation_probability)
+        max_batch_size = default_truncation_size(units, q, truncation_probability)
     b = _check_positive_int("max_batch_size", max_batch_size)
-    if b > n:
+    if b > units:
+        what = "n" if users is None else "number of users"
         raise ValueError(
-            f"max_batch_size must be in [1, n={n}] (a larger B never truncates: use "
+            f"max_batch_size must be in [1, {what}={units}] (a larger B never truncates: use "
             f"poisson_sample), got {b}"
         )
     prefetch = _check_positive_int("prefetch", prefetch)
@@ -115,6 +144,9 @@ def truncated_poisson_sample(
     def batches():
         for _ in range(steps_per_epoch):
             check_length(source, n)
+            if users is not None:
+                yield _slotted(source, truncated_user_rows(users, q, k_user, b, rng))
+                continue
             idx = poisson_subset(rng, n, q)
             if len(idx) > b:  # keep a uniformly random B of the sample
                 idx = np.sort(rng.choice(idx, size=b, replace=False))
@@ -122,9 +154,10 @@ def truncated_poisson_sample(
 
     return TruncatedPoissonBatches(
         dataset=generator_dataset(source, batches, steps_per_epoch, prefetch),
-        tf_dp_sampling=(n, q),
+        tf_dp_sampling=(units, q),
         steps_per_epoch=steps_per_epoch,
         max_batch_size=b,
+        records_per_user=k_user,
     )
 
 
@@ -136,6 +169,8 @@ def balls_in_bins_sample(
     seed: Optional[int] = None,
     overflow_probability: float = DEFAULT_OVERFLOW_PROBABILITY,
     prefetch: int = 2,
+    user_ids: Any = None,
+    max_records_per_user: Optional[int] = None,
 ) -> BallsInBinsBatches:
     """Balls-in-bins batches read from a random-access source: every pass assigns each record to
     one of ``T`` batches uniformly at random and reads each batch at its step.
@@ -151,10 +186,13 @@ def balls_in_bins_sample(
       seed: fixes the sampling randomness (tests and debugging only; default OS entropy).
       overflow_probability: per-step probability that the default ``max_batch_size`` is exceeded.
       prefetch: batches read ahead of the training step (>= 1).
+      user_ids, max_records_per_user: user-level units: every pass throws each user into one of
+        ``T`` batches; a batch has ``max_batch_size`` slots of ``k`` rows (more if more users).
 
     Returns:
       A :class:`~tf_dp.data.BallsInBinsBatches`; ``.sampling`` is
-      ``Sampling(n, 1 / T, "balls_in_bins", "sampled")``.
+      ``Sampling(n, 1 / T, "balls_in_bins", "sampled")`` (with ``user_ids``: ``n`` users,
+      ``unit="user"``, ``records_per_unit=k``).
 
     Example::
 
@@ -162,27 +200,34 @@ def balls_in_bins_sample(
         model.fit(tf_dp.data.balls_in_bins_sample(source, batch_size=256), epochs=3)
     """
     n = check_source(source)
-    t = batches_per_pass(n, batch_size, num_batches)
+    users, k_user = user_index_for(user_ids, max_records_per_user, n)
+    units = n if users is None else users.num_users
+    t = batches_per_pass(units, batch_size, num_batches)
     q = 1.0 / t
     if max_batch_size is None:
-        max_batch_size = default_max_batch_size(n, q, overflow_probability)
+        max_batch_size = default_max_batch_size(units, q, overflow_probability)
     rows = _check_positive_int("max_batch_size", max_batch_size)
     prefetch = _check_positive_int("prefetch", prefetch)
     rng = source_rng(seed)
 
     def batches():  # one pass: a fresh assignment every time the dataset is iterated
         check_length(source, n)
-        bins = rng.integers(0, t, size=n)
-        order = np.argsort(bins, kind="stable")  # records grouped by batch, ascending within
+        bins = rng.integers(0, t, size=units)
+        order = np.argsort(bins, kind="stable")  # units grouped by batch, ascending within
         ends = np.cumsum(np.bincount(bins, minlength=t))
         for step in range(t):
             check_length(source, n)
             start = ends[step - 1] if step else 0
-            yield _padded(source, order[start:ends[step]].astype(np.int64), rows)
+            chosen = order[start:ends[step]].astype(np.int64)
+            if users is not None:  # the step's users, at most k records each
+                yield _slotted(source, user_rows(users, chosen, k_user, rows, rng))
+            else:
+                yield _padded(source, chosen, rows)
 
     return BallsInBinsBatches(
         dataset=generator_dataset(source, batches, t, prefetch),
-        tf_dp_sampling=(n, q),
+        tf_dp_sampling=(units, q),
         steps_per_epoch=t,
         max_batch_size=rows,
+        records_per_user=k_user,
     )

@@ -40,6 +40,7 @@ from typing import Any, Optional
 import numpy as np
 import tensorflow as tf
 
+from tf_dp.accounting.ledger_analysis import poisson_steps_per_epoch
 from tf_dp.data.inclusion import included
 from tf_dp.data.poisson import (  # noqa: F401 (check_arrays: balls_in_bins uses it)
     _as_numpy_leaves,
@@ -100,14 +101,22 @@ class TruncatedPoissonBatches(SampledBatches):
         ``max_batch_size`` rows (padding rows have weight 0), ``steps_per_epoch`` per pass.
       tf_dp_sampling: ``(n, q)``.
       steps_per_epoch: batches per pass (default ``round(1 / q)``).
-      max_batch_size: ``B``, the truncation and the batch's row count.
+      max_batch_size: ``B``, the truncation and the batch's row count (with ``user_ids``: the
+        most users kept, the batch has ``B * k`` rows).
+      records_per_user: ``k`` with ``user_ids`` (user-level batches), else None.
       sampling: the :class:`tf_dp.data.Sampling` of these batches (``truncated_poisson``, ``n``,
         ``q``, ``max_batch_size=B``, ``origin="sampled"``).
     """
 
+    records_per_user: Optional[int] = None
+
     @property
     def sampling(self) -> Sampling:
         n, q = int(self.tf_dp_sampling[0]), float(self.tf_dp_sampling[1])
+        if self.records_per_user is not None:  # users: n users, B users, k records each
+            return Sampling(n, q, "truncated_poisson", origin="sampled", unit="user",
+                            records_per_unit=int(self.records_per_user),
+                            max_batch_size=int(self.max_batch_size))
         return Sampling(n, q, "truncated_poisson", origin="sampled",
                         max_batch_size=int(self.max_batch_size))
 
@@ -139,6 +148,43 @@ def gather_padded(x_t, y_t, sw_t, idx: tf.Tensor, rows: int, fixed: bool):
     return bx, by, pad(w)
 
 
+def gather_user_rows(x_t, y_t, sw_t, rows: tf.Tensor):
+    """``(x, y, weight)`` of the record indices ``rows`` (a user-level batch,
+    :func:`tf_dp.data.users.user_rows`): ``-1`` gives a row of zeros with weight 0."""
+    real = rows >= 0
+    idx = tf.maximum(rows, 0)
+
+    def take(t):
+        got = tf.gather(t, idx)
+        mask = tf.reshape(real, [-1] + [1] * (len(t.shape) - 1))
+        return tf.where(mask, got, tf.zeros_like(got))
+
+    w = tf.ones_like(idx, tf.float32) if sw_t is None else tf.cast(tf.gather(sw_t, idx), tf.float32)
+    return (tf.nest.map_structure(take, x_t), tf.nest.map_structure(take, y_t),
+            tf.where(real, w, 0.0))
+
+
+def step_rng(key: int, counter: int, stream: int = 0) -> np.random.Generator:
+    """A Philox generator for host-side draws: key ``(sampler key, per-step counter)``, its
+    counter's top word ``stream`` (streams 2^192 blocks apart)."""
+    words = np.array([key, int(counter) & ((1 << 64) - 1)], dtype=np.uint64)
+    return np.random.Generator(np.random.Philox(
+        key=words, counter=np.array([0, 0, 0, int(stream)], dtype=np.uint64)))
+
+
+def truncated_user_rows(index, q: float, k: int, b: int, rng: np.random.Generator) -> np.ndarray:
+    """One truncated-Poisson user-level batch: users Poisson-sampled at rate ``q``
+    (:func:`tf_dp.data.inclusion.poisson_subset`), more than ``b`` cut to a uniformly random
+    ``b`` of them, at most ``k`` records each, ``b`` slots of ``k`` rows (``-1``: padding)."""
+    from tf_dp.data.inclusion import poisson_subset
+    from tf_dp.data.users import user_rows
+
+    users = poisson_subset(rng, index.num_users, q)
+    if len(users) > b:  # keep a uniformly random B of the sampled users
+        users = np.sort(rng.choice(users, size=b, replace=False))
+    return user_rows(index, users, k, b, rng)
+
+
 def truncated_poisson_batches(
     x: Any,
     y: Any = None,
@@ -148,6 +194,8 @@ def truncated_poisson_batches(
     max_batch_size: Optional[int] = None,
     seed: Optional[int] = None,
     truncation_probability: float = DEFAULT_TRUNCATION_PROBABILITY,
+    user_ids: Any = None,
+    max_records_per_user: Optional[int] = None,
 ) -> TruncatedPoissonBatches:
     """Poisson-sampled batches of one fixed shape ``[B, ...]`` (cut at ``B``, padded to ``B``).
 
@@ -162,6 +210,15 @@ def truncated_poisson_batches(
         :func:`default_truncation_size` at ``truncation_probability``.
       seed: fixes the sampling randomness. Tests and debugging only (default: OS entropy).
       truncation_probability: per-step probability that the default ``B`` drops examples.
+      user_ids: for user-level DP: one integer or string id per example (``[n]``). The sampled
+        units are then users (:mod:`tf_dp.data.users`): each user joins with probability ``q``,
+        a sample of more than ``B`` users keeps a uniformly random ``B`` of them, and each kept
+        user contributes at most ``max_records_per_user`` of its examples (chosen uniformly at
+        random); the DP step clips each user's summed gradient to ``C``. ``B`` and
+        ``steps_per_epoch`` count users; every batch has ``B * k`` rows in ``B`` slots of ``k``.
+        The ledger records ``truncated_poisson`` over ``n = number of users``, unit ``user``,
+        and the accountants charge the same truncated mechanism over users.
+      max_records_per_user: ``k`` >= 1, required with ``user_ids``.
 
     Returns:
       A :class:`TruncatedPoissonBatches`; pass it to a private model's ``fit``.
@@ -177,17 +234,22 @@ def truncated_poisson_batches(
     >>> xb.shape[0] == weights.shape[0] == 27   # every batch has B rows; padding has weight 0
     True
     """
+    from tf_dp.data.users import user_index_for
+
     x, y, sample_weight, n = check_arrays(x, y, sample_weight)
     q = _check_probability(sampling_probability)
+    users, k_user = user_index_for(user_ids, max_records_per_user, n)
+    units = n if users is None else users.num_users
     if steps_per_epoch is None:
-        steps_per_epoch = max(1, int(round(1.0 / q)))
+        steps_per_epoch = poisson_steps_per_epoch(q)
     steps_per_epoch = _check_positive_int("steps_per_epoch", steps_per_epoch)
     if max_batch_size is None:
-        max_batch_size = default_truncation_size(n, q, truncation_probability)
+        max_batch_size = default_truncation_size(units, q, truncation_probability)
     max_batch_size = _check_positive_int("max_batch_size", max_batch_size)
-    if max_batch_size > n:
+    if max_batch_size > units:
+        what = "n" if users is None else "number of users"
         raise ValueError(
-            f"max_batch_size must be in [1, n={n}] (a larger B never truncates: use "
+            f"max_batch_size must be in [1, {what}={units}] (a larger B never truncates: use "
             f"poisson_batches), got {max_batch_size}"
         )
     key = sampler_key(seed)
@@ -209,11 +271,21 @@ def truncated_poisson_batches(
         idx = tf.cond(tf.size(idx) > b, lambda: shuffled[:b], lambda: idx)
         return gather_padded(x_t, y_t, sw_t, idx, b, fixed=True)
 
+    if users is not None:
+        def draw_rows(counter: np.ndarray) -> np.ndarray:
+            return truncated_user_rows(users, q, k_user, b, step_rng(key, counter))
+
+        def sample(counter: tf.Tensor):  # noqa: F811 (user-level: B slots of k rows)
+            rows = tf.numpy_function(draw_rows, [counter], tf.int64, stateful=False)
+            rows.set_shape([b * k_user])
+            return gather_user_rows(x_t, y_t, sw_t, rows)
+
     counters = tf.data.Dataset.random(seed=key % (1 << 31), rerandomize_each_iteration=True)
     dataset = counters.take(steps_per_epoch).map(sample).prefetch(2)
     return TruncatedPoissonBatches(
         dataset=dataset,
-        tf_dp_sampling=(n, q),
+        tf_dp_sampling=(units, q),
         steps_per_epoch=steps_per_epoch,
         max_batch_size=max_batch_size,
+        records_per_user=k_user,
     )

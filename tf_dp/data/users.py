@@ -225,7 +225,38 @@ def sample_user_rows(
         index = UserIndex.from_user_ids(user_of_record, len(user_of_record))
         rows = sample_user_rows(index, 0.01, 4, 32, np.random.default_rng())
     """
-    users = poisson_subset(rng, index.num_users, q)
+    return user_rows(index, poisson_subset(rng, index.num_users, q), k, max_users, rng)
+
+
+def user_rows(
+    index: UserIndex,
+    users: np.ndarray,
+    k: int,
+    max_users: int,
+    rng: np.random.Generator,
+) -> np.ndarray:
+    """The record indices of one user-level batch of the given ``users``: at most ``k`` records
+    each (a uniformly random subset of ``min(k, c)`` of a user's ``c`` records), user ``j`` of
+    ``users`` in slot ``j`` (rows ``j k .. j k + k - 1``), ``-1`` for padding rows.
+
+    The selection of the users is the caller's (:func:`sample_user_rows`: Poisson; the truncated
+    Poisson and balls-in-bins samplers of :mod:`tf_dp.data`: their own).
+
+    Args:
+      index: the :class:`UserIndex` the users are positions of.
+      users: int64 positions of the batch's users in ``index``, ascending.
+      k: the most records per user.
+      max_users: slots per batch; more users get one slot each.
+      rng: the generator of the record choice (its state advances).
+
+    Returns:
+      int64 ``[max(max_users, len(users)) * k]``.
+
+    Example::
+
+        rows = user_rows(index, np.array([0, 5]), 4, 8, np.random.default_rng())  # 32 rows
+    """
+    users = np.asarray(users, dtype=np.int64)
     positions, owner = _records_of(index.starts, users)
     # ranks within each user by a fresh uniform key: sorted by owner, then by the key
     by = np.lexsort((rng.random(len(positions)), owner))
