@@ -9,8 +9,12 @@ steps are ``tf.function``s in one process, timed interleaved (medians and spread
 :mod:`tf_dp.gradients.embedding_rows`, the Dense layer by its closed-form per-example norm);
 ``dense`` adds N(0, (1.1 C)^2) to every coordinate of the table and applies a dense update,
 ``sparse`` selects rows (contribution bound 1, selection noise 3, threshold 5) and adds noise
-on the selected rows only (a ``tf.IndexedSlices`` update). Peak memory: each mode again in a
-fresh subprocess, the peak RSS of 5 steps (the first traces) above the RSS of the built model.
+on the selected rows only (a ``tf.IndexedSlices`` update). Peak memory: each mode in its own
+fresh subprocess (``--repeats_memory`` of them, median reported), the process's high-water mark
+``VmHWM`` (``/proc/self/status``) after the model is built and 5 steps ran; a ``build`` process
+that builds the same model and runs no step gives the baseline (the table, TensorFlow), and
+``step_peak_mb`` is the mode's VmHWM minus the baseline's median. No allocator reuse between modes
+can hide a peak: no mode shares a process with another.
 """
 
 from __future__ import annotations
@@ -110,9 +114,8 @@ def _status_mb(field):
 
 
 def memory(args, mode):
-    """Peak RSS (MB) of ``mode``'s steps in a fresh process above its RSS before them (Linux: the
-    high-water mark is reset through /proc/self/clear_refs after the model is built, so the table
-    is not counted; the step's tracing is, a few MB alike for every mode)."""
+    """VmHWM (MB) of a fresh process that builds the model and runs 5 steps of ``mode`` (or, for
+    ``mode='build'``, none)."""
     cmd = [sys.executable, "-m", "bench.sparse_embedding", "--rows", str(args.rows), "--dim",
            str(args.dim), "--batch", str(args.batch), "--length", str(args.length),
            "--_memory_of", mode]
@@ -128,17 +131,32 @@ def main(argv=None):
     p.add_argument("--length", type=int, default=20)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--no_memory", action="store_true")
+    p.add_argument("--no_timing", action="store_true")
+    p.add_argument("--repeats_memory", type=int, default=3)
     p.add_argument("--_memory_of", default=None)
     args = p.parse_args(argv)
     if args._memory_of:
-        step = build(args.rows, args.dim, args.batch, args.length)[args._memory_of]
-        before = _status_mb("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-        for _ in range(5):
-            step()
-        print(_status_mb("VmHWM") - before)
+        steps = build(args.rows, args.dim, args.batch, args.length)
+        if args._memory_of != "build":
+            for _ in range(5):
+                steps[args._memory_of]()
+        print(_status_mb("VmHWM"))
         return None
+    result = {"rows": args.rows, "dim": args.dim, "batch": args.batch, "length": args.length}
+    if not args.no_memory:  # first, each mode in its own process (interleaved repeats)
+        hwm = {m: [] for m in ("build",) + MODES}
+        for _ in range(args.repeats_memory):
+            for m in hwm:
+                hwm[m].append(memory(args, m))
+        base = statistics.median(hwm["build"])
+        result["build_vmhwm_mb"] = {"median": base, "all": hwm["build"]}
+        for m in MODES:
+            result.setdefault(m, {})
+            result[m].update({"vmhwm_mb": statistics.median(hwm[m]), "vmhwm_all_mb": hwm[m],
+                              "step_peak_mb": statistics.median(hwm[m]) - base})
+    if args.no_timing:
+        print(json.dumps(result, indent=1))
+        return result
     steps = build(args.rows, args.dim, args.batch, args.length)
     for f in steps.values():  # warm-up (tracing)
         f()
@@ -150,15 +168,13 @@ def main(argv=None):
             steps[m]()
             times[m].append(time.perf_counter() - t0)
     base = statistics.median(times["nonprivate"])
-    result = {"rows": args.rows, "dim": args.dim, "batch": args.batch, "length": args.length}
     for m in MODES:
         ts = sorted(times[m])
-        result[m] = {"median_ms": 1e3 * statistics.median(ts), "p10_ms": 1e3 * ts[len(ts) // 10],
-                     "p90_ms": 1e3 * ts[(9 * len(ts)) // 10],
-                     "ratio": statistics.median(ts) / base}
-    if not args.no_memory:
-        for m in MODES:
-            result[m]["step_peak_rss_mb"] = memory(args, m)
+        result.setdefault(m, {})
+        result[m].update({"median_ms": 1e3 * statistics.median(ts),
+                          "p10_ms": 1e3 * ts[len(ts) // 10],
+                          "p90_ms": 1e3 * ts[(9 * len(ts)) // 10],
+                          "ratio": statistics.median(ts) / base})
     print(json.dumps(result, indent=1))
     return result
 

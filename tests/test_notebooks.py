@@ -82,6 +82,15 @@ CHECKS = {
         " 'parts': PARTS, 'target': TARGET_EPSILON, 'delta': DELTA,"
         " 'resumed_step': int(resumed_step), 'accuracy': accuracy}))"
     ),
+    "sparse_embeddings": (
+        "import json\n"
+        "print(json.dumps({'n': N, 'batch': BATCH, 'steps': STEPS, 'z': NOISE_MULTIPLIER,"
+        " 'sigma1': SELECTION_NOISE_MULTIPLIER, 'sigma2': SIGMA2, 'delta': DELTA,"
+        " 'threshold': THRESHOLD, 'epsilons': epsilons, 'file_epsilon': file_epsilon,"
+        " 'queries': [[e.l2_sensitivity, e.noise_stddev] for e in entries[0].queries],"
+        " 'file_steps': len(entries), 'accuracy': accuracies, 'baseline': baseline_accuracy,"
+        " 'bayes': bayes, 'moved': moved.tolist(), 'in_batch': in_batch.tolist(), 'items': ITEMS}))"
+    ),
     "dp_user_level": (
         "import json\n"
         "print(json.dumps({'n': int(n), 'n_users': int(n_users), 'q': [q_ex, q_user],"
@@ -376,6 +385,31 @@ def _check_dp_user_level(values):
     assert all(0.2 < a <= 1.0 for a in values["accuracy"])  # 10 classes: chance is 0.1
 
 
+def _check_sparse_embeddings(values):
+    from scipy import stats
+
+    from tf_dp.accounting import dp_sgd_epsilon
+
+    z, s1, s2 = values["z"], values["sigma1"], values["sigma2"]
+    assert math.isclose(s1**-2 + s2**-2, z**-2, rel_tol=1e-12)
+    # both runs: the Poisson-subsampled Gaussian of multiplier z, from the hyperparameters
+    independent = dp_sgd_epsilon(values["n"], values["batch"], z, values["delta"],
+                                 steps=values["steps"], accountant="pld").epsilon
+    for eps in list(values["epsilons"].values()) + [values["file_epsilon"]]:
+        assert math.isclose(eps, independent, rel_tol=1e-3)
+    assert values["file_steps"] == values["steps"]
+    (c2, std2), (c1, std1) = values["queries"]  # the gradient's, then the selection's
+    assert c2 == c1 == 1.0 and math.isclose(std2, s2, rel_tol=1e-6) and std1 == s1
+    assert 0.6 < values["baseline"] <= values["bayes"] + 0.02  # 2 classes: chance is 0.5
+    assert all(0.5 < a <= 1.0 for a in values["accuracy"].values())
+    # the extra step: the untouched rows that moved are the empty rows whose noisy count passed
+    # the threshold: binomial, at most 6 sigma above its mean
+    untouched = set(values["moved"]) - set(values["in_batch"])
+    m = values["items"] - len(values["in_batch"])
+    p = stats.norm.sf(values["threshold"] / s1)
+    assert len(untouched) <= m * p + 6 * math.sqrt(m * p * (1 - p)) + 1
+
+
 def _check_correlated_noise(values):
     from dp_accounting.pld import privacy_loss_distribution as pld
 
@@ -397,6 +431,7 @@ def _check_correlated_noise(values):
 
 
 VALIDATORS = {
+    "sparse_embeddings": _check_sparse_embeddings,
     "correlated_noise": _check_correlated_noise,
     "dp_user_level": _check_dp_user_level,
     "privacy_auditing": _check_privacy_auditing,

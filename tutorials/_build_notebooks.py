@@ -45,6 +45,7 @@ NOTEBOOKS = (
     "dp_large_data",
     "dp_user_level",
     "correlated_noise",
+    "sparse_embeddings",
 )
 
 _MARKER = re.compile(r"^# %%(?P<kind> \[markdown\])?(?: tags=(?P<tags>\[.*\]))?\s*$")
