@@ -140,3 +140,81 @@ def test_sampling_claim_needs_num_parts_exactly_with_its_policy():
         tf_dp.data.Sampling(100, 0.1, "poisson", num_parts=4)
     s = tf_dp.data.Sampling(100, 0.2, "cyclic_poisson", num_parts=4)
     assert s.expected_batch_size == pytest.approx(5.0)
+
+
+# -- the random-access source version: only the selected records are read ------------------------
+
+
+class _CountingSource(tf_dp.data.ArraySource):
+    """An ArraySource that logs the indices of every read."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.reads = []
+
+    def read(self, indices):
+        self.reads.append(np.asarray(indices).copy())
+        return super().read(indices)
+
+
+def test_source_inclusion_statistics_separation_and_only_selected_reads():
+    n, b, q, passes = 120, 4, 0.3, 150
+    source = _CountingSource(np.arange(n, dtype=np.float32)[:, None], np.zeros(n, np.int32))
+    batches = tf_dp.data.cyclic_poisson_sample(source, num_parts=b, sampling_probability=q,
+                                               seed=3)
+    assert batches.sampling == tf_dp.data.Sampling(n, q, "cyclic_poisson", origin="sampled",
+                                                   num_parts=b)
+    sizes = np.bincount(batches.parts, minlength=b)
+    assert set(sizes) <= {n // b, -(-n // b)} and sizes.sum() == n
+    source.reads.clear()  # the element spec's read of record 0 at construction
+    counts = np.zeros(n)
+    last_step = np.full(n, -1)
+    for p, steps in enumerate(_passes(batches, passes)):
+        for t, ids in enumerate(steps):
+            assert np.all(batches.parts[ids] == t) and len(set(ids)) == len(ids)
+            gap = p * b + t - last_step[ids]
+            assert np.all((last_step[ids] < 0) | ((gap >= b) & (gap % b == 0)))
+            last_step[ids] = p * b + t
+            counts[ids] += 1
+    # every read asked for exactly the records of one batch, nothing else (exact)
+    read = np.concatenate(source.reads)
+    assert len(read) == counts.sum() and np.array_equal(np.bincount(read, minlength=n), counts)
+    z = math.sqrt(2 * math.log(2 * n / 1e-6))
+    sd = math.sqrt(passes * q * (1 - q))
+    assert np.all(np.abs(counts - passes * q) <= z * sd), np.max(np.abs(counts - passes * q)) / sd
+    pooled_sd = math.sqrt(q * (1 - q) / (n * passes))
+    assert abs(counts.sum() / (n * passes) - q) <= 5 * pooled_sd
+
+
+def test_source_version_fits_and_records_its_claim():
+    n, b = 64, 4
+    rng = np.random.default_rng(0)
+    source = tf_dp.data.ArraySource(rng.normal(size=(n, 3)).astype("float32"),
+                                    rng.integers(0, 2, n).astype("int32"))
+    batches = tf_dp.data.cyclic_poisson_sample(source, num_parts=b, batch_size=4, seed=1)
+    model = tf_dp.keras.make_private(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
+    opt = tf_dp.keras.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0)
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    model.fit(batches, epochs=2, verbose=0)
+    runs = opt.ledger.runs()
+    assert sum(c for _, c in runs) == 2 * b
+    for entry, _ in runs:
+        s = entry.sampling
+        assert (s.policy, s.num_parts, s.population_size, s.origin) == (
+            "cyclic_poisson", b, n, "sampled")
+        assert s.selection_probability == pytest.approx(4 * b / n, rel=2.0**-23)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"batch_size": 4}, "num_parts is required"),
+        ({"num_parts": 65, "batch_size": 1}, r"num_parts must be in \[1, n=64\]"),
+        ({"num_parts": 4, "batch_size": 17}, r"batch_size must be in \[1, n / num_parts"),
+        ({"num_parts": 4, "batch_size": 2, "prefetch": 0}, "prefetch"),
+    ],
+)
+def test_source_version_names_bad_arguments(kwargs, match):
+    source = tf_dp.data.ArraySource(np.zeros((64, 2), "float32"), np.zeros(64))
+    with pytest.raises(ValueError, match=match):
+        tf_dp.data.cyclic_poisson_sample(source, **kwargs)

@@ -157,3 +157,44 @@ def test_optimised_strategies_beat_their_starts_and_dp_sgd():
         BandedStrategy.square_root(10, 11)
     with pytest.raises(ValueError, match="every |theta_i| < 1"):
         BLTStrategy([0.1], [1.0], 10)
+
+
+# -- the tree of DP-FTRL as a member of the family ------------------------------------------------
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 7, 8, 33, 100])
+def test_tree_strategy_factors_prefix_sums_with_the_tree_accountants_sensitivity(steps):
+    from tf_dp.correlated.strategies import TreeStrategy
+
+    tree = TreeStrategy(steps)
+    c = tree.matrix()
+    # B C = A: the prefix sums, from the nodes tree aggregation releases (0/1 integers: exact)
+    assert np.array_equal(tree.decoder() @ c, np.tril(np.ones((steps, steps))))
+    sens, exact = mf_sensitivity(tree, None)
+    # a leaf lies in one node per level l with 2^l <= T: floor(log2 T) + 1 nodes
+    assert exact and sens**2 == pytest.approx(math.floor(math.log2(steps)) + 1, rel=4 * F64)
+
+
+@pytest.mark.parametrize("population,batch,z", [(1000, 10, 3.0), (640, 64, 1.5)])
+def test_tree_epsilon_by_mf_accounting_equals_the_tree_accountants(population, batch, z):
+    """One epoch of tree aggregation over shuffled batches (replace-one: leaf sensitivity 2C),
+    as the ledger records it: compute_epsilon's tree accounting (GDP: exact for one Gaussian) and
+    mf_epsilon of TreeStrategy's C at noise z / 2 are the same Gaussian mechanism."""
+    from tf_dp.accounting import compute_epsilon
+    from tf_dp.correlated.strategies import TreeStrategy
+    from tf_dp.ledger import SampleEntry, SamplingEvent, SumQueryEvent
+
+    steps = math.ceil(population / batch)
+    entries = [
+        SampleEntry(SamplingEvent(population, batch / population, "shuffle", pass_start=(t == 0)),
+                    (SumQueryEvent(1.0, z, "tree", tree_step=t),))
+        for t in range(steps)
+    ]
+    tree_eps = compute_epsilon(entries, 1e-5, "gdp").epsilon
+    mf = mf_epsilon(TreeStrategy(steps), z / 2.0, 1e-5)
+    assert mf.epsilon == pytest.approx(tree_eps, rel=1e-8)
+    # and against dp_accounting's PLD of that Gaussian (noise z / (2 sqrt(d)))
+    acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    acc.compose(dp_accounting.GaussianDpEvent(z / (2.0 * math.sqrt(steps.bit_length()))))
+    ref = acc.get_epsilon(1e-5)
+    assert ref * (1 - PLD_REL) <= mf.epsilon <= ref * (1 + 1e-6)

@@ -194,12 +194,14 @@ def test_a_participation_claim_the_sampling_contradicts_is_refused(tmp_path):
 
 def _no_dense(monkeypatch):
     from tf_dp.accounting import matrix_factorization as mf
+    from tf_dp.accounting import matrix_sensitivity as ms
 
     def boom(*a, **k):
         raise AssertionError("an n x n matrix was built")
 
     monkeypatch.setattr(mf, "mf_matrix_from_config", boom)
     monkeypatch.setattr(mf, "_matrix", boom)
+    monkeypatch.setattr(ms, "_matrix", boom)
     monkeypatch.setattr(mf.ToeplitzC, "matrix", boom)
 
 
@@ -259,6 +261,7 @@ def test_1e5_step_periodic_ledger_without_a_dense_c_is_the_gaussian_of_c_u(
 @pytest.mark.parametrize("period", [None, 1, 3, 7, 30])
 def test_filter_sensitivity_equals_the_dense_one_on_small_n(config, period, monkeypatch):
     from tf_dp.accounting import matrix_factorization as mf
+    from tf_dp.accounting import matrix_sensitivity as ms
 
     n = 30
     dense = _loop_c(config, n)
@@ -268,7 +271,7 @@ def test_filter_sensitivity_equals_the_dense_one_on_small_n(config, period, monk
     if want[1]:  # where C^T C >= 0 on the pattern, the strategies' own max ||C u_j|| agrees
         assert from_config_sens(config, n, period) == pytest.approx(want[0], rel=64 * n * 2.0**-52)
     # above the dense limit, C with negative entries gets the ||(|C|) u|| bound: never below
-    monkeypatch.setattr(mf, "_DENSE_BOUND_STEPS", 0)
+    monkeypatch.setattr(ms, "_DENSE_BOUND_STEPS", 0)
     bound, exact = mf.mf_sensitivity(mf.ToeplitzC.from_config(config, n), period)
     assert (want[1] or not exact) and bound >= want[0] * (1 - 64 * n * 2.0**-52)
     if period is not None and n // period <= 12:  # and above every pattern, by enumeration

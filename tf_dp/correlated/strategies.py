@@ -52,6 +52,7 @@ __all__ = [
     "BLTStrategy",
     "BandedRecurrence",
     "BandedStrategy",
+    "TreeStrategy",
     "workload_column",
 ]
 
@@ -331,6 +332,53 @@ class BLTStrategy(_ToeplitzStrategy):
     @classmethod
     def from_config(cls, config: dict) -> BLTStrategy:
         return cls(config["omega"], config["theta"], config["num_steps"])
+
+
+class TreeStrategy:
+    """The binary tree of DP-FTRL (tf_dp's tree aggregation, Kairouz et al. 2021) as a
+    factorization ``A = B C`` of the prefix sums: ``C`` has one row per released node (the
+    dyadic intervals ``[i 2^l, (i + 1) 2^l)`` that end by step ``num_steps``, at the levels ``l``
+    with ``2^l <= num_steps``: what tree aggregation noises) and one column per step; ``B``
+    (:meth:`decoder`) adds the nodes of each prefix's dyadic decomposition. ``C`` is not square,
+    so it has no Toeplitz filter; :func:`tf_dp.accounting.matrix_factorization.mf_sensitivity`
+    and ``mf_epsilon`` read it dense (a leaf lies in ``floor(log2 n) + 1`` nodes: one
+    participation has sensitivity ``sqrt(floor(log2 n) + 1)``, the tree accountant's).
+
+    Example:
+
+    >>> from tf_dp.correlated.strategies import TreeStrategy
+    >>> TreeStrategy(6).matrix().shape  # 6 leaves, 3 pairs, 1 node of 4
+    (10, 6)
+    """
+
+    def __init__(self, num_steps: int):
+        self.num_steps = _check_steps(num_steps)
+
+    def nodes(self) -> list[tuple[int, int]]:
+        """``(level, index)`` of each released node, level by level."""
+        n = self.num_steps
+        return [(lvl, i) for lvl in range(n.bit_length()) for i in range(n >> lvl)]
+
+    def matrix(self) -> np.ndarray:
+        """``C``: ``[nodes, num_steps]``, 1 where the node's interval holds the step."""
+        nodes = self.nodes()
+        c = np.zeros((len(nodes), self.num_steps))
+        for row, (lvl, i) in enumerate(nodes):
+            c[row, i << lvl:(i + 1) << lvl] = 1.0
+        return c
+
+    def decoder(self) -> np.ndarray:
+        """``B``: ``[num_steps, nodes]``, row ``t`` sums the nodes of the dyadic decomposition of
+        ``[0, t]`` (what tree aggregation releases as the prefix sum), so ``B C = A``."""
+        index = {node: row for row, node in enumerate(self.nodes())}
+        b = np.zeros((self.num_steps, len(index)))
+        for t in range(self.num_steps):
+            start, count = 0, t + 1
+            for lvl in reversed(range(count.bit_length())):
+                if count >> lvl & 1:
+                    b[t, index[(lvl, start >> lvl)]] = 1.0
+                    start += 1 << lvl
+        return b
 
 
 def from_config(config: dict) -> Any:

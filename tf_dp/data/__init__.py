@@ -12,7 +12,8 @@
 - :func:`balls_in_bins_batches`: every pass throws each example into one of ``T`` batches at
   random (each example once per pass; the ledger records ``balls_in_bins``).
 - :func:`cyclic_poisson_batches`: the data split into ``b`` parts, step ``t`` a Poisson sample of
-  part ``t mod b`` (participations ``b`` steps apart; the ledger records ``cyclic_poisson``).
+  part ``t mod b`` (participations ``b`` steps apart; the ledger records ``cyclic_poisson``);
+  :func:`cyclic_poisson_sample` reads the same selection from a random-access source.
 - :func:`shuffled_passes`: fixed-size batches of full passes of a sequential ``tf.data`` pipeline
   (the ledger records ``shuffle``: no amplification assumed).
 - :class:`Sampling`: the sampling claim every sampler hands over (population, rate, policy,
@@ -29,7 +30,11 @@ Example::
 
 from tf_dp.data.arrayrecord import ArrayRecordSource
 from tf_dp.data.balls_in_bins import BallsInBinsBatches, balls_in_bins_batches
-from tf_dp.data.cyclic_poisson import CyclicPoissonBatches, cyclic_poisson_batches
+from tf_dp.data.cyclic_poisson import (
+    CyclicPoissonBatches,
+    cyclic_poisson_batches,
+    cyclic_poisson_sample,
+)
 from tf_dp.data.datasets import (
     DEBIAN_FASHION_MNIST_DIR,
     DataNotFoundError,
@@ -75,6 +80,7 @@ __all__ = [
     "UserIndex",
     "balls_in_bins_batches",
     "cyclic_poisson_batches",
+    "cyclic_poisson_sample",
     "CyclicPoissonBatches",
     "balls_in_bins_sample",
     "default_max_batch_size",

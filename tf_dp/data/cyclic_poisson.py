@@ -35,11 +35,19 @@ from tf_dp.data.poisson import (
     _check_probability,
     default_max_batch_size,
 )
-from tf_dp.data.inclusion import included
+from tf_dp.data.inclusion import included, poisson_subset
+from tf_dp.data.sampler import (
+    _pad,
+    check_length,
+    check_source,
+    generator_dataset,
+    read_records,
+    source_rng,
+)
 from tf_dp.data.sampling import Sampling
 from tf_dp.data.truncated_poisson import check_arrays, gather_padded, sampler_key
 
-__all__ = ["CyclicPoissonBatches", "cyclic_poisson_batches"]
+__all__ = ["CyclicPoissonBatches", "cyclic_poisson_batches", "cyclic_poisson_sample"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +75,39 @@ class CyclicPoissonBatches(SampledBatches):
     @property
     def expected_batch_size(self) -> float:
         return self.sampling.expected_batch_size
+
+
+def _check_cycle(n: int, num_parts: Any, batch_size: Any, sampling_probability: Any,
+                 max_batch_size: Any, overflow_probability: float) -> tuple[int, float, int]:
+    """``(b, q, max_batch_size)`` of a cyclic Poisson selection over ``n`` records, checked (the
+    errors name the argument and its range)."""
+    if num_parts is None:
+        raise ValueError("num_parts is required: an integer in [1, n] (the parts of the cycle)")
+    b = _check_positive_int("num_parts", num_parts)
+    if b > n:
+        raise ValueError(f"num_parts must be in [1, n={n}], got {b}")
+    if (batch_size is None) == (sampling_probability is None):
+        raise ValueError("give exactly one of batch_size and sampling_probability")
+    if sampling_probability is None:
+        batch_size = _check_positive_int("batch_size", batch_size)
+        if batch_size * b > n:
+            raise ValueError(
+                f"batch_size must be in [1, n / num_parts = {n / b:g}] (q = batch_size * "
+                f"num_parts / n <= 1), got {batch_size}"
+            )
+        sampling_probability = batch_size * b / n
+    q = _check_probability(sampling_probability)
+    if max_batch_size is None:
+        max_batch_size = default_max_batch_size(-(-n // b), q, overflow_probability)
+    return b, q, _check_positive_int("max_batch_size", max_batch_size)
+
+
+def split_into_parts(rng: np.random.Generator, n: int, b: int) -> np.ndarray:
+    """The part (``[n]`` int64 in ``[0, b)``) of every record: a uniformly random permutation
+    dealt round-robin, so parts hold ``n // b`` or ``n // b + 1`` records."""
+    parts = np.empty(n, np.int64)
+    parts[rng.permutation(n)] = np.arange(n) % b
+    return parts
 
 
 def cyclic_poisson_batches(
@@ -111,31 +152,10 @@ def cyclic_poisson_batches(
     True
     """
     x, y, sample_weight, n = check_arrays(x, y, sample_weight)
-    if num_parts is None:
-        raise ValueError("num_parts is required: an integer in [1, n] (the parts of the cycle)")
-    b = _check_positive_int("num_parts", num_parts)
-    if b > n:
-        raise ValueError(f"num_parts must be in [1, n={n}], got {b}")
-    if (batch_size is None) == (sampling_probability is None):
-        raise ValueError("give exactly one of batch_size and sampling_probability")
-    if sampling_probability is None:
-        batch_size = _check_positive_int("batch_size", batch_size)
-        if batch_size * b > n:
-            raise ValueError(
-                f"batch_size must be in [1, n / num_parts = {n / b:g}] (q = batch_size * "
-                f"num_parts / n <= 1), got {batch_size}"
-            )
-        sampling_probability = batch_size * b / n
-    q = _check_probability(sampling_probability)
-    part_size = -(-n // b)
-    if max_batch_size is None:
-        max_batch_size = default_max_batch_size(part_size, q, overflow_probability)
-    max_batch_size = _check_positive_int("max_batch_size", max_batch_size)
+    b, q, max_batch_size = _check_cycle(n, num_parts, batch_size, sampling_probability,
+                                        max_batch_size, overflow_probability)
     key = sampler_key(seed)
-    # the split: a uniformly random permutation dealt round-robin, parts of n // b or n // b + 1
-    order = np.random.Generator(np.random.Philox(key=key)).permutation(n)
-    parts = np.empty(n, np.int64)
-    parts[order] = np.arange(n) % b
+    parts = split_into_parts(np.random.Generator(np.random.Philox(key=key)), n, b)
     x_t = tf.nest.map_structure(tf.convert_to_tensor, x)
     y_t = tf.nest.map_structure(tf.convert_to_tensor, y)
     sw_t = None if sample_weight is None else tf.convert_to_tensor(sample_weight)
@@ -164,6 +184,63 @@ def cyclic_poisson_batches(
     )
     return CyclicPoissonBatches(
         dataset=dataset,
+        tf_dp_sampling=(n, q),
+        steps_per_epoch=b,
+        max_batch_size=max_batch_size,
+        num_parts=b,
+        parts=parts,
+    )
+
+
+def cyclic_poisson_sample(
+    source: Any,
+    num_parts: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    sampling_probability: Optional[float] = None,
+    max_batch_size: Optional[int] = None,
+    seed: Optional[int] = None,
+    overflow_probability: float = DEFAULT_OVERFLOW_PROBABILITY,
+    prefetch: int = 2,
+) -> CyclicPoissonBatches:
+    """:func:`cyclic_poisson_batches` over a random-access source, reading only the selected
+    records (``source.read``): the split into ``num_parts`` parts is drawn once, then step ``t``
+    of every pass reads a Poisson sample (rate ``q``: a ``Binomial(m, p)`` size, ``p <= q``, then
+    a uniform subset; :func:`tf_dp.data.inclusion.poisson_subset`) of part ``t mod b``'s ``m``
+    records. Same arguments, claim and batches as the array version, plus:
+
+    Args:
+      source: a :class:`~tf_dp.data.RandomAccessSource` whose ``read`` returns ``(x, y)`` or
+        ``(x, y, sample_weight)`` numpy batches (``ArraySource`` over memmaps, ``TFRecordSource``,
+        ``ArrayRecordSource``, ``hdf5_source``).
+      prefetch: batches read ahead of the training step (>= 1), in a ``tf.data`` thread.
+
+    Returns:
+      A :class:`CyclicPoissonBatches` (``.sampling``: ``Sampling(n, q, "cyclic_poisson",
+      "sampled", num_parts=b)``).
+
+    Example::
+
+        source = tf_dp.data.ArraySource(np.load("x.npy", mmap_mode="r"), np.load("y.npy"))
+        batches = tf_dp.data.cyclic_poisson_sample(source, num_parts=8, batch_size=256)
+        model.fit(batches, epochs=10)   # one epoch = one cycle of 8 steps
+    """
+    n = check_source(source)
+    b, q, max_batch_size = _check_cycle(n, num_parts, batch_size, sampling_probability,
+                                        max_batch_size, overflow_probability)
+    prefetch = _check_positive_int("prefetch", prefetch)
+    rng = source_rng(seed)
+    parts = split_into_parts(rng, n, b)
+    members = [np.flatnonzero(parts == p) for p in range(b)]  # sorted record ids of each part
+
+    def batches():
+        for part in members:
+            check_length(source, n)
+            idx = part[poisson_subset(rng, len(part), q)]
+            got = read_records(source, idx)  # only the selected records are read
+            yield tf.nest.map_structure(lambda a: _pad(a, max_batch_size), got)
+
+    return CyclicPoissonBatches(
+        dataset=generator_dataset(source, batches, b, prefetch),
         tf_dp_sampling=(n, q),
         steps_per_epoch=b,
         max_batch_size=max_batch_size,
