@@ -168,11 +168,16 @@ def _plan(model, clipper) -> tuple[str, list, list, dict]:
         return name, [], names, {"(model)": reason}
     from tf_dp.gradients.ghost.clipper import make_plan
 
-    plan = make_plan(model, list(model.trainable_variables))
+    if hasattr(clipper, "plan"):  # as refined by the traced steps (layers off the example axis)
+        plan = clipper.plan(model)
+    else:
+        plan = make_plan(model, list(model.trainable_variables))
     fallback, reasons = [], {}
     for unit, reason, variables in plan.local:
         fallback.extend(getattr(v, "path", None) or v.name for v in variables)
         reasons[f"{unit.name} ({type(unit).__name__})"] = str(reason)
+    for name, where in getattr(plan, "demoted", {}).items():
+        reasons[name] = where
     if plan.model_level_names:
         fallback.extend(plan.model_level_names)
         reasons["(model-level variables)"] = "tied or unowned variables: " + ", ".join(

@@ -562,6 +562,19 @@ class GhostClipper(base.GradientClipper):
             _logger.info("tf_dp: ghost clipper for model %r: %s", model.name, plan.description)
         return plan
 
+    def plan(self, model: Any) -> Plan:
+        """The plan for ``model``'s trainable variables: the layers each rule records and the
+        fallbacks, as refined by the steps traced so far (a layer whose output turned out not to
+        have the examples on axis 0 is listed in ``plan.demoted`` with where its variables went).
+
+        Example::
+
+            clipper = opt.gradient_clipper        # after model.fit(...)
+            plan = clipper.plan(model)
+            plan.mode, [layer.name for layer, _, _ in plan.local], plan.demoted
+        """
+        return self._plan_for(model, list(model.trainable_variables))
+
     def supports(self, model: Optional[Any]) -> Optional[str]:
         """``None`` for any built model with trainable variables: variables of layers without a
         norm rule get per-example gradients in the same step (``mode == "mixed"``)."""
