@@ -190,3 +190,63 @@ def test_runs_from_gives_the_runs_of_the_later_steps(monkeypatch):
     for bad in (-1, 61):
         with pytest.raises(ValueError, match="start must be in"):
             ledger.runs_from(bad)
+
+
+def test_run_tables_list_runs_and_load_back_as_the_recorded_steps():
+    """run_tables() (what .keras and weights files store): one sample row per run of a direct
+    run-length count of the recorded steps, its last column the count, the query rows of each
+    run pointing to the run; load_tables() of it, and of the per-step tables() earlier versions
+    stored, gives back the recorded steps."""
+    from tf_dp.ledger.privacy_ledger import RUN_SAMPLE_COLS, table_steps
+
+    for seed in range(2):
+        steps = _random_steps(np.random.default_rng(20 + seed), 40)
+        ledger = tf_dp.PrivacyLedger()
+        _record(ledger, steps)
+        direct = _direct_runs(steps)
+        samples, queries = ledger.run_tables()
+        assert samples.shape == (len(direct), RUN_SAMPLE_COLS)
+        np.testing.assert_array_equal(samples[:, -1], [c for _, c in direct])
+        np.testing.assert_array_equal(
+            queries[:, 0], np.repeat(np.arange(len(direct)), [len(e.queries) for e, _ in direct]))
+        assert table_steps(samples) == len(steps) == table_steps(ledger.tables()[0])
+        for tables in (ledger.run_tables(), ledger.tables()):
+            restored = tf_dp.PrivacyLedger()
+            restored.load_tables(*tables)
+            assert restored.samples() == steps
+    bad = samples.copy()
+    bad[0, -1] = 0.5
+    with pytest.raises(ValueError, match="step count .* must be an integer >= 1"):
+        tf_dp.PrivacyLedger().load_tables(bad, queries)
+
+
+def test_keras_file_stores_a_million_step_ledger_by_runs(tmp_path):
+    """A private model whose optimizer's ledger holds 10**6 + 3 steps in 2 runs: its .keras
+    file holds tables of 2 rows (the model's and the optimizer's copy; a per-step copy would be
+    10**6 rows, 120 MB), the file stays under 1 MB, and loading it restores the same runs (steps
+    counted directly)."""
+    import zipfile
+
+    import h5py
+    import keras
+
+    a = SampleEntry(SamplingEvent(60000, 256 / 60000), (SumQueryEvent(1.0, 1.1),))
+    b = SampleEntry(SamplingEvent(60000, 256 / 60000), (SumQueryEvent(1.0, 2.0),))
+    runs = [(a, 10**6), (b, 3)]
+    model = tf_dp.keras.make_private(
+        keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
+    model.compile(optimizer=tf_dp.keras.DPKerasSGDOptimizer(
+        l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.1), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    model.optimizer.ledger.restore_runs(runs)
+    path = tmp_path / "big.keras"
+    model.save(path)
+    assert os.path.getsize(path) < 2**20
+    with zipfile.ZipFile(path) as z, z.open("model.weights.h5") as f, h5py.File(f) as h5:
+        tables = []
+        h5.visititems(lambda name, obj: tables.append(obj.shape) if name.endswith(
+            "tf_dp_ledger_samples") else None)
+    assert tables and all(shape[0] == 2 for shape in tables)
+    loaded = keras.models.load_model(path)
+    assert loaded.optimizer.ledger.runs() == runs
+    assert loaded.optimizer.ledger.num_samples == 10**6 + 3 == sum(c for _, c in runs)

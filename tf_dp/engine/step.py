@@ -56,7 +56,7 @@ from tf_dp.gradients import ClippedGradients, GradientClipper, make_clipper
 from tf_dp.gradients.embedding_rows import sparse_table_keys
 from tf_dp.gradients.per_user import for_users
 from tf_dp.gradients.physical_batches import PhysicalBatches
-from tf_dp.ledger.privacy_ledger import PrivacyLedger, ledger_variable
+from tf_dp.ledger.privacy_ledger import PrivacyLedger, ledger_variable, table_steps
 from tf_dp.ledger.query_with_ledger import QueryWithLedger
 
 _logger = logging.getLogger("tf_dp")
@@ -550,13 +550,14 @@ class DPEngine:
         """Restores a saved ledger (tables from ``ledger.tables()``), never losing steps: the
         current ledger is kept if it already records more steps (e.g. older weights loaded into
         a model that trained on), so the ledger can over-count but never under-count."""
-        if samples.shape[0] >= self.ledger.num_samples:
+        steps = table_steps(samples)
+        if steps >= self.ledger.num_samples:
             self.ledger.load_tables(samples, queries, verified=verified)
         else:
             _logger.warning(
                 "tf_dp: kept the optimizer's ledger (%d steps) rather than the saved one (%d "
                 "steps): a ledger never forgets recorded steps on load",
-                self.ledger.num_samples, samples.shape[0],
+                self.ledger.num_samples, steps,
             )
 
     def continue_ledger(self, previous: "DPEngine", previous_applied: int) -> None:

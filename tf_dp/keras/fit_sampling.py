@@ -25,6 +25,7 @@ from tf_dp.engine import Sampling
 from tf_dp.keras import batch_mixing, multi_worker
 from tf_dp.keras.compatibility import check_model_is_dp_compatible
 from tf_dp.keras.optimizers import DPOptimizerMixin
+from tf_dp.ledger.privacy_ledger import table_steps
 
 _logger = logging.getLogger("tf_dp")
 
@@ -331,7 +332,7 @@ class _WeightsLedger:
 
     @property
     def steps(self) -> int:
-        return int(self.samples.shape[0])
+        return table_steps(self.samples)
 
 
 def _weights_ledger(model: keras.Model) -> _WeightsLedger | None:
@@ -344,7 +345,7 @@ def _take_weights_ledger(
     """A ledger loaded with the model's weights: kept on the model (never a shorter one) and
     restored into its DP optimizer, if it has one (a later DP compile adopts it otherwise)."""
     current = _weights_ledger(model)
-    if current is None or samples.shape[0] >= current.steps:
+    if current is None or table_steps(samples) >= current.steps:
         object.__setattr__(
             model, "_tf_dp_weights_ledger", _WeightsLedger(samples, queries, verified)
         )
@@ -358,13 +359,13 @@ def _ledger_tables_to_save(model: keras.Model) -> tuple[np.ndarray, np.ndarray] 
     candidates = []
     optimizer = getattr(model, "optimizer", None)
     if isinstance(optimizer, DPOptimizerMixin):
-        candidates.append(optimizer.ledger.tables())
+        candidates.append(optimizer.ledger.run_tables())
     weights = _weights_ledger(model)
     if weights is not None:
         candidates.append((weights.samples, weights.queries))
     if not candidates:
         return None
-    return max(candidates, key=lambda t: t[0].shape[0])
+    return max(candidates, key=lambda t: table_steps(t[0]))
 
 
 def _check_weights_ledger(model: keras.Model, optimizer: Any) -> None:
@@ -387,7 +388,7 @@ def _state_snapshot(model: keras.Model) -> tuple:
     tables = None
     if isinstance(optimizer, DPOptimizerMixin):
         ledger = optimizer.ledger
-        tables = (ledger.tables(), ledger.verified, ledger.trained_steps)
+        tables = (ledger.run_tables(), ledger.verified, ledger.trained_steps)
     return values, optimizer, tables, _weights_ledger(model)
 
 

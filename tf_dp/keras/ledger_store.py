@@ -7,6 +7,11 @@ edited), or that lacks one of its tables, raises :class:`tf_dp.ledger.LedgerFile
 checksum detects corruption and accidental edits; it is not a signature (anyone who edits the
 tables on purpose can recompute it).
 
+The tables are :meth:`~tf_dp.ledger.PrivacyLedger.run_tables`: one sample row per run of
+identical consecutive steps with its step count, so a ledger of a million steps of one
+configuration stores a few rows. Tables of one row per step (:meth:`~tf_dp.ledger.PrivacyLedger.tables`,
+what earlier versions wrote) load too.
+
 Formats written by earlier versions: files saved between the ledger's first copy in the
 optimizer's variables (commit c2fb504) and the checksum (commit 3b9dd89) hold both tables but no
 checksum. Their ledger loads *unverified* (:func:`read_ledger` returns ``verified=False`` and
@@ -16,7 +21,7 @@ Example::
 
     def save_own_variables(self, store):
         super().save_own_variables(store)
-        write_ledger(store, *self.ledger.tables())
+        write_ledger(store, *self.ledger.run_tables())
 
     def load_own_variables(self, store):
         stored = read_ledger(store)          # None when the store holds no ledger

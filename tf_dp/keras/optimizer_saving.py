@@ -40,7 +40,7 @@ class OptimizerSaving:
         ``save_weights``, ``keras.callbacks.BackupAndRestore`` and ``ModelCheckpoint`` all go
         through here)."""
         super().save_own_variables(store)  # type: ignore[misc]
-        ledger_store.write_ledger(store, *self._engine.ledger.tables())  # type: ignore
+        ledger_store.write_ledger(store, *self._engine.ledger.run_tables())  # type: ignore
 
     def load_own_variables(self, store) -> None:
         """Restores the optimizer's variables and its ledger (see :meth:`restore_ledger_tables`).

@@ -90,6 +90,18 @@ _SAMPLE_COLS = 8
 # seed (NaN: none), noise grid (NaN: continuous noise)
 _QUERY_COLS = 7
 _INITIAL_CAPACITY = 64
+#: Columns of :meth:`PrivacyLedger.run_tables`' sample table: a step's columns and the run's
+#: step count.
+RUN_SAMPLE_COLS = _SAMPLE_COLS + 1
+
+
+def table_steps(samples: np.ndarray) -> int:
+    """Steps in a sample table of :meth:`PrivacyLedger.tables` (its rows) or
+    :meth:`PrivacyLedger.run_tables` (the sum of its last column)."""
+    samples = np.asarray(samples)
+    if samples.ndim == 2 and samples.shape[1] == RUN_SAMPLE_COLS:
+        return int(np.sum(samples[:, -1])) if samples.size else 0
+    return int(samples.shape[0])
 
 
 def policy_code(policy: str) -> int:
@@ -1158,7 +1170,7 @@ class PrivacyLedger(tf.Module):
 
     def tables(self) -> tuple[np.ndarray, np.ndarray]:
         """The raw sample and query tables (float64), one sample row per step (the run prefix
-        listed step by step), e.g. to store them in a weights file."""
+        listed step by step). Files store :meth:`run_tables` (by runs) instead."""
         self.flush()
         samples, queries = self._samples.numpy().copy(), self._queries.numpy().copy()
         r = int(self._prefix.count.numpy())
@@ -1174,6 +1186,28 @@ class PrivacyLedger(tf.Module):
         )
         queries[:, 0] += head.shape[0]
         return np.concatenate([head, samples]), np.concatenate([head_queries, queries])
+
+    def run_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """The raw tables by runs (float64): what ``.keras`` and weights files store.
+
+        ``samples`` has one row per run of identical consecutive steps (:meth:`runs`), its
+        ``RUN_SAMPLE_COLS`` columns the step columns of :meth:`tables` and, last, the run's step
+        count; ``queries`` has the sum queries of each run's step, column 0 the run's index.
+        Memory and size go by runs, not steps; :meth:`load_tables` reads both forms and
+        :func:`table_steps` counts the steps of either.
+
+        Example::
+
+            samples, queries = ledger.run_tables()
+            copy = PrivacyLedger()
+            copy.load_tables(samples, queries)     # copy.runs() == ledger.runs()
+        """
+        runs = self.runs()
+        codes = EntryCodes()
+        run_codes = np.fromiter(map(codes.code, map(itemgetter(0), runs)), np.int64, len(runs))
+        counts = np.fromiter(map(itemgetter(1), runs), np.int64, len(runs))
+        samples, queries = _step_tables(_entry_rows(codes.entries), run_codes)
+        return np.concatenate([samples, counts[:, None].astype(np.float64)], axis=1), queries
 
     @property
     def missing_steps(self) -> int:
@@ -1200,8 +1234,10 @@ class PrivacyLedger(tf.Module):
     def load_tables(
         self, samples: np.ndarray, queries: np.ndarray, *, verified: bool = True
     ) -> None:
-        """Replaces the content with tables from :meth:`tables` (validated through the events);
-        ``verified=False`` for tables whose checksum could not be checked (:attr:`verified`)."""
+        """Replaces the content with tables from :meth:`tables` (one row per step) or
+        :meth:`run_tables` (one row per run, ``RUN_SAMPLE_COLS`` columns: memory by runs),
+        validated through the events; ``verified=False`` for tables whose checksum could not be
+        checked (:attr:`verified`)."""
         samples = np.asarray(samples, np.float64)
         if samples.ndim == 2 and 3 <= samples.shape[1] < _SAMPLE_COLS:
             # tables saved before a column existed (pass starts; origin, unit and k): zeros,
@@ -1222,4 +1258,31 @@ class PrivacyLedger(tf.Module):
         self.restore_entries([])
 
     def __repr__(self) -> str:
+        if samples.ndim == 2 and samples.shape[1] == RUN_SAMPLE_COLS:
+            self._load_run_tables(samples, np.asarray(queries, np.float64))
+            self.verified = bool(verified)
+            return
         return f"PrivacyLedger(num_samples={self.num_samples})"
+    def _load_run_tables(self, samples: np.ndarray, queries: np.ndarray) -> None:
+        """:meth:`load_tables` of :meth:`run_tables`: the runs' rows are validated through their
+        distinct entries and become the run prefix (no per-step rows)."""
+        counts = samples[:, -1]
+        if counts.size and not (
+            np.all(np.isfinite(counts)) and np.all(counts >= 1)
+            and np.all(counts == np.round(counts)) and float(counts.sum()) <= MAX_FILE_SAMPLES
+        ):
+            raise ValueError(
+                "ledger run table: every run's step count (last column) must be an integer >= 1 "
+                f"and the total at most {MAX_FILE_SAMPLES:.0e} steps"
+            )
+        queries = queries.reshape(-1, _QUERY_COLS) if queries.size else queries.reshape(
+            0, _QUERY_COLS)
+        index = queries[:, 0]
+        if len(queries) and (np.any(np.diff(index) < 0) or not np.all(np.isfinite(index))):
+            raise ValueError("ledger run table: the query table is not ordered by run index")
+        try:  # one entry per run row (validated by the events), then the runs' counts
+            entries = _to_entries(samples[:, :-1], queries)
+        except (IndexError, OverflowError, TypeError) as e:
+            raise ValueError(f"ledger run table holds a value out of range: {e}") from None
+        self.restore_runs([(e, int(c)) for e, c in zip(entries, counts)])
+
