@@ -54,6 +54,7 @@ E2E = {
     "test_mirrored_one_replica",
     "test_docs_blocks",
     "test_multi_worker",
+    "test_multi_worker_selections",
     "test_notebooks",
     "test_readme",
     "test_research_quick",

@@ -299,7 +299,8 @@ def test_custom_loop_dp_train_step_on_both_selections(policy):
     q, b, t = 0.2, 7, 5
     if policy == "truncated_poisson":
         made = truncated_poisson_batches(x, y, sampling_probability=q, max_batch_size=b,
-                                         seed=2, user_ids=USER_OF, max_records_per_user=K)
+                                         steps_per_epoch=3, seed=2, user_ids=USER_OF,
+                                         max_records_per_user=K)
     else:
         made = balls_in_bins_batches(x, y, num_batches=t, seed=2, user_ids=USER_OF,
                                      max_records_per_user=K)
@@ -310,7 +311,7 @@ def test_custom_loop_dp_train_step_on_both_selections(policy):
     dp_step = tf_dp.keras.DPTrainStep(model, opt, _loss(), sampling=made.sampling)
     train = tf.function(dp_step)
     dp_step.start_pass()
-    for xb, yb, wb in made.dataset.take(3):
+    for xb, yb, wb in made.dataset.take(2):
         before = [w.copy() for w in model.get_weights()]
         train(xb, yb, wb)
         dp_step.flush()

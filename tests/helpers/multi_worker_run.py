@@ -2,7 +2,8 @@
 
 Usage: multi_worker_run.py INDEX PORT0,PORT1 OUT.json [MODE SIGMA [PHASE]]. Each worker trains the
 same private model with ``fit`` on its own shard's seeded Poisson batches (PHASE ``users``: of
-users, ``USERS`` users with ``K`` records at most per batch, sharded by user); the report holds the
+users, ``USERS`` users with ``K`` records at most per batch, sharded by user; ``truncated`` /
+``balls_in_bins``: its share of one global selection drawn from a shared seed); the report holds the
 sampler's first two passes drawn outside fit, the batches fit drew, the weights before and after,
 and the ledger.
 """
@@ -41,7 +42,17 @@ def data():
     return rng.normal(size=(N, 12)).astype("float32"), rng.integers(0, 3, N).astype("int32")
 
 
+TRUNCATED_Q, TRUNCATED_B = 0.1, 16  # phase "truncated": P[Binomial(200, 0.1) > 16] = 0.78
+
+
 def batches(x, y):
+    if phase == "truncated":  # one global truncated sample per step, shared seed, shares
+        return tf_dp.data.truncated_poisson_batches(
+            x, y, sampling_probability=TRUNCATED_Q, max_batch_size=TRUNCATED_B,
+            steps_per_epoch=STEPS, seed=SEED, num_shards=2, shard_index=index)
+    if phase == "balls_in_bins":  # one shared assignment per pass into STEPS batches
+        return tf_dp.data.balls_in_bins_batches(
+            x, y, num_batches=STEPS, seed=SEED, num_shards=2, shard_index=index)
     users = dict(user_ids=USER_OF, max_records_per_user=K) if phase == "users" else {}
     return tf_dp.data.poisson_batches(
         x, y, sampling_probability=Q * 4 if users else Q, steps_per_epoch=STEPS,
@@ -146,6 +157,8 @@ def main():
                     e.sampling.policy, e.queries[0].l2_sensitivity, e.queries[0].noise_stddev,
                     e.sampling.unit, e.sampling.records_per_unit]
                    for e in entries],
+        "bounds": [e.sampling.max_batch_size for e in entries],
+        "pass_starts": [e.sampling.pass_start for e in entries],
     }
     with open(out_path, "w") as f:
         json.dump(report, f)

@@ -43,9 +43,11 @@ from tf_dp.data.poisson import (
 from tf_dp.data.sampling import Sampling
 from tf_dp.data.truncated_poisson import (
     check_arrays,
+    check_shards,
     gather_padded,
     gather_user_rows,
     sampler_key,
+    sharded_dataset,
     step_rng,
 )
 from tf_dp.data.users import user_rows
@@ -106,6 +108,8 @@ def balls_in_bins_batches(
     overflow_probability: float = DEFAULT_OVERFLOW_PROBABILITY,
     user_ids: Any = None,
     max_records_per_user: Optional[int] = None,
+    num_shards: int = 1,
+    shard_index: int = 0,
 ) -> BallsInBinsBatches:
     """Batches where every pass assigns each example to one of ``T`` batches uniformly at random.
 
@@ -128,6 +132,12 @@ def balls_in_bins_batches(
         counts user slots of ``k`` rows. The ledger records ``balls_in_bins`` over ``n =
         number of users``, unit ``user``; the accountants charge the same mechanism over users.
       max_records_per_user: ``k`` >= 1, required with ``user_ids``.
+      num_shards, shard_index: multi-worker training: every worker passes the whole data set,
+        its ``shard_index`` in ``[0, num_shards)`` and the same ``seed`` (required: a secret the
+        workers share). All workers draw the same assignment every pass; at each step worker
+        ``w`` trains on every ``num_shards``-th example of the step's batch from position ``w``
+        (padded to ``ceil(max_batch_size / num_shards)`` rows): each example is in one replica
+        of one step per pass. Not with ``user_ids`` yet.
 
     Returns:
       A :class:`BallsInBinsBatches`; pass it to a private model's ``fit``.
@@ -150,6 +160,7 @@ def balls_in_bins_batches(
     x, y, sample_weight, n = check_arrays(x, y, sample_weight)
     users, k_user = user_index_for(user_ids, max_records_per_user, n)
     units = n if users is None else users.num_users
+    num_shards, shard_index = check_shards(num_shards, shard_index, seed, units, user_ids)
     t = batches_per_pass(units, batch_size, num_batches)
     q = 1.0 / t
     if max_batch_size is None:
@@ -194,10 +205,18 @@ def balls_in_bins_batches(
         .apply(tf.data.experimental.assert_cardinality(t))  # Keras restarts it every epoch
         .prefetch(2)
     )
+    if num_shards > 1:  # the shared assignment of every pass, this worker's share of a step
+        def draw(pass_id: int, step: int) -> np.ndarray:
+            bins = step_rng(key, pass_id).integers(0, t, size=n)
+            return np.flatnonzero(bins == step).astype(np.int64)
+
+        dataset = sharded_dataset(draw, t, num_shards, shard_index,
+                                  -(-max_batch_size // num_shards), x_t, y_t, sw_t)
     return BallsInBinsBatches(
         dataset=dataset,
         tf_dp_sampling=(units, q),
         steps_per_epoch=t,
         max_batch_size=max_batch_size,
+        num_shards=num_shards,
         records_per_user=k_user,
     )

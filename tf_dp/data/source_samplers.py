@@ -23,9 +23,11 @@ into the ``T`` batches), each selected user contributes at most ``k`` records ch
 random (:func:`tf_dp.data.users.user_rows`), and only those records are read; batches have the
 user-slot layout of :mod:`tf_dp.data.users`.
 
-Sharding over workers (``num_shards``) is offered for Poisson only
+Sharding over workers (``num_shards``) is offered here for Poisson only
 (:func:`~tf_dp.data.poisson_sample`): a per-worker truncation or a per-worker bin assignment
-would not be the global selection the accountants analyse.
+would not be the global selection the accountants analyse. Over in-memory arrays,
+:func:`~tf_dp.data.truncated_poisson_batches` and :func:`~tf_dp.data.balls_in_bins_batches`
+shard one global selection drawn from a seed all workers share.
 
 Example::
 

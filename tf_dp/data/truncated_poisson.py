@@ -172,6 +172,67 @@ def step_rng(key: int, counter: int, stream: int = 0) -> np.random.Generator:
         key=words, counter=np.array([0, 0, 0, int(stream)], dtype=np.uint64)))
 
 
+def check_shards(num_shards: Any, shard_index: Any, seed: Optional[int], units: int,
+                 user_ids: Any) -> tuple[int, int]:
+    """``(num_shards, shard_index)`` checked for a sampler whose workers draw one global
+    selection from a shared ``seed`` (ValueError naming the argument and its range)."""
+    num_shards = _check_positive_int("num_shards", num_shards)
+    if isinstance(shard_index, bool) or not isinstance(shard_index, (int, np.integer)) or not (
+        0 <= shard_index < num_shards
+    ):
+        raise ValueError(
+            f"shard_index must be an integer in [0, num_shards={num_shards}), got {shard_index!r}"
+        )
+    if num_shards > 1:
+        if seed is None:
+            raise ValueError(
+                "seed must be an integer, the same on every worker, with num_shards > 1: the "
+                "workers draw one global selection from it (draw it once from OS entropy, e.g. "
+                "secrets.randbits(63), hand it to the workers as you hand them TF_CONFIG, and "
+                "keep it secret: it determines the batches)"
+            )
+        if user_ids is not None:
+            raise ValueError(
+                "num_shards must be 1 with user_ids (user-level selections are not sharded over "
+                f"workers yet; poisson_batches shards users), got {num_shards}"
+            )
+        if num_shards > units:
+            raise ValueError(f"num_shards must be in [1, n={units}], got {num_shards}")
+    return num_shards, int(shard_index)
+
+
+def sharded_dataset(draw, steps: int, num_shards: int, shard_index: int, rows: int,
+                    x_t, y_t, sw_t) -> tf.data.Dataset:
+    """Worker ``shard_index``'s share of one global selection per step, for multi-worker
+    training: ``draw(pass_id, step)`` (numpy, the same on every worker: a shared key) gives the
+    step's global indices; this worker takes every ``num_shards``-th of them from position
+    ``shard_index`` (the shares partition the step's examples) padded with weight-0 rows to
+    ``rows``. The pass number counts iterations of the dataset (each fit epoch one pass)."""
+    passes = iter(range(1 << 62))
+
+    def steps_of_a_pass():
+        pass_id = next(passes)
+        for step in range(steps):
+            yield np.int64(pass_id), np.int64(step)
+
+    def share(pass_id: np.ndarray, step: np.ndarray) -> np.ndarray:
+        return draw(int(pass_id), int(step))[shard_index::num_shards].astype(np.int64)
+
+    def batch(pass_id, step):
+        idx = tf.numpy_function(share, [pass_id, step], tf.int64, stateful=False)
+        idx.set_shape([None])
+        return gather_padded(x_t, y_t, sw_t, idx, rows, fixed=False)
+
+    spec = (tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.int64))
+    dataset = (tf.data.Dataset.from_generator(steps_of_a_pass, output_signature=spec)
+               .map(batch)
+               .apply(tf.data.experimental.assert_cardinality(steps))
+               .prefetch(2))
+    options = tf.data.Options()  # already this worker's share: tf.distribute must not shard it
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    return dataset.with_options(options)
+
+
 def truncated_user_rows(index, q: float, k: int, b: int, rng: np.random.Generator) -> np.ndarray:
     """One truncated-Poisson user-level batch: users Poisson-sampled at rate ``q``
     (:func:`tf_dp.data.inclusion.poisson_subset`), more than ``b`` cut to a uniformly random
@@ -196,6 +257,8 @@ def truncated_poisson_batches(
     truncation_probability: float = DEFAULT_TRUNCATION_PROBABILITY,
     user_ids: Any = None,
     max_records_per_user: Optional[int] = None,
+    num_shards: int = 1,
+    shard_index: int = 0,
 ) -> TruncatedPoissonBatches:
     """Poisson-sampled batches of one fixed shape ``[B, ...]`` (cut at ``B``, padded to ``B``).
 
@@ -219,6 +282,13 @@ def truncated_poisson_batches(
         The ledger records ``truncated_poisson`` over ``n = number of users``, unit ``user``,
         and the accountants charge the same truncated mechanism over users.
       max_records_per_user: ``k`` >= 1, required with ``user_ids``.
+      num_shards, shard_index: multi-worker training (``MultiWorkerMirroredStrategy``): every
+        worker passes the whole data set, its own ``shard_index`` in ``[0, num_shards)`` and the
+        same ``seed`` (required: a secret the workers share). All workers draw the same global
+        truncated sample at every step and worker ``w`` trains on every ``num_shards``-th of its
+        examples from position ``w`` (padded to ``ceil(B / num_shards)`` rows), so each example
+        is in at most one replica and a global step is one truncated Poisson sample of all ``n``
+        examples; every worker records ``(n, q, B)``. Not with ``user_ids`` yet.
 
     Returns:
       A :class:`TruncatedPoissonBatches`; pass it to a private model's ``fit``.
@@ -240,6 +310,7 @@ def truncated_poisson_batches(
     q = _check_probability(sampling_probability)
     users, k_user = user_index_for(user_ids, max_records_per_user, n)
     units = n if users is None else users.num_users
+    num_shards, shard_index = check_shards(num_shards, shard_index, seed, units, user_ids)
     if steps_per_epoch is None:
         steps_per_epoch = poisson_steps_per_epoch(q)
     steps_per_epoch = _check_positive_int("steps_per_epoch", steps_per_epoch)
@@ -282,10 +353,23 @@ def truncated_poisson_batches(
 
     counters = tf.data.Dataset.random(seed=key % (1 << 31), rerandomize_each_iteration=True)
     dataset = counters.take(steps_per_epoch).map(sample).prefetch(2)
+    if num_shards > 1:  # one global draw per step from the shared key, this worker's share
+        from tf_dp.data.inclusion import poisson_subset
+
+        def draw(pass_id: int, step: int) -> np.ndarray:
+            rng = step_rng(key, pass_id * steps_per_epoch + step)
+            idx = poisson_subset(rng, n, q)
+            if len(idx) > b:  # keep a uniformly random B of the global sample
+                idx = np.sort(rng.choice(idx, size=b, replace=False))
+            return idx
+
+        dataset = sharded_dataset(draw, steps_per_epoch, num_shards, shard_index,
+                                  -(-b // num_shards), x_t, y_t, sw_t)
     return TruncatedPoissonBatches(
         dataset=dataset,
         tf_dp_sampling=(units, q),
         steps_per_epoch=steps_per_epoch,
         max_batch_size=max_batch_size,
+        num_shards=num_shards,
         records_per_user=k_user,
     )
