@@ -31,6 +31,14 @@ How variable batch sizes are handled:
   full sample is emitted unpadded (never truncated: dropping examples would change the mechanism
   the ledger describes). The dataset's batch dimension is ``None``, so Keras traces its train step
   once; a larger batch costs no retrace there (an XLA-compiled step would recompile for it).
+- A sample is padded only up to the smallest of a few *pad sizes* (``pad_sizes``; by default the
+  median, 0.9 and 0.999 quantiles of ``Binomial(n, q)`` and ``max_batch_size``:
+  :func:`default_pad_sizes`) that holds it, not always to ``max_batch_size``: at an expected
+  batch of 8 out of 60000 a step computes on 10 rows on average instead of 25, at 256 on 269
+  instead of 335. An XLA-compiled step compiles once per pad size (four at most by default);
+  ``pad_sizes=None`` pads every batch to ``max_batch_size`` (one shape). The pad sizes decide only
+  how many zero-weight rows follow the sample: the sample, the update and the ledger are the
+  same whichever sizes are used.
 - An empty sample is an all-padding batch: the clipped sum is zero, noise is still added, and the
   step is recorded, exactly as the Poisson mechanism requires.
 
@@ -85,6 +93,57 @@ def default_max_batch_size(
         raise ValueError(f"overflow_probability must be in (0, 1), got {overflow_probability!r}")
     k = int(stats.binom.isf(overflow_probability, population_size, sampling_probability))
     return max(1, min(k, population_size))
+
+
+#: The ``Binomial(n, q)`` quantiles that :func:`default_pad_sizes` pads to below the maximum.
+PAD_QUANTILES = (0.5, 0.9, 0.999)
+
+
+def default_pad_sizes(
+    population_size: int, sampling_probability: float, max_batch_size: int
+) -> tuple[int, ...]:
+    """The padded batch sizes :func:`poisson_batches` uses by default: the median, 0.9 and 0.999
+    quantiles of ``Binomial(n, q)`` (each at least 1 and at most ``max_batch_size``) and
+    ``max_batch_size``, increasing, without repeats (at most four shapes).
+
+    A sample of ``k`` units is padded to the smallest size ``>= k``: the expected padded size
+    stays near ``n q`` (about ``1.25 n q`` at ``n q = 8``, ``1.05 n q`` at 256), while a compiled
+    step sees at most four batch shapes (plus a rare oversized sample, emitted whole).
+
+    Example:
+
+    >>> from tf_dp.data.poisson import default_pad_sizes
+    >>> default_pad_sizes(60000, 8 / 60000, 25)
+    (8, 12, 18, 25)
+    """
+    from scipy import stats
+
+    b = _check_positive_int("max_batch_size", max_batch_size)
+    n = population_size
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= _INT64_MAX:
+        raise ValueError(
+            f"population_size must be an integer >= 1 and <= 2**63 - 1, got {population_size!r}"
+        )
+    q = _check_probability(sampling_probability)
+    sizes = {b}
+    for p in PAD_QUANTILES:
+        sizes.add(min(b, max(1, int(stats.binom.ppf(p, int(n), q)))))
+    return tuple(sorted(sizes))
+
+
+def _check_pad_sizes(pad_sizes: Any) -> tuple[int, ...]:
+    """A sequence of pad sizes: integers >= 1, returned sorted without repeats."""
+    if isinstance(pad_sizes, (str, bytes)) or not hasattr(pad_sizes, "__iter__"):
+        raise TypeError(
+            "pad_sizes must be 'auto', None or a sequence of integers >= 1, got "
+            f"{pad_sizes!r}"
+        )
+    sizes = list(pad_sizes)
+    if not sizes:
+        raise ValueError("pad_sizes must hold at least one size (or be 'auto' / None), got []")
+    for v in sizes:
+        _check_positive_int("every pad_sizes entry", v)
+    return tuple(sorted({int(v) for v in sizes}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,9 +208,12 @@ class PoissonBatches(SampledBatches):
       sampling: the :class:`tf_dp.data.Sampling` of these batches: ``poisson``, ``(n, q)``,
         ``origin="sampled"`` (tf_dp drew them), user-level with ``user_ids``.
       records_per_user: ``k`` with ``user_ids`` (user-level batches), else None.
+      pad_sizes: the batch sizes a sample is padded to (the smallest that holds it; a sample
+        larger than all of them is emitted whole), increasing; the last is ``max_batch_size``.
     """
 
     records_per_user: Optional[int] = None
+    pad_sizes: Optional[tuple[int, ...]] = None
 
     @property
     def sampling(self) -> Sampling:
@@ -273,6 +335,7 @@ def poisson_batches(
     shard_index: int = 0,
     user_ids: Any = None,
     max_records_per_user: Optional[int] = None,
+    pad_sizes: Any = "auto",
 ) -> PoissonBatches:
     """Poisson-sampled, padded batches of in-memory data for a private model's ``fit``.
 
@@ -303,6 +366,13 @@ def poisson_batches(
         whose position in the :class:`~tf_dp.data.UserIndex` is ``w`` modulo ``num_shards``,
         with all their records, and every worker declares the total number of users and ``q``.
       max_records_per_user: ``k`` >= 1, required with ``user_ids``.
+      pad_sizes: the batch sizes a sample of ``k`` examples is padded to: the smallest one
+        ``>= k`` (zero-weight rows; a sample larger than all of them is emitted whole).
+        ``"auto"`` (default): :func:`default_pad_sizes` (at most four sizes, the last
+        ``max_batch_size``); ``None``: ``max_batch_size`` only (every batch one shape); or a
+        sequence of integers >= 1, whose largest is then ``max_batch_size`` (pass
+        ``max_batch_size`` equal to it or not at all). With ``user_ids`` only ``"auto"`` or
+        ``None`` (user slots are always padded to ``max_batch_size``).
 
     Returns:
       A :class:`PoissonBatches` (``.dataset``, ``.tf_dp_sampling == (n, q)``, ``.steps_per_epoch``).
@@ -316,7 +386,7 @@ def poisson_batches(
     >>> batches.tf_dp_sampling, batches.steps_per_epoch, batches.expected_batch_size
     ((100, 0.1), 10, 10.0)
     >>> xb, yb, weights = next(iter(batches.dataset))
-    >>> xb.shape[0] == weights.shape[0] == batches.max_batch_size   # padded, padding weight 0
+    >>> xb.shape[0] == weights.shape[0] and xb.shape[0] in batches.pad_sizes   # padding weight 0
     True
     """
     x = _as_numpy_leaves("x", x)  # first: a data set or ragged x is the real problem
@@ -346,10 +416,27 @@ def poisson_batches(
             )
     steps_per_epoch = _check_positive_int("steps_per_epoch", steps_per_epoch)
     shard_rows = np.arange(shard_index, n, num_shards) if users is None else users.order
+    units = len(shard_rows) if users is None else users.num_users
+    sizes = None
+    if not (pad_sizes is None or (isinstance(pad_sizes, str) and pad_sizes == "auto")):
+        if users is not None:
+            raise ValueError(
+                "pad_sizes must be 'auto' or None with user_ids (user slots are padded to "
+                f"max_batch_size), got {pad_sizes!r}"
+            )
+        sizes = _check_pad_sizes(pad_sizes)
+        if max_batch_size is not None and max_batch_size != sizes[-1]:
+            raise ValueError(
+                f"max_batch_size must be None or the largest of pad_sizes ({sizes[-1]}), got "
+                f"{max_batch_size!r}"
+            )
+        max_batch_size = sizes[-1]
     if max_batch_size is None:
-        units = len(shard_rows) if users is None else users.num_users
         max_batch_size = default_max_batch_size(units, q, overflow_probability)
     max_batch_size = _check_positive_int("max_batch_size", max_batch_size)
+    if sizes is None:
+        auto = isinstance(pad_sizes, str) and users is None
+        sizes = default_pad_sizes(units, q, max_batch_size) if auto else (max_batch_size,)
     if seed is None:
         key = int.from_bytes(os.urandom(8), "little") >> 1  # OS entropy; int64-safe
     else:
@@ -370,9 +457,17 @@ def poisson_batches(
     q64 = tf.constant(q, tf.float64)
     key_t = tf.constant(key, tf.int64)
 
+    sizes_t = tf.constant(sizes, tf.int32)
+
+    def padded_size(k: tf.Tensor) -> tf.Tensor:
+        # The smallest pad size >= k; k itself when the sample is larger than every size.
+        fits = sizes_t >= k
+        return tf.where(tf.reduce_any(fits),
+                        tf.reduce_min(tf.where(fits, sizes_t, tf.int32.max)), k)
+
     def pad(t: tf.Tensor, k: tf.Tensor) -> tf.Tensor:
-        # Pads the batch dimension from k rows up to max_batch_size (no-op when k >= max).
-        extra = tf.maximum(max_batch_size - k, 0)
+        # Pads the batch dimension from k rows up to its pad size (no-op when k is larger).
+        extra = padded_size(k) - k
         paddings = tf.concat(
             [[[0, extra]], tf.zeros([tf.rank(t) - 1, 2], tf.int32)], axis=0
         )
@@ -435,6 +530,7 @@ def poisson_batches(
         max_batch_size=max_batch_size,
         num_shards=num_shards,
         records_per_user=None if users is None else k,
+        pad_sizes=sizes,
     )
 
 
