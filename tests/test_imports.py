@@ -134,7 +134,7 @@ def test_registries_are_leaves():
     assert GRAPH["tf_dp._backend"] == set()
     assert GRAPH["tf_dp._compat"] == set()
     # each layer family's rule module reaches the registry, never the default registry's module
-    families = ("dense", "conv", "embeddings", "normalization", "recurrent", "lora")
+    families = ("dense", "conv", "embeddings", "normalization", "recurrent", "lora", "activations")
     for family in families:
         assert "tf_dp.gradients.ghost.rules" not in GRAPH[f"tf_dp.gradients.ghost.{family}"]
 

@@ -1,6 +1,9 @@
 """Norm rules for convolutions, from the unfolded input patches ``[B, T, kh*kw*C]``.
 
-- ``Conv1D`` and ``Conv2D``: the kernel's factor is ``Outer(patches, g)``; the bias is per example.
+- ``Conv1D``, ``Conv2D`` and ``Conv3D`` (3-D: no dilation): the kernel's factor is
+  ``Outer(patches, g)``; the bias is per example. 3-D patches ``[B, od, oh, ow, kd*kh*kw*C]``
+  are a gather of voxel rows with precomputed indices (static sizes; XLA-compilable), else a
+  convolution with a one-hot kernel.
 - ``DepthwiseConv1D`` and ``DepthwiseConv2D``: output channel ``c M + m`` only reads input
   channel ``c``, so the per-example gradient of the ``[kh, kw, C, M]`` kernel is
   ``sum_t patches[t, k, c] g[t, c, m]``, materialised per example (:class:`PerExample`; it has
@@ -9,7 +12,8 @@
   pointwise (1x1) convolution apart and watches both outputs; the depthwise kernel's factor is the
   depthwise rule's, from the layer input and the gradient at the depthwise output; the pointwise
   kernel's is ``Outer(depthwise output, g)``; the bias is per example.
-- ``Conv1DTranspose`` and ``Conv2DTranspose`` (no ``output_padding``, no dilation): the layer is
+- ``Conv1DTranspose``, ``Conv2DTranspose`` and ``Conv3DTranspose`` (no ``output_padding``, no
+  dilation): the layer is
   the adjoint of a convolution from its output to its input, so its ``[kh, kw, F, C]`` kernel's
   per-example gradient is ``sum_t patches(g)[t] x[t]^T``, the output gradient unfolded with the
   layer's kernel size, strides and padding (one patch per input position): ``Outer(patches(g), x)``.
@@ -41,11 +45,36 @@ def _conv_supports(layer) -> Optional[str]:
     reason = plain(layer)
     if reason:
         return reason
-    if getattr(layer, "rank", None) not in (1, 2):
-        return f"{layer.name}: only 1-D and 2-D convolutions have a built-in norm rule"
+    if getattr(layer, "rank", None) not in (1, 2, 3):
+        return f"{layer.name}: only 1-D, 2-D and 3-D convolutions have a built-in norm rule"
     if getattr(layer, "groups", 1) != 1:
         return f"{layer.name}: grouped convolutions have no built-in norm rule"
+    if layer.rank == 3 and any(d != 1 for d in layer.dilation_rate):
+        return f"{layer.name}: dilated 3-D convolutions have no built-in norm rule"
     return None
+
+
+def _unfold3d(x, ks, st, padding):
+    """Patches ``[B, od, oh, ow, kd*kh*kw*C]`` in (kd, kh, kw, C) order, the order of a
+    ``[kd, kh, kw, C, F]`` kernel flattened to ``[K, F]`` (what ``tf.extract_volume_patches``
+    gives, which XLA cannot compile): a gather of voxel rows with precomputed indices when the
+    sizes are static, else a convolution with a one-hot ``[kd, kh, kw, C, K]`` kernel."""
+    d, h, w, cin = x.shape[1], x.shape[2], x.shape[3], x.shape[4]
+    if None in (d, h, w, cin):
+        k = int(np.prod(ks)) * cin
+        eye = tf.reshape(tf.eye(k, dtype=x.dtype), [*ks, cin, k])
+        return tf.nn.conv3d(x, eye, [1, *st, 1], padding)
+    if padding == "SAME":
+        pads = [_same_pads(n, kk, ss, 1) for n, kk, ss in zip((d, h, w), ks, st)]
+        x = tf.pad(x, [[0, 0], *[list(p) for p in pads], [0, 0]])
+        d, h, w = (n + p[0] + p[1] for n, p in zip((d, h, w), pads))
+    out = [(n - kk) // ss + 1 for n, kk, ss in zip((d, h, w), ks, st)]
+    grid = np.meshgrid(*[np.arange(o) for o in out], *[np.arange(kk) for kk in ks], indexing="ij")
+    (p, q, r), (i, j, l) = grid[:3], grid[3:]
+    idx = ((st[0] * p + i) * h + (st[1] * q + j)) * w + (st[2] * r + l)
+    voxels = tf.reshape(x, [-1, d * h * w, cin])
+    gathered = tf.gather(voxels, idx.reshape(-1).astype(np.int32), axis=1)
+    return tf.reshape(gathered, [-1, *out, int(np.prod(ks)) * cin])
 
 
 def _unfold(x, ks, st, dr, padding):
@@ -103,6 +132,8 @@ def _patches(layer, x, g):
         x, g = tf.transpose(x, perm), tf.transpose(g, perm)
     padding = layer.padding
     ks, st, dr = list(layer.kernel_size), list(layer.strides), list(layer.dilation_rate)
+    if rank == 3:
+        return _unfold3d(x, ks, st, padding.upper()), g
     if rank == 1:
         if padding == "causal":
             x = tf.pad(x, [[0, 0], [dr[0] * (ks[0] - 1), 0], [0, 0]])
@@ -134,7 +165,13 @@ def depthwise_conv_rule(layer, inputs, grad_output):
     return out
 
 
-@norm_rule(keras.layers.Conv1D, keras.layers.Conv2D, supports=_conv_supports, split_activation=True)
+@norm_rule(
+    keras.layers.Conv1D,
+    keras.layers.Conv2D,
+    keras.layers.Conv3D,
+    supports=_conv_supports,
+    split_activation=True,
+)
 def conv_rule(layer, inputs, grad_output):
     x, g = f32(inputs), f32(grad_output)
     patches, g = _patches(layer, x, g)
@@ -226,8 +263,11 @@ def _transpose_supports(layer) -> Optional[str]:
     reason = plain(layer)
     if reason:
         return reason
-    if getattr(layer, "rank", None) not in (1, 2):
-        return f"{layer.name}: only 1-D and 2-D transposed convolutions have a built-in norm rule"
+    if getattr(layer, "rank", None) not in (1, 2, 3):
+        return (
+            f"{layer.name}: only 1-D, 2-D and 3-D transposed convolutions have a built-in norm "
+            "rule"
+        )
     if getattr(layer, "output_padding", None) is not None:
         return f"{layer.name}: transposed convolutions with output_padding have no built-in rule"
     if any(d != 1 for d in layer.dilation_rate):
@@ -238,6 +278,7 @@ def _transpose_supports(layer) -> Optional[str]:
 @norm_rule(
     getattr(keras.layers, "Conv1DTranspose", None),
     getattr(keras.layers, "Conv2DTranspose", None),
+    getattr(keras.layers, "Conv3DTranspose", None),
     supports=_transpose_supports,
     split_activation=True,
 )
@@ -251,7 +292,10 @@ def conv_transpose_rule(layer, inputs, grad_output):
     if rank == 1:
         x, g = x[:, None], g[:, None]
         ks, st = [1] + ks, [1] + st
-    patches = _unfold(g, ks, st, [1, 1], layer.padding.upper())  # [B, H_in, W_in, kh kw F]
+    if rank == 3:  # [B, D_in, H_in, W_in, kd kh kw F]
+        patches = _unfold3d(g, ks, st, layer.padding.upper())
+    else:  # [B, H_in, W_in, kh kw F]
+        patches = _unfold(g, ks, st, [1, 1], layer.padding.upper())
     b = batch_size(x)
     c = x.shape[-1]
     out = [

@@ -36,6 +36,16 @@ _RMS_NORMS = (
     ("keras_hub.src.models.qwen3.qwen3_layernorm", "Qwen3LayerNorm", last_axis_rms_norm_rule),
     ("keras_hub.src.models.t5.t5_layer_norm", "T5LayerNorm", last_axis_rms_norm_rule),
     (
+        "keras_hub.src.models.mixtral.mixtral_layer_norm",
+        "MixtralLayerNormalization",
+        last_axis_rms_norm_rule,
+    ),
+    (
+        "keras_hub.src.models.gpt_oss.gpt_oss_layer_norm",
+        "GptOssLayerNormalization",
+        last_axis_rms_norm_rule,
+    ),
+    (
         "keras_hub.src.models.qwen3_5.qwen3_5_layers",
         "Qwen3_5LayerNorm",
         gemma_rms_normalization_rule,

@@ -6,8 +6,9 @@
 - keras-hub's Gemma ``RMSNormalization`` (``keras_hub.src.models.gemma``) and Qwen3.5's
   ``Qwen3_5LayerNorm``: ``y = x / sqrt(mean(x^2, -1) + eps) * (1 + scale)``;
 - keras-hub's RMS layer norms ``LlamaLayerNorm``, ``MistralLayerNormalization``,
-  ``Phi3LayerNorm``, ``QwenLayerNorm``, ``Qwen3LayerNorm`` (``y = x / sqrt(mean(x^2, -1) + eps) *
-  scale``) and ``T5LayerNorm`` (the same, its scale named ``weight``).
+  ``MixtralLayerNormalization``, ``GptOssLayerNormalization``, ``Phi3LayerNorm``,
+  ``QwenLayerNorm``, ``Qwen3LayerNorm`` (``y = x / sqrt(mean(x^2, -1) + eps) * scale``) and
+  ``T5LayerNorm`` (the same, its scale named ``weight``).
 
 In both, ``dy/dscale = xhat`` elementwise (``xhat`` the normalised input), so the per-example
 gradient of ``scale`` is ``g * xhat`` summed over the axes ``scale`` is broadcast along: a small
@@ -49,7 +50,7 @@ def gemma_rms_normalization_rule(layer, inputs, grad_output):
 
 def last_axis_rms_norm_rule(layer, inputs, grad_output):
     """keras-hub's RMS layer norms over the last axis, ``x * rsqrt(mean(x^2) + eps) * scale``
-    (Llama, Mistral, Phi-3, Qwen, Qwen3; T5's scale is named ``weight``). For ``(1 + scale)``
+    (Llama, Mistral, Mixtral, GPT-OSS, Phi-3, Qwen, Qwen3; T5's scale is named ``weight``). For ``(1 + scale)``
     variants (Gemma, Qwen3.5) the gradient is the same: use :func:`gemma_rms_normalization_rule`.
     """
     variable = getattr(layer, "scale", None)

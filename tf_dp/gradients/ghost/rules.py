@@ -24,12 +24,13 @@ factors into things the forward and backward passes already computed. Signature:
 Each layer family's rules live in a module named after it, marked with
 :func:`~tf_dp.gradients.ghost.registry.norm_rule`: ``dense.py`` (``Dense``, ``EinsumDense``, with
 ``lora.py`` for LoRA; ``MultiHeadAttention`` owns no variables itself: its four projections are
-``EinsumDense`` layers), ``conv.py`` (``Conv1D``, ``Conv2D``, ``DepthwiseConv1D/2D``, ``SeparableConv1D/2D``,
-``Conv1DTranspose/2DTranspose``), ``embeddings.py`` (``Embedding``,
-``ReversibleEmbedding``), ``normalization.py`` (``LayerNormalization``, ``GroupNormalization``,
-``RMSNormalization``), ``recurrent.py`` (``LSTM``, ``GRU``, ``SimpleRNN``, which use the optional
-``forward`` and ``variables`` hooks), and ``keras_hub_rules.py`` (loaded the first time a keras-hub
-layer is met). :func:`default_registry` collects them into one
+``EinsumDense`` layers), ``conv.py`` (``Conv1D/2D/3D``, ``DepthwiseConv1D/2D``,
+``SeparableConv1D/2D``, ``Conv1DTranspose/2DTranspose/3DTranspose``), ``activations.py``
+(``PReLU``), ``embeddings.py`` (``Embedding``, ``ReversibleEmbedding``), ``normalization.py``
+(``LayerNormalization``, ``GroupNormalization``, ``RMSNormalization``), ``recurrent.py``
+(``LSTM``, ``GRU``, ``SimpleRNN``, which use the optional ``forward`` and ``variables`` hooks),
+and ``keras_hub_rules.py`` (loaded the first time a keras-hub layer is met).
+:func:`default_registry` collects them into one
 :class:`~tf_dp.gradients.ghost.registry.LayerRuleRegistry`; :func:`register_layer_norm_rule` adds
 a user's rule to it.
 
@@ -49,7 +50,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from tf_dp.gradients.ghost import conv, dense, embeddings, normalization, recurrent
+from tf_dp.gradients.ghost import activations, conv, dense, embeddings, normalization, recurrent
 from tf_dp.gradients.ghost.registry import LayerRuleRegistry, NormRule, RuleEntry
 
 __all__ = [
@@ -62,7 +63,7 @@ __all__ = [
     "unregister_layer_norm_rule",
 ]
 
-FAMILIES = (dense, conv, embeddings, normalization, recurrent)
+FAMILIES = (dense, conv, embeddings, normalization, recurrent, activations)
 
 
 def _load_keras_hub_rules(registry: LayerRuleRegistry) -> None:
