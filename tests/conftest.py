@@ -35,6 +35,7 @@ UNIT = {
     "test_ledger",
     "test_ledger_file",
     "test_ledger_runs",
+    "test_ledger_flush",
     "test_lint",
     "test_noise",
     "test_partition_selection",

@@ -216,9 +216,11 @@ class _Buffer(tf.Module):
             )
             self.staged_count = ledger_variable(tf.constant(0, tf.int64), name="staged_count")
             self.overflow = ledger_variable(tf.constant(0, tf.int64), name="overflow")
-        # rows one compiled call may stage (set by reserve); 0: nothing reserved, so every
-        # flush moves the staged rows (a call of unknown length finds the whole table free)
+        # rows one compiled call may stage (set by reserve, raised to the most rows seen staged
+        # between two flushes); 0: nothing reserved, so every flush moves the staged rows (a
+        # call of unknown length finds the whole table free)
         self.call_rows = 0
+        self._left = 0  # rows the last flush left staged
 
     @property
     def staging_capacity(self) -> int:
@@ -324,6 +326,7 @@ class _Buffer(tf.Module):
             self.write(n, rows)
             self.count.assign(n + k)
             self.staged_count.assign(0)
+        self._left = 0
         if dropped:
             self.overflow.assign(0)
             raise LedgerOverflowError(
@@ -344,12 +347,18 @@ class _Buffer(tf.Module):
 
     def needs_move(self, staged: int) -> bool:
         """Whether, with ``staged`` rows staged, a flush must move them to ``data``: nothing
-        was reserved, or the next compiled call's reserved rows would not fit after them."""
+        was reserved, or the next compiled call's rows (as many as reserved, or as the most
+        one call staged so far) would not fit after them. Called once per flush: if it says no,
+        the rows stay staged."""
+        if self.call_rows > 0:
+            self.call_rows = max(self.call_rows, staged - self._left)
         if staged == 0:
+            self._left = 0
             return False
-        if self.call_rows <= 0:
+        if self.call_rows <= 0 or staged + self.call_rows > _capacity(self.staged):
             return True
-        return staged + self.call_rows > _capacity(self.staged)
+        self._left = staged
+        return False
 
     def rows(self, start: int, stop: int, recorded: int) -> np.ndarray:
         """Rows ``start:stop`` of all rows, the ``recorded`` rows of ``data`` followed by the
@@ -400,6 +409,7 @@ class _Buffer(tf.Module):
         self.count.assign(rows)
         self.staged_count.assign(0)
         self.overflow.assign(0)
+        self._left = 0
 
 
 def _capacity_for(rows: int) -> int:
@@ -414,9 +424,18 @@ def _shape_rows(table: tf.Variable) -> tf.Tensor:
 
 
 def _capacity(table: tf.Variable) -> int:
-    """:func:`_shape_rows`, eagerly (of the first component under tf.distribute)."""
+    """:func:`_shape_rows`, eagerly, in one op (of the first component under tf.distribute)."""
     var = table.values[0] if isinstance(table, tf.distribute.DistributedValues) else table
-    return int(_shape_rows(var))
+    return int(tf.raw_ops.VariableShape(input=var.handle, out_type=tf.int64).numpy()[0])
+
+
+def _read_int(counter: tf.Variable) -> int:
+    """An int64 scalar variable's value, eagerly, in one op (``counter.numpy()`` takes two, a
+    read and a copy: a flush after every compiled call reads several), of the first component
+    under tf.distribute (every component holds the same value)."""
+    if isinstance(counter, tf.distribute.DistributedValues):
+        counter = counter.values[0]
+    return int(tf.raw_ops.ReadVariableOp(resource=counter.handle, dtype=tf.int64).numpy())
 
 
 def _to_entries(samples: np.ndarray, queries: np.ndarray, first: int = 0) -> list[SampleEntry]:
@@ -721,9 +740,9 @@ class PrivacyLedger(tf.Module):
                 ledger.flush()
         """
         s, q = self._samples, self._queries
-        staged = int(s.staged_count.numpy()), int(q.staged_count.numpy())
+        staged = _read_int(s.staged_count), _read_int(q.staged_count)
         if (
-            int(s.overflow.numpy()) == 0 and int(q.overflow.numpy()) == 0
+            _read_int(s.overflow) == 0 and _read_int(q.overflow) == 0
             and not s.needs_move(staged[0]) and not q.needs_move(staged[1])
         ):
             self._sync_journal(staged)  # nothing to move (or room for another call)
@@ -814,8 +833,8 @@ class PrivacyLedger(tf.Module):
         journal = self._journal
         if journal is None or not tf.executing_eagerly():
             return
-        base = self._base_steps()
-        n, m = int(self._samples.count.numpy()), int(self._queries.count.numpy())
+        base = _read_int(self._base)
+        n, m = _read_int(self._samples.count), _read_int(self._queries.count)
         start, stop = journal.num_samples, base + n + staged[0]
         if stop == start:
             return
@@ -1239,6 +1258,10 @@ class PrivacyLedger(tf.Module):
         validated through the events; ``verified=False`` for tables whose checksum could not be
         checked (:attr:`verified`)."""
         samples = np.asarray(samples, np.float64)
+        if samples.ndim == 2 and samples.shape[1] == RUN_SAMPLE_COLS:
+            self._load_run_tables(samples, np.asarray(queries, np.float64))
+            self.verified = bool(verified)
+            return
         if samples.ndim == 2 and 3 <= samples.shape[1] < _SAMPLE_COLS:
             # tables saved before a column existed (pass starts; origin, unit and k): zeros,
             # i.e. no pass starts, sampling declared (not checked), example-level
@@ -1258,11 +1281,8 @@ class PrivacyLedger(tf.Module):
         self.restore_entries([])
 
     def __repr__(self) -> str:
-        if samples.ndim == 2 and samples.shape[1] == RUN_SAMPLE_COLS:
-            self._load_run_tables(samples, np.asarray(queries, np.float64))
-            self.verified = bool(verified)
-            return
         return f"PrivacyLedger(num_samples={self.num_samples})"
+
     def _load_run_tables(self, samples: np.ndarray, queries: np.ndarray) -> None:
         """:meth:`load_tables` of :meth:`run_tables`: the runs' rows are validated through their
         distinct entries and become the run prefix (no per-step rows)."""
