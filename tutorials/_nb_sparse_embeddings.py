@@ -26,11 +26,11 @@ import os
 
 SMALL = os.environ.get("TF_DP_TUTORIAL_SMALL", "0") == "1"
 
-N = 10_000 if SMALL else 50_000  # training examples (users)
-ITEMS = 5_000 if SMALL else 20_000  # rows of the embedding table
+N = 4_000 if SMALL else 50_000  # training examples (users)
+ITEMS = 2_000 if SMALL else 20_000  # rows of the embedding table
 LENGTH = 10  # items in a user's history
-BATCH = 250 if SMALL else 500  # expected batch size (Poisson sampling)
-STEPS = 60 if SMALL else 300
+BATCH = 200 if SMALL else 500  # expected batch size (Poisson sampling)
+STEPS = 30 if SMALL else 300
 NOISE_MULTIPLIER = 1.0  # the dense run's z; the sparse run splits it (below)
 SELECTION_NOISE_MULTIPLIER = 3.0  # sigma1
 THRESHOLD = 10.0

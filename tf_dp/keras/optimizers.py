@@ -103,7 +103,9 @@ class DPOptimizerMixin(OptimizerSettings, OptimizerSampling, OptimizerSaving):
         required; ``noise_multiplier``, ``noise_stddev`` and ``dp_sum_query`` are refused, the
         calibration sets the noise). With ``num_microbatches`` the calibration assumes
         microbatches of several examples (sensitivity ``2C``); with ``gradient_mode="jl"`` it
-        counts the ``jl_projections`` norm releases. The calibrated value is
+        counts the ``jl_projections`` norm releases; with ``sparse_embeddings`` the calibration
+        is of the step's two Gaussians together, and ``noise_multiplier`` is the gradient's share
+        ``sigma2`` (``sigma1^-2 + sigma2^-2 = sigma^-2``). The calibrated value is
         ``optimizer.noise_multiplier``.
 
         Example::
@@ -139,6 +141,18 @@ class DPOptimizerMixin(OptimizerSettings, OptimizerSampling, OptimizerSaving):
             microbatch_size=None if num_microbatches is None else 2,
             jl_projections=jl_projections if kwargs.get("gradient_mode") == "jl" else None,
         )
+        sparse = kwargs.get("sparse_embeddings")
+        if sparse is not None:
+            # the step is two Gaussians of one sample: the calibrated sigma is their combined
+            # multiplier (sigma1^-2 + sigma2^-2 = sigma^-2), and the gradient gets sigma2
+            sigma1 = float(getattr(sparse, "selection_noise_multiplier", 0.0))
+            if not sigma1 > sigma:
+                raise ValueError(
+                    f"{cls.__name__}.for_target_epsilon: sparse_embeddings' "
+                    f"selection_noise_multiplier ({sigma1:g}) alone costs more than the target "
+                    f"allows (the whole step may have a combined noise multiplier of {sigma:.6g}"
+                    "); accepted: selection_noise_multiplier > that value")
+            sigma = (sigma**-2 - sigma1**-2) ** -0.5
         _logger.info(
             "tf_dp: noise_multiplier=%.6g keeps %s at epsilon <= %g, delta=%g (%s accountant; "
             "Poisson batches of expected size %d of %d examples)", sigma, cls.__name__,
