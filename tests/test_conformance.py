@@ -10,6 +10,7 @@ The full sweep: ``pytest tests/test_conformance.py --conformance-full`` (hours o
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from bench import conformance
@@ -62,6 +63,66 @@ def test_enumeration_is_programmatic_and_lists_reasons():
         assert f"layer:{name}" in cases
     assert f"app:{keras.applications.MobileNetV2.__name__}" in cases
     assert any(c.endswith("CausalLM+lora") for c in cases)
+
+
+def test_app_case_is_the_fixed_model():
+    # fix_for_dp returns (model, report): the case is the rebuilt model, without BatchNormalization
+    import keras
+
+    model, x, y, _ = conformance.build_case("app:MobileNetV3Small")
+    assert isinstance(model, keras.Model)
+    kinds = {type(layer).__name__ for layer in model.layers}
+    assert "BatchNormalization" not in kinds and "GroupNormalization" in kinds
+    assert model(x).shape == (conformance.BATCH, 3)
+    assert np.shape(y) == (conformance.BATCH,)
+
+
+def test_masked_lm_and_seq2seq_inputs():
+    # masked LM: logits at the MASKS masked positions, labels one per masked position; seq2seq:
+    # logits over the decoder's sequence, labels its next tokens
+    model, x, y, _ = conformance.build_case("hub:BertMaskedLM")
+    b, m, s, v = conformance.BATCH, conformance.MASKS, conformance.SEQ, conformance.VOCAB
+    positions = x["mask_positions"]
+    assert positions.shape == (b, m) and positions.min() >= 0 and positions.max() < s
+    assert all(len(set(row)) == m for row in positions)
+    assert model(x).shape == (b, m, v) and y.shape == (b, m) and y.max() < v
+    model, x, y, _ = conformance.build_case("hub:BartSeq2SeqLM")
+    assert {"encoder_token_ids", "decoder_token_ids"} <= set(x)
+    assert model(x).shape == (b, s, v)
+    np.testing.assert_array_equal(y[:, :-1], x["decoder_token_ids"][:, 1:])
+
+
+@pytest.mark.parametrize(
+    "case", ["hub:ResNetImageClassifier", "hub:VGGImageClassifier", "hub:SmolLM3CausalLM"]
+)
+def test_list_valued_backbone_configs_are_made(case):
+    # per-stage (stackwise_*) and per-layer (layer_types, rope_layer_enabled_list) settings
+    model, x, y, _ = conformance.build_case(case)
+    out = model(x)
+    assert out.shape[0] == conformance.BATCH and np.all(np.isfinite(np.asarray(out)))
+
+
+def test_sub_model_arguments_are_named_in_the_reason():
+    with pytest.raises(conformance.NotConstructible, match="sub-model 'vision_encoder'"):
+        conformance.build_case("hub:BLIP2CausalLM")
+
+
+def test_results_of_several_files_last_record_wins(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text('{"case": "x", "status": "crashed"}\n{"case": "y", "status": "timeout"}\n')
+    b.write_text('{"case": "x", "status": "timeout"}\n\n')
+    done = conformance.read_results([str(a), str(b), str(tmp_path / "missing.jsonl")])
+    assert done == {
+        "x": {"case": "x", "status": "timeout"},
+        "y": {"case": "y", "status": "timeout"},
+    }
+    merged = tmp_path / "m.jsonl"
+    conformance.main(
+        ["--cases", "x,y,z", "--resume", f"{a},{b}", "--merged_out", str(merged),
+         "--table_only", "--out", str(tmp_path / "t.md")]
+    )
+    assert len(merged.read_text().splitlines()) == 2
+    assert "z" in (tmp_path / "t.md").read_text().split("Not yet run")[1]
 
 
 def pytest_generate_tests(metafunc):
