@@ -372,6 +372,44 @@ def test_tiny_deberta_v3_backbone_has_no_fallback():
         np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
 
 
+# -- keras-hub ViT's patch embedding (class token, position table broadcast over the batch) --------
+
+
+@pytest.mark.parametrize("use_class_token, jit", [(True, None), (False, None)])
+def test_tiny_vit_backbone_has_no_fallback(use_class_token, jit):
+    """ViTBackbone (tiny, random init): the class token's and the position table's per-example
+    gradients are slices of the patch embedding's output gradient; no variable falls back."""
+    keras.utils.set_random_seed(44)
+    backbone = keras_hub.models.ViTBackbone(
+        image_shape=(8, 8, 3),
+        patch_size=4,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=8,
+        mlp_dim=16,
+        use_class_token=use_class_token,
+    )
+    model = _compile(
+        keras.Model(backbone.input, L.Dense(3)(L.GlobalAveragePooling1D()(backbone.output)))
+    )
+    r = rng(45)
+    x = r.normal(size=(4, 8, 8, 3)).astype("float32")
+    y = r.integers(0, 3, 4)
+    ref = [np.asarray(g) for g in _sum_fn(LoopReference(), model, (x, y, None))()]
+    strategy = GhostClipper()
+    got = _sum_fn(strategy, model, (tf.constant(x), tf.constant(y), None), jit)()
+    assert strategy.mode == "ghost", strategy.description
+    # float32 roundings of one gradient entry: patch convolution 4 x 4 x 3 + bias, class token
+    # and position add 1, layer norm 8 + 3, attention projections 8 + 1, scores 4 + softmax 5 +
+    # values 5, output 8 + 1, layer norm 8 + 3, MLP 8 + 16 + 2, layer norm 8 + 3, mean 5, head
+    # 8 + 1, log-softmax 3; doubled for the backward pass, plus the conv kernel's sum over the 4
+    # patches and 2 casts
+    terms = 2 * (49 + 1 + 11 + 9 + 14 + 9 + 11 + 26 + 11 + 5 + 9) + 3 + 4 + 2
+    atol = tolerance("float32", terms, _magnitude(model, (x, y, None)))
+    for v, a, b in zip(model.trainable_variables, got, ref):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
+
+
 # -- separable convolutions ------------------------------------------------------------------------
 
 

@@ -163,3 +163,23 @@ def relative_embedding_rule(layer, inputs, grad_output):
     if beta is not None:
         out.append((beta, PerExample(tf.reduce_sum(g, axis=1))))
     return out
+
+
+def vit_patching_variables(layer) -> list:
+    """keras-hub ViT ``ViTPatchingAndEmbedding``'s class token (if any) and position table (its
+    patch convolution keeps the convolution rule)."""
+    token = [layer.class_token] if getattr(layer, "use_class_token", False) else []
+    return token + [layer.position_embedding.embeddings]
+
+
+def vit_patching_rule(layer, inputs, grad_output):
+    """keras-hub ViT ``ViTPatchingAndEmbedding``: the output is ``concat(class token tiled over the
+    batch, patches) + table[arange(P)]`` broadcast over the batch, so example ``b``'s gradient of
+    the ``[P, D]`` table is its output gradient ``g[b]`` and of the ``[1, 1, D]`` class token
+    ``g[b, 0]`` (both :class:`PerExample`, at most the size of one example's output)."""
+    del inputs
+    g = f32(grad_output)  # [B, P, D]
+    out = [(layer.position_embedding.embeddings, PerExample(g))]
+    if getattr(layer, "use_class_token", False):
+        out.append((layer.class_token, PerExample(g[:, :1, None, :])))
+    return out

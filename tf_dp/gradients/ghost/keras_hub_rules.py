@@ -15,6 +15,8 @@ from tf_dp.gradients.ghost.embeddings import (
     position_forward,
     relative_embedding_rule,
     relative_embedding_variables,
+    vit_patching_rule,
+    vit_patching_variables,
 )
 from tf_dp.gradients.ghost.normalization import (
     gemma_rms_normalization_rule,
@@ -75,6 +77,9 @@ def register(registry: LayerRuleRegistry) -> None:
         registry.register(
             relative, relative_embedding_rule, variables=relative_embedding_variables
         )
+    vit = _optional_class("keras_hub.src.models.vit.vit_layers", "ViTPatchingAndEmbedding")
+    if vit is not None:
+        registry.register(vit, vit_patching_rule, variables=vit_patching_variables)
     for module, name, rule in _RMS_NORMS:
         layer_class = _optional_class(module, name)
         if layer_class is not None:
