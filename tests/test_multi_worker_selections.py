@@ -38,8 +38,14 @@ def _check(reports, policy, q, bound):
     return union
 
 
-def test_two_workers_share_one_truncated_poisson_sample_per_step(tmp_path):
-    reports = _cluster(tmp_path, "vectorized", sigma=0.0, phase="truncated")
+def test_two_workers_share_one_global_selection_per_step(tmp_path):
+    """One cluster runs both selections in turn (a cluster costs 1-2 minutes)."""
+    both = _cluster(tmp_path, "vectorized", sigma=0.0, phase="selections")
+    _truncated([r["truncated"] for r in both])
+    _balls_in_bins([r["balls_in_bins"] for r in both])
+
+
+def _truncated(reports):
     q, b = 0.1, 16  # as in helpers/multi_worker_run.py
     union = _check(reports, "truncated_poisson", q, b)
     assert all(len(u) <= b for u in union) and any(len(u) == b for u in union)
@@ -48,8 +54,7 @@ def test_two_workers_share_one_truncated_poisson_sample_per_step(tmp_path):
         np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=WEIGHT_ATOL)
 
 
-def test_two_workers_share_one_balls_in_bins_pass(tmp_path):
-    reports = _cluster(tmp_path, "vectorized", sigma=0.0, phase="balls_in_bins")
+def _balls_in_bins(reports):
     union = _check(reports, "balls_in_bins", 1 / STEPS, None)
     assert sorted(i for u in union for i in u) == list(range(N))  # each example once per pass
     for r in reports:

@@ -108,6 +108,21 @@ def backup_and_restore():
 
 
 def main():
+    with open(out_path, "w") as f:
+        json.dump(report(), f)
+
+
+def selections():
+    """Phase ``selections``: the ``truncated`` then the ``balls_in_bins`` run in one cluster."""
+    global phase
+    out = {}
+    for phase in ("truncated", "balls_in_bins"):
+        out[phase] = report()
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+
+
+def report():
     x, y = data()
     keras.utils.set_random_seed(0)  # before any sampling: the samplers then draw as in fit
     sampler = batches(x, y)
@@ -143,7 +158,7 @@ def main():
     history = model.fit(fit_batches, epochs=1, verbose=0)
     after = [v.numpy().tolist() for v in model.trainable_variables]
     entries = model.optimizer.ledger.samples()
-    report = {
+    return {
         "index": index,
         "batches": drawn,
         "second_pass": second,
@@ -160,8 +175,11 @@ def main():
         "bounds": [e.sampling.max_batch_size for e in entries],
         "pass_starts": [e.sampling.pass_start for e in entries],
     }
-    with open(out_path, "w") as f:
-        json.dump(report, f)
 
 
-backup_and_restore() if phase == "backup" else main()
+if phase == "backup":
+    backup_and_restore()
+elif phase == "selections":
+    selections()
+else:
+    main()
