@@ -9,12 +9,18 @@ steps are ``tf.function``s in one process, timed interleaved (medians and spread
 :mod:`tf_dp.gradients.embedding_rows`, the Dense layer by its closed-form per-example norm);
 ``dense`` adds N(0, (1.1 C)^2) to every coordinate of the table and applies a dense update,
 ``sparse`` selects rows (contribution bound 1, selection noise 3, threshold 5) and adds noise
-on the selected rows only (a ``tf.IndexedSlices`` update). Peak memory: each mode in its own
-fresh subprocess (``--repeats_memory`` of them, median reported), the process's high-water mark
-``VmHWM`` (``/proc/self/status``) after the model is built and 5 steps ran; a ``build`` process
-that builds the same model and runs no step gives the baseline (the table, TensorFlow), and
-``step_peak_mb`` is the mode's VmHWM minus the baseline's median. No allocator reuse between modes
-can hide a peak: no mode shares a process with another.
+on the selected rows only (a ``tf.IndexedSlices`` update).
+
+Peak memory: each mode in its own fresh subprocess (``--repeats_memory`` of them, interleaved,
+median reported), so no mode reuses memory another freed; 5 steps run after the model is built
+(the first traces). ``step_tensor_peak_mb``: TensorFlow's CPU allocator's peak during the steps
+(``tf.config.experimental.get_memory_info("CPU:0")`` after ``reset_memory_stats``) minus the
+tensors live before them (the table): what the steps allocate at once. The process's resident
+memory cannot show it: TensorFlow keeps freed CPU buffers (the table initialiser's temporaries)
+and the steps reuse them, so ``VmHWM`` above the built model's RSS (``step_rss_peak_mb``, from
+``/proc/self/status`` after resetting the high-water mark through ``/proc/self/clear_refs``)
+under-counts a step's allocations. ``vmhwm_mb`` is the process's whole high-water mark
+(TensorFlow and the table included).
 """
 
 from __future__ import annotations
@@ -120,7 +126,7 @@ def memory(args, mode):
            str(args.dim), "--batch", str(args.batch), "--length", str(args.length),
            "--_memory_of", mode]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return float(out.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main(argv=None):
@@ -136,24 +142,30 @@ def main(argv=None):
     p.add_argument("--_memory_of", default=None)
     args = p.parse_args(argv)
     if args._memory_of:
-        steps = build(args.rows, args.dim, args.batch, args.length)
-        if args._memory_of != "build":
-            for _ in range(5):
-                steps[args._memory_of]()
-        print(_status_mb("VmHWM"))
+        import tensorflow as tf
+
+        step = build(args.rows, args.dim, args.batch, args.length)[args._memory_of]
+        before = _status_mb("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        live = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        for _ in range(5):
+            step()
+        peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+        hwm = _status_mb("VmHWM")
+        print(json.dumps({"step_tensor_peak_mb": (peak - live) / 2**20,
+                          "step_rss_peak_mb": hwm - before, "vmhwm_mb": hwm}))
         return None
     result = {"rows": args.rows, "dim": args.dim, "batch": args.batch, "length": args.length}
     if not args.no_memory:  # first, each mode in its own process (interleaved repeats)
-        hwm = {m: [] for m in ("build",) + MODES}
+        got = {m: [] for m in MODES}
         for _ in range(args.repeats_memory):
-            for m in hwm:
-                hwm[m].append(memory(args, m))
-        base = statistics.median(hwm["build"])
-        result["build_vmhwm_mb"] = {"median": base, "all": hwm["build"]}
+            for m in MODES:
+                got[m].append(memory(args, m))
         for m in MODES:
-            result.setdefault(m, {})
-            result[m].update({"vmhwm_mb": statistics.median(hwm[m]), "vmhwm_all_mb": hwm[m],
-                              "step_peak_mb": statistics.median(hwm[m]) - base})
+            result[m] = {k: statistics.median(g[k] for g in got[m]) for k in got[m][0]}
+            result[m]["step_tensor_peak_all_mb"] = [g["step_tensor_peak_mb"] for g in got[m]]
     if args.no_timing:
         print(json.dumps(result, indent=1))
         return result

@@ -86,7 +86,7 @@ CHECKS = {
         "import json\n"
         "print(json.dumps({'n': N, 'batch': BATCH, 'steps': STEPS, 'z': NOISE_MULTIPLIER,"
         " 'sigma1': SELECTION_NOISE_MULTIPLIER, 'sigma2': SIGMA2, 'delta': DELTA,"
-        " 'threshold': THRESHOLD, 'epsilons': epsilons, 'file_epsilon': file_epsilon,"
+        " 'threshold': THRESHOLD, 'epsilons': epsilons, 'accountant': ACCOUNTANT, 'file_epsilon': file_epsilon,"
         " 'queries': [[e.l2_sensitivity, e.noise_stddev] for e in entries[0].queries],"
         " 'file_steps': len(entries), 'accuracy': accuracies, 'baseline': baseline_accuracy,"
         " 'bayes': bayes, 'moved': moved.tolist(), 'in_batch': in_batch.tolist(), 'items': ITEMS}))"
@@ -394,9 +394,9 @@ def _check_sparse_embeddings(values):
     assert math.isclose(s1**-2 + s2**-2, z**-2, rel_tol=1e-12)
     # both runs: the Poisson-subsampled Gaussian of multiplier z, from the hyperparameters
     independent = dp_sgd_epsilon(values["n"], values["batch"], z, values["delta"],
-                                 steps=values["steps"], accountant="pld").epsilon
+                                 steps=values["steps"], accountant=values["accountant"]).epsilon
     for eps in list(values["epsilons"].values()) + [values["file_epsilon"]]:
-        assert math.isclose(eps, independent, rel_tol=1e-3)
+        assert math.isclose(eps, independent, rel_tol=1e-6)
     assert values["file_steps"] == values["steps"]
     (c2, std2), (c1, std1) = values["queries"]  # the gradient's, then the selection's
     assert c2 == c1 == 1.0 and math.isclose(std2, s2, rel_tol=1e-6) and std1 == s1
