@@ -445,7 +445,69 @@ BOUNDS = [
      "metadata must be JSON-serialisable"),
 ]
 
+def _entry():
+    from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
+
+    return SampleEntry(SamplingEvent(1000, 0.01), (SumQueryEvent(1.0, 1.0),))
+
+
+# found by research/reliability/adversarial.py (issue 34, "Done when"): each was accepted
+# silently or failed with an error that named neither the argument nor the range
+BOUNDS += [
+    ("Sampling population 1e30", lambda: tf_dp.engine.Sampling(10**30, 0.01), ValueError,
+     "population_size must be an integer >= 1 and <= 2**53"),
+    ("num_microbatches 1e30", lambda: sgd(num_microbatches=10**30), ValueError,
+     "num_microbatches must be None or an integer in [1, 2**31 - 1], got 'about 1e+30'"),
+    ("max_physical_batch_size 1e30", lambda: sgd(max_physical_batch_size=10**30), ValueError,
+     "max_physical_batch_size must be None or an integer in [1, 2**31 - 1]"),
+    ("truncated poisson q=1e-300",
+     lambda: tf_dp.data.truncated_poisson_batches(*xy(), sampling_probability=1e-300),
+     ValueError, "sampling_probability=1e-300 gives a default steps_per_epoch"),
+    ("record_sampling q=1.5",
+     lambda: tf_dp.PrivacyLedger().record_sampling(1000, 1.5, "poisson"), ValueError,
+     "selection_probability must be in (0, 1], got 1.5"),
+    ("record_sampling n=0", lambda: tf_dp.PrivacyLedger().record_sampling(0, 0.1, "poisson"),
+     ValueError, "population_size must be an integer in [1, 2**53], got 0"),
+    ("record_sampling n=1e30",
+     lambda: tf_dp.PrivacyLedger().record_sampling(10**30, 0.1, "poisson"), ValueError,
+     "population_size must be an integer in [1, 2**53], got 1e+30"),
+    ("record_sampling n='10'",
+     lambda: tf_dp.PrivacyLedger().record_sampling("10", 0.1, "poisson"), TypeError,
+     "population_size must be a number or a tensor, got str"),
+    ("restore_runs count 1e30",
+     lambda: tf_dp.PrivacyLedger().restore_runs([(_entry(), 10**30)]), ValueError,
+     "a run's count must be an integer in [1, 1e+15]"),
+    ("epsilon_from_rdp text",
+     lambda: tf_dp.accounting.epsilon_from_rdp([2.0, 4.0], ["1", 1.0], 1e-5), TypeError,
+     "rdp must hold numbers"),
+    ("load_tables NaN", lambda: tf_dp.PrivacyLedger().load_tables(
+        np.full((2, 8), np.nan), np.zeros((0, 7))), ValueError,
+     "the sample table holds a value that is not finite"),
+]
+
+
+def _ledger_file_with_count(tmp_path, count):
+    """A correctly re-signed ledger file whose run claims ``count`` steps."""
+    path = _ledger_file_with_population(tmp_path, 1000)
+    body = json.loads(open(path).read())
+    body["runs"][0]["count"] = body["num_samples"] = count
+    del body["sha256"]
+    import hashlib
+
+    from tf_dp.ledger.ledger_file import _canonical
+
+    body["sha256"] = hashlib.sha256(_canonical(body)).hexdigest()
+    with open(path, "w") as f:
+        json.dump(body, f)
+    return path
+
+
 FILES = [
+    # a re-signed count out of range: the error names the file (it named only the count)
+    ("ledger count 0 names the file", lambda p: lambda: tf_dp.PrivacyLedger.load(
+        _ledger_file_with_count(p, 0)), ValueError, "ledger.json': run count must be"),
+    ("ledger count 1e16 names the file", lambda p: lambda: tf_dp.ledger.read_ledger_runs(
+        _ledger_file_with_count(p, 10**16)), ValueError, "ledger.json': run count must be"),
     # item 6: a signed ledger file claiming 10**400 records
     ("ledger population 1e400", lambda p: lambda: tf_dp.PrivacyLedger.load(
         _ledger_file_with_population(p, 10**400)), ValueError,

@@ -39,7 +39,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 from scipy import special
@@ -661,6 +661,14 @@ def _check_delta(delta: float) -> None:
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
 
 
+def _rdp_values(rdp: Any) -> np.ndarray:
+    """``rdp`` as float64, refusing text and booleans (numpy would read ``'1'`` as 1.0)."""
+    raw = np.asarray(rdp)
+    if raw.dtype.kind in "USb":
+        raise TypeError(f"rdp must hold numbers (Renyi divergences), got {raw.dtype} values")
+    return np.asarray(raw, dtype=np.float64)
+
+
 def epsilon_from_rdp(
     orders: Sequence[float], rdp: Sequence[float], delta: float, conversion: str = "rdp"
 ) -> tuple[float, float]:
@@ -677,7 +685,7 @@ def epsilon_from_rdp(
     """
     _check_delta(delta)
     a = _check_orders(orders)
-    r = np.asarray(rdp, dtype=np.float64)
+    r = _rdp_values(rdp)
     _check_rdp(r, a)
     eps = _conversion_values(a, r, delta, "epsilon", conversion)
     i = int(np.argmin(eps))
@@ -696,7 +704,7 @@ def delta_from_rdp(
     if not (isinstance(epsilon, (int, float)) and epsilon >= 0):
         raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
     a = _check_orders(orders)
-    r = np.asarray(rdp, dtype=np.float64)
+    r = _rdp_values(rdp)
     _check_rdp(r, a)
     logd = _conversion_values(a, r, epsilon, "delta", conversion)
     i = int(np.argmin(logd))

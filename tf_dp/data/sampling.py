@@ -26,6 +26,8 @@ import dataclasses
 import math
 from typing import Optional
 
+from tf_dp.ledger.events import MAX_COUNT
+
 #: How batches are drawn: ``poisson`` (each unit independently with probability q at every step),
 #: ``shuffle`` (fixed-size batches of a shuffled pass, every unit once per pass),
 #: ``truncated_poisson`` (a Poisson sample cut to at most ``max_batch_size`` units,
@@ -74,8 +76,12 @@ class Sampling:
 
     def __post_init__(self):
         n = self.population_size
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"population_size must be an integer >= 1, got {n!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_COUNT:
+            shown = n if not isinstance(n, int) or abs(n) < 10**20 else f"about {float(n):.3g}"
+            raise ValueError(
+                f"population_size must be an integer >= 1 and <= 2**53 (what the ledger holds "
+                f"exactly), got {shown!r}"
+            )
         q = self.selection_probability
         if isinstance(q, bool) or not isinstance(q, (int, float)) or not (
             math.isfinite(q) and 0.0 < q <= 1.0

@@ -313,6 +313,12 @@ def truncated_poisson_batches(
     num_shards, shard_index = check_shards(num_shards, shard_index, seed, units, user_ids)
     if steps_per_epoch is None:
         steps_per_epoch = poisson_steps_per_epoch(q)
+        if steps_per_epoch > 2**63 - 1:
+            raise ValueError(
+                f"sampling_probability={q!r} gives a default steps_per_epoch of round(1 / q) = "
+                f"{float(steps_per_epoch):.3g} steps, beyond int64: pass sampling_probability >= "
+                f"{1 / (2**63 - 1):.3g} or steps_per_epoch in [1, 2**63 - 1]"
+            )
     steps_per_epoch = _check_positive_int("steps_per_epoch", steps_per_epoch)
     if max_batch_size is None:
         max_batch_size = default_truncation_size(units, q, truncation_probability)

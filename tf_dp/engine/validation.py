@@ -55,13 +55,22 @@ def check_float32(name: str, value: float) -> None:
         )
 
 
+#: Largest count of batch rows or pieces (a batch dimension is an int32 in TensorFlow).
+MAX_BATCH_COUNT = 2**31 - 1
+
+
 def check_count(name: str, value: Any, minimum: int = 1, optional: bool = True) -> None:
-    """None (when ``optional``) or an integer >= ``minimum``."""
+    """None (when ``optional``) or an integer in [``minimum``, 2**31 - 1]."""
     if value is None and optional:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, int) or not (
+        minimum <= value <= MAX_BATCH_COUNT
+    ):
         none = "None or " if optional else ""
-        raise ValueError(f"{name} must be {none}an integer >= {minimum}, got {value!r}")
+        shown = value if not isinstance(value, int) or abs(value) < 10**20 else (
+            f"about {float(value):.3g}")
+        raise ValueError(
+            f"{name} must be {none}an integer in [{minimum}, 2**31 - 1], got {shown!r}")
 
 
 def check_seed(name: str, value: Any) -> None:

@@ -41,8 +41,13 @@ def check_max_physical_batch_size(value: Any) -> Optional[int]:
     ValueError naming the argument otherwise."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"max_physical_batch_size must be None or an integer >= 1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not (
+        1 <= value <= 2**31 - 1  # a batch dimension is an int32 in TensorFlow
+    ):
+        shown = value if not isinstance(value, numbers.Integral) or abs(value) < 10**20 else (
+            f"about {float(value):.3g}")
+        raise ValueError(
+            f"max_physical_batch_size must be None or an integer in [1, 2**31 - 1], got {shown!r}")
     return int(value)
 
 

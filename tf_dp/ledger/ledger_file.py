@@ -374,9 +374,14 @@ def read_ledger_codes(path: str | os.PathLike) -> tuple[list[SampleEntry], Any, 
         entries, codes, counts = read_ledger_codes("run.ledger.json")
         steps = int(counts.sum())
     """
+    payload = _read_payload(path)
+    with _NamingFile(path):
+        return _payload_codes(payload)
+
+
+def _payload_codes(payload: Any) -> tuple[list[SampleEntry], Any, Any]:
     import numpy as np
 
-    payload = _read_payload(path)
     if isinstance(payload, dict) and payload.get("version") == INDEXED_VERSION and not isinstance(
             payload.get("version"), bool):
         _check_payload(payload)
@@ -584,6 +589,22 @@ def _read_payload(path: str | os.PathLike) -> Any:
         raise LedgerFileError(f"ledger file {os.fspath(path)!r} is not valid JSON ({e})") from None
 
 
+class _NamingFile:
+    """Context: a ``LedgerFileError`` / ``ValueError`` raised while validating the content of the
+    ledger file ``path`` is re-raised as a ``LedgerFileError`` that names the file."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if error is None or not isinstance(error, ValueError) or repr(self.path) in str(error):
+            return False
+        raise LedgerFileError(f"ledger file {self.path!r}: {error}") from None
+
+
 def read_ledger_runs(path: str | os.PathLike) -> list[tuple[SampleEntry, int]]:
     """Reads and validates a ledger file; returns its runs of identical consecutive steps,
     ``[(entry, count), ...]``, in order, never listing the steps one by one (memory proportional
@@ -595,13 +616,17 @@ def read_ledger_runs(path: str | os.PathLike) -> list[tuple[SampleEntry, int]]:
         steps = sum(count for _, count in runs)
         tf_dp.accounting.compute_epsilon(runs, delta=1e-5)
     """
-    return payload_to_runs(_read_payload(path))
+    payload = _read_payload(path)
+    with _NamingFile(path):
+        return payload_to_runs(payload)
 
 
 def read_ledger_file(path: str | os.PathLike) -> list[SampleEntry]:
     """Reads and validates a ledger file; returns its sample entries in order, one per step (at
     most :data:`MAX_LISTED_SAMPLES`; :func:`read_ledger_runs` reads any ledger)."""
-    return payload_to_entries(_read_payload(path))
+    payload = _read_payload(path)
+    with _NamingFile(path):
+        return payload_to_entries(payload)
 
 
 def _is_run(item: Any) -> bool:
@@ -639,8 +664,11 @@ def as_runs(source: Any) -> list[tuple[SampleEntry, int]]:
             entry, count = item, 1
         elif _is_run(item):
             entry, count = item
-            if count < 1:
-                raise ValueError(f"a run's count must be an integer >= 1, got {count!r}")
+            if not 1 <= count <= MAX_FILE_SAMPLES:
+                raise ValueError(
+                    f"a run's count must be an integer in [1, {MAX_FILE_SAMPLES:.0e}], got "
+                    f"{count!r}"
+                )
         else:
             raise TypeError(
                 "ledger entries must be SampleEntry or (SampleEntry, count) runs, got "

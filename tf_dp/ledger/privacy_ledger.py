@@ -46,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import math
 from operator import itemgetter
 from typing import Any, Mapping, Optional, Sequence
 
@@ -93,6 +94,26 @@ _INITIAL_CAPACITY = 64
 #: Columns of :meth:`PrivacyLedger.run_tables`' sample table: a step's columns and the run's
 #: step count.
 RUN_SAMPLE_COLS = _SAMPLE_COLS + 1
+
+
+def _check_recorded_sampling(population_size: Any, selection_probability: Any) -> None:
+    """ValueError / TypeError naming the argument for a Python or numpy number out of range;
+    tensors and variables pass (their values are checked where they are set)."""
+    for name, value in (("population_size", population_size),
+                        ("selection_probability", selection_probability)):
+        if isinstance(value, (tf.Tensor, tf.Variable)) or hasattr(value, "values"):
+            continue
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+            raise TypeError(f"{name} must be a number or a tensor, got {type(value).__name__}")
+        v = float(value) if abs(value) < 1e300 or isinstance(value, float) else math.inf
+        if name == "population_size" and not (
+            math.isfinite(v) and v == round(v) and 1 <= v <= 2**53
+        ):
+            raise ValueError(f"population_size must be an integer in [1, 2**53], got {value!r}"
+                             if abs(v) < 1e20 else
+                             f"population_size must be an integer in [1, 2**53], got {v:.3g}")
+        if name == "selection_probability" and not (math.isfinite(v) and 0.0 < v <= 1.0):
+            raise ValueError(f"selection_probability must be in (0, 1], got {value!r}")
 
 
 def table_steps(samples: np.ndarray) -> int:
@@ -868,7 +889,9 @@ class PrivacyLedger(tf.Module):
         ``origin`` (name or code: 0 declared, 1 sampled) says who drew the batch; ``unit`` (name
         or code: 0 example, 1 user) the unit of privacy, with ``records_per_unit`` (``k``, 0
         for examples); ``max_batch_size`` the truncation ``B`` of a ``truncated_poisson`` draw (0
-        for other policies)."""
+        for other policies). Python or numpy numbers are checked here (population an integer
+        in [1, 2**53], rate in (0, 1]); tensors are the caller's (a traced step's values)."""
+        _check_recorded_sampling(population_size, selection_probability)
         if isinstance(policy, str):
             policy = policy_code(policy)
         if isinstance(origin, str):
@@ -1258,6 +1281,11 @@ class PrivacyLedger(tf.Module):
         validated through the events; ``verified=False`` for tables whose checksum could not be
         checked (:attr:`verified`)."""
         samples = np.asarray(samples, np.float64)
+        if not np.all(np.isfinite(samples)):
+            raise ValueError(
+                "ledger tables: the sample table holds a value that is not finite (NaN or inf): "
+                "every population size, rate, code and count must be a finite number"
+            )
         if samples.ndim == 2 and samples.shape[1] == RUN_SAMPLE_COLS:
             self._load_run_tables(samples, np.asarray(queries, np.float64))
             self.verified = bool(verified)
