@@ -26,7 +26,9 @@ import dataclasses
 import math
 from typing import Optional
 
-from tf_dp.ledger.events import MAX_COUNT
+#: Largest population a sampling may claim: the ledger holds it exactly as a float64
+#: (``tf_dp.ledger.events.MAX_COUNT``).
+MAX_COUNT = 2**53
 
 #: How batches are drawn: ``poisson`` (each unit independently with probability q at every step),
 #: ``shuffle`` (fixed-size batches of a shuffled pass, every unit once per pass),
