@@ -232,31 +232,75 @@ class NotConstructible(Exception):
     """The harness cannot build this case (the reason is the message)."""
 
 
+def _layer_structures(keras, name: str) -> list:
+    """Constructions of layers that a generic ``cls(*args)`` cannot make: wrappers (around a
+    Dense or an LSTM), RNN cells (inside ``keras.layers.RNN``), attention layers (called on a
+    query and a value), ``EinsumDense`` (an equation), ``ConvLSTM3D`` (a 6-d input). Each:
+    (layer factory, input shape, call style: ``"one"``, ``"query_value"``, ``"list"``)."""
+    cls = getattr(keras.layers, name)
+    dense, lstm = (lambda: keras.layers.Dense(4)), (lambda: keras.layers.LSTM(4))
+    table = {
+        "Bidirectional": (lambda: cls(lstm()), (SEQ, 3), "one"),
+        "TimeDistributed": (lambda: cls(dense()), (SEQ, 3), "one"),
+        "SpectralNormalization": (lambda: cls(dense()), (5,), "one"),
+        "MultiHeadAttention": (lambda: cls(num_heads=2, key_dim=4), (SEQ, 3), "query_value"),
+        "GroupQueryAttention": (
+            lambda: cls(head_dim=4, num_query_heads=2, num_key_value_heads=1),
+            (SEQ, 3),
+            "query_value",
+        ),
+        "Attention": (lambda: cls(use_scale=True), (SEQ, 3), "list"),
+        "AdditiveAttention": (lambda: cls(use_scale=True), (SEQ, 3), "list"),
+        "EinsumDense": (
+            lambda: cls("abc,cd->abd", output_shape=(SEQ, 4), bias_axes="d"),
+            (SEQ, 3),
+            "one",
+        ),
+        "ConvLSTM3D": (lambda: cls(2, 3), (2, 4, 4, 4, 2), "one"),
+        "StackedRNNCells": (
+            lambda: keras.layers.RNN(
+                cls([keras.layers.LSTMCell(4), keras.layers.GRUCell(4)])
+            ),
+            (SEQ, 3),
+            "one",
+        ),
+    }
+    if name in table:
+        return [table[name]]
+    if name.endswith("Cell"):
+        return [(lambda: keras.layers.RNN(cls(4)), (SEQ, 3), "one")]
+    return []
+
+
 def _build_layer(name):
     import keras
 
     cls = getattr(keras.layers, name)
     rng = np.random.default_rng(0)
+    shapes = [(5,), (SEQ, 3), (SEQ, 3), (6, 6, 3), (4, 4, 4, 2), (SEQ, 3), (6, 6, 2)]
+    argss = [(4,), (4,), (), (4, 3), (4, 2), (4, 3), (4, 2)]
     attempts = [
-        ((4,), (SEQ, 3)),
-        ((), (SEQ, 3)),
-        ((4, 3), (6, 6, 3)),
-        ((4, 2), (4, 4, 4, 2)),
+        (lambda a=a: cls(*a), shape, "one") for a, shape in zip(argss, shapes)
     ]
-    attempts = [((4,), (5,))] + attempts + [((4, 3), (SEQ, 3)), ((4, 2), (6, 6, 2))]
-    if name == "Embedding":
-        attempts = [((VOCAB, 4), "tokens")]
+    if name.endswith("Embedding"):  # token ids, not floats (a float cast to an id can be < 0)
+        attempts = [(lambda: cls(VOCAB, 4), "tokens", "one")]
+    attempts = _layer_structures(keras, name) or attempts
     last = "no constructor/input combination tried"
-    for args, shape in attempts:
+    for make, shape, style in attempts:
         try:
-            layer = cls(*args)
+            layer = make()
             if shape == "tokens":
                 inp = keras.Input((SEQ,), dtype="int32")
                 x = rng.integers(0, VOCAB, (BATCH, SEQ)).astype("int32")
             else:
                 inp = keras.Input(shape)
                 x = rng.normal(size=(BATCH, *shape)).astype("float32")
-            out = layer(inp)
+            if style == "query_value":
+                out = layer(inp, inp)
+            elif style == "list":
+                out = layer([inp, inp])
+            else:
+                out = layer(inp)
             if not layer.trainable_weights:
                 raise NotConstructible("no trainable weights")
             out = keras.layers.Flatten()(out) if len(out.shape) > 2 else out

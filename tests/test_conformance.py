@@ -102,6 +102,17 @@ def test_list_valued_backbone_configs_are_made(case):
     assert out.shape[0] == conformance.BATCH and np.all(np.isfinite(np.asarray(out)))
 
 
+@pytest.mark.parametrize(
+    "name", ["MultiHeadAttention", "Bidirectional", "LSTMCell", "EinsumDense"]
+)
+def test_layers_needing_a_structure_are_built(name):
+    # attention on a query and a value, a wrapper around an LSTM, a cell inside RNN, an equation
+    model, x, y, _ = conformance.build_case(f"layer:{name}")
+    assert model(x).shape == (conformance.BATCH, 3)
+    assert any(type(layer).__name__ == name or name in str(layer.get_config())
+               for layer in model.layers)
+
+
 def test_sub_model_arguments_are_named_in_the_reason():
     with pytest.raises(conformance.NotConstructible, match="sub-model 'vision_encoder'"):
         conformance.build_case("hub:BLIP2CausalLM")
