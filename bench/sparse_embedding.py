@@ -111,6 +111,41 @@ def build(rows, dim, batch, length, seed=0):
     return {"nonprivate": nonprivate, "dense": dense_dp, "sparse": sparse_dp}
 
 
+def build_keras(rows, dim, batch, length, seed=0):
+    """The same three modes through ``model.fit``'s train step (``train_on_batch``): plain Keras
+    SGD; ``make_private`` with DP SGD (dense table noise); the same with
+    ``sparse_embeddings=SparseEmbeddingConfig(5.0, 3.0)``."""
+    import keras
+    import numpy as np
+
+    import tf_dp
+
+    rng = np.random.default_rng(seed)
+    ids = np.minimum(rng.zipf(1.2, size=(batch, length)) - 1, rows - 1).astype(np.int32)
+    y = rng.integers(0, 2, (batch, 1)).astype(np.float32)
+    loss = keras.losses.BinaryCrossentropy(from_logits=True)
+
+    def model():
+        keras.utils.set_random_seed(seed)
+        inp = keras.Input((length,), dtype="int32")
+        h = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(rows, dim)(inp))
+        return keras.Model(inp, keras.layers.Dense(1)(h))
+
+    plain = model()
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, jit_compile=False)
+    out = {"nonprivate": plain}
+    for mode, sparse in (("dense", None),
+                         ("sparse", tf_dp.keras.SparseEmbeddingConfig(5.0, 3.0))):
+        m = tf_dp.keras.make_private(model())
+        m.compile(optimizer=tf_dp.keras.DPKerasSGDOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.1,
+            sparse_embeddings=sparse), loss=loss, jit_compile=False)
+        m.optimizer.set_sampling(population_size=100 * batch, selection_probability=0.01,
+                                 sampling_policy="poisson")
+        out[mode] = m
+    return {k: (lambda m=m: m.train_on_batch(ids, y)) for k, m in out.items()}
+
+
 def _status_mb(field):
     with open("/proc/self/status") as f:
         for line in f:
@@ -138,6 +173,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--no_memory", action="store_true")
     p.add_argument("--no_timing", action="store_true")
+    p.add_argument("--keras", action="store_true",
+                   help="time the modes through Keras's train step (make_private) instead")
     p.add_argument("--repeats_memory", type=int, default=3)
     p.add_argument("--_memory_of", default=None)
     args = p.parse_args(argv)
@@ -169,7 +206,7 @@ def main(argv=None):
     if args.no_timing:
         print(json.dumps(result, indent=1))
         return result
-    steps = build(args.rows, args.dim, args.batch, args.length)
+    steps = (build_keras if args.keras else build)(args.rows, args.dim, args.batch, args.length)
     for f in steps.values():  # warm-up (tracing)
         f()
         f()
