@@ -158,7 +158,7 @@ class _CountingSource(tf_dp.data.ArraySource):
 
 
 def test_source_inclusion_statistics_separation_and_only_selected_reads():
-    n, b, q, passes = 120, 4, 0.3, 150
+    n, b, q, passes = 120, 4, 0.3, 100
     source = _CountingSource(np.arange(n, dtype=np.float32)[:, None], np.zeros(n, np.int32))
     batches = tf_dp.data.cyclic_poisson_sample(source, num_parts=b, sampling_probability=q,
                                                seed=3)

@@ -54,8 +54,8 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp.dp_query import dp_query
-from tf_dp.dp_query.gaussian_query import clip_weight
-from tf_dp.dp_query.noise import gaussian_noise, make_generator
+from tf_dp.dp_query.gaussian_query import JointClipSumQuery, RecordStateMixin
+from tf_dp.dp_query.noise import gaussian_noise
 from tf_dp.dp_query.validation import check_scalar
 
 __all__ = [
@@ -151,27 +151,6 @@ def blt_noise_step(omega: Any, theta: Any, buffers: Any, z: Any):
     return w, theta * buffers + z[tf.newaxis]
 
 
-def _state_dtype(dtype: tf.DType) -> tf.DType:
-    return tf.float64 if dtype == tf.float64 else tf.float32
-
-
-def _as_spec(x: Any) -> tf.TensorSpec:
-    if isinstance(x, tf.TensorSpec):
-        spec = x
-    elif hasattr(x, "shape") and hasattr(x, "dtype"):
-        spec = tf.TensorSpec(tf.TensorShape(x.shape), tf.as_dtype(x.dtype))
-    else:
-        raise TypeError(
-            "record_specs must be a structure of tf.TensorSpec, tensors or variables, got a "
-            f"{type(x).__name__}"
-        )
-    if not spec.shape.is_fully_defined():
-        raise ValueError(f"record_specs must have fully defined shapes, got {spec.shape}")
-    if not spec.dtype.is_floating:
-        raise TypeError(f"record_specs must be floating point, got {spec.dtype.name}")
-    return spec
-
-
 def _check_recurrence(recurrence: Any) -> tuple[str, tuple[np.ndarray, ...]]:
     kind = _kind(recurrence)
     if kind == "banded":
@@ -205,7 +184,7 @@ def _check_recurrence(recurrence: Any) -> tuple[str, tuple[np.ndarray, ...]]:
     )
 
 
-class CorrelatedNoiseSumQuery(dp_query.SumAggregationDPQuery):
+class CorrelatedNoiseSumQuery(RecordStateMixin, JointClipSumQuery):
     """The clipped sum of step ``t`` plus row ``t`` of ``C^{-1} Z`` (DP matrix factorization).
 
     Records are clipped jointly to ``l2_norm_clip`` (as ``GaussianSumQuery``); each entry of
@@ -248,23 +227,9 @@ class CorrelatedNoiseSumQuery(dp_query.SumAggregationDPQuery):
         else:
             self._omega, self._theta = arrays
             self._buffers = self._omega.size
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
-        self._seed = seed
-        self._generator = make_generator(seed)
-        self._specs = None
-        if record_specs is not None:
-            self.set_record_specs(record_specs)
+        self._init_record_state(seed, record_specs)
 
     # -- configuration ---------------------------------------------------------------------------
-
-    def set_record_specs(self, record_specs: Any) -> None:
-        """Sets the structure of one record (see the ``record_specs`` argument)."""
-        self._specs = tf.nest.map_structure(_as_spec, record_specs)
-
-    @property
-    def record_specs(self) -> Any:
-        return self._specs
 
     @property
     def recurrence(self) -> Any:
@@ -288,9 +253,6 @@ class CorrelatedNoiseSumQuery(dp_query.SumAggregationDPQuery):
     def stddev(self) -> Any:
         return self._stddev
 
-    @property
-    def noise_seed(self) -> Optional[int]:
-        return self._seed
 
     # -- DPQuery protocol ------------------------------------------------------------------------
 
@@ -301,26 +263,12 @@ class CorrelatedNoiseSumQuery(dp_query.SumAggregationDPQuery):
                 "model.trainable_variables) before initial_global_state"
             )
         buffers = tf.nest.map_structure(
-            lambda s: tf.zeros([self._buffers] + s.shape.as_list(), _state_dtype(s.dtype)),
+            lambda s: tf.zeros([self._buffers] + s.shape.as_list(), dp_query.state_dtype(s.dtype)),
             self._specs,
         )
         return CorrelatedNoiseState(
             tf.constant(0, tf.int64), buffers, self._l2_norm_clip, self._stddev
         )
-
-    def derive_sample_params(self, global_state: CorrelatedNoiseState) -> Any:
-        return tf.convert_to_tensor(global_state.l2_norm_clip, tf.float32)
-
-    def clip_weights(self, params: Any, squared_norms: Any) -> Any:
-        leaves = tf.nest.flatten(squared_norms)
-        total = tf.add_n([tf.cast(x, tf.float32) for x in leaves])
-        w = clip_weight(params, total)
-        return tf.nest.map_structure(lambda _: w, squared_norms)
-
-    def preprocess_record(self, params: Any, record: Any) -> Any:
-        sq = tf.nest.map_structure(dp_query.squared_norm, record)
-        weights = self.clip_weights(params, sq)
-        return tf.nest.map_structure(dp_query.scale, record, weights)
 
     def noise_step(self, step: Any, buffers: Any, z: Any):
         """The recurrence at step ``step`` on one leaf: ``(w_t, new_buffers)`` from the draw

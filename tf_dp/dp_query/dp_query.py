@@ -237,6 +237,37 @@ def _check_same_structure(a: Any, b: Any, name: str) -> None:
         raise ValueError(f"{name} does not match the structure of the sample state: {e}") from None
 
 
+def state_dtype(dtype: tf.DType) -> tf.DType:
+    """The dtype a query keeps per-record state in (noise buffers, tree nodes) for records of
+    ``dtype``: float64 for float64 records, float32 otherwise (half-precision records included)."""
+    return tf.float64 if dtype == tf.float64 else tf.float32
+
+
+def as_record_spec(x: Any) -> tf.TensorSpec:
+    """The ``tf.TensorSpec`` of one leaf of a record (what a stateful query sizes its state
+    from): a ``TensorSpec``, a shape (float32), or anything with ``shape`` and ``dtype`` (tensors,
+    variables); it must have a fully defined shape and a floating dtype (else
+    ``TypeError``/``ValueError`` naming ``record_specs``)."""
+    if isinstance(x, tf.TensorSpec):
+        spec = x
+    elif isinstance(x, (tf.TensorShape, list, tuple)) and all(
+        isinstance(d, (int, type(None))) for d in x
+    ):
+        spec = tf.TensorSpec(tf.TensorShape(x), tf.float32)
+    elif hasattr(x, "shape") and hasattr(x, "dtype"):
+        spec = tf.TensorSpec(tf.TensorShape(x.shape), tf.as_dtype(x.dtype))
+    else:
+        raise TypeError(
+            "record_specs must be a structure of tf.TensorSpec, tensors or variables, got a "
+            f"{type(x).__name__}"
+        )
+    if not spec.shape.is_fully_defined():
+        raise ValueError(f"record_specs must have fully defined shapes, got {spec.shape}")
+    if not spec.dtype.is_floating:
+        raise TypeError(f"record_specs must be floating point, got {spec.dtype.name}")
+    return spec
+
+
 def squared_norm(t: Any) -> tf.Tensor:
     """Squared L2 norm of a tensor or ``tf.IndexedSlices`` (float32 or wider)."""
     if isinstance(t, tf.IndexedSlices):

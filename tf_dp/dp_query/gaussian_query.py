@@ -39,8 +39,59 @@ def clip_weight(l2_norm_clip, squared_norm):
     return tf.math.divide_no_nan(clip, tf.maximum(norm, clip))
 
 
+class JointClipSumQuery(dp_query.SumAggregationDPQuery):
+    """A sum query that clips every record jointly (the global L2 norm of all its leaves) to the
+    global state's ``l2_norm_clip``: the clipping half of :class:`GaussianSumQuery`,
+    ``TreeCumulativeSumQuery`` and ``CorrelatedNoiseSumQuery``, which differ in their noise only.
+    A subclass's global state has an ``l2_norm_clip`` field."""
+
+    def derive_sample_params(self, global_state: Any) -> Any:
+        return tf.convert_to_tensor(global_state.l2_norm_clip, tf.float32)
+
+    def clip_weights(self, params: Any, squared_norms: Any) -> Any:
+        leaves = tf.nest.flatten(squared_norms)
+        total = tf.add_n([tf.cast(x, tf.float32) for x in leaves])
+        w = clip_weight(params, total)
+        return tf.nest.map_structure(lambda _: w, squared_norms)
+
+    def preprocess_record(self, params: Any, record: Any) -> Any:
+        sq = tf.nest.map_structure(dp_query.squared_norm, record)
+        weights = self.clip_weights(params, sq)
+        return tf.nest.map_structure(dp_query.scale, record, weights)
+
+
+class RecordStateMixin:
+    """For a query whose global state is sized from the structure of one record and whose noise
+    comes from its own generator (tree aggregation, correlated noise): the seed, checked (an
+    integer with ``|seed| <= 2**53``, which the ledger's float64 column records exactly, or None
+    for OS entropy) and the record specs (:func:`tf_dp.dp_query.dp_query.as_record_spec`)."""
+
+    def _init_record_state(self, seed: Optional[int], record_specs: Any) -> None:
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+        if seed is not None and abs(seed) > 2**53:
+            raise ValueError(f"seed must be an integer with |seed| <= 2**53, got {seed}")
+        self._seed = seed
+        self._generator = make_generator(seed)
+        self._specs = None
+        if record_specs is not None:
+            self.set_record_specs(record_specs)
+
+    def set_record_specs(self, record_specs: Any) -> None:
+        """Sets the structure of one record (see the ``record_specs`` argument)."""
+        self._specs = tf.nest.map_structure(dp_query.as_record_spec, record_specs)
+
+    @property
+    def record_specs(self) -> Any:
+        return self._specs
+
+    @property
+    def noise_seed(self) -> Optional[int]:
+        return self._seed
+
+
 @serializable_query
-class GaussianSumQuery(dp_query.SumAggregationDPQuery):
+class GaussianSumQuery(JointClipSumQuery):
     """Sums records clipped to L2 norm ``l2_norm_clip`` and adds Gaussian noise of ``stddev``.
 
     The whole record (every leaf of its structure) is clipped jointly: its global L2 norm is at most
@@ -115,20 +166,6 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
 
     def initial_global_state(self) -> GaussianGlobalState:
         return GaussianGlobalState(self._l2_norm_clip, self._stddev)
-
-    def derive_sample_params(self, global_state: GaussianGlobalState) -> Any:
-        return tf.convert_to_tensor(global_state.l2_norm_clip, tf.float32)
-
-    def clip_weights(self, params: Any, squared_norms: Any) -> Any:
-        leaves = tf.nest.flatten(squared_norms)
-        total = tf.add_n([tf.cast(x, tf.float32) for x in leaves])
-        w = clip_weight(params, total)
-        return tf.nest.map_structure(lambda _: w, squared_norms)
-
-    def preprocess_record(self, params: Any, record: Any) -> Any:
-        sq = tf.nest.map_structure(dp_query.squared_norm, record)
-        weights = self.clip_weights(params, sq)
-        return tf.nest.map_structure(dp_query.scale, record, weights)
 
     def get_noised_result(self, sample_state: Any, global_state: GaussianGlobalState):
         stddev = tf.convert_to_tensor(global_state.stddev, tf.float32)

@@ -66,8 +66,8 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp.dp_query import dp_query
-from tf_dp.dp_query.gaussian_query import clip_weight
-from tf_dp.dp_query.noise import gaussian_noise, make_generator
+from tf_dp.dp_query.gaussian_query import JointClipSumQuery, RecordStateMixin
+from tf_dp.dp_query.noise import gaussian_noise
 from tf_dp.dp_query.validation import check_scalar
 
 __all__ = [
@@ -110,32 +110,7 @@ class TreeState(NamedTuple):
     stddev: Any
 
 
-def _node_dtype(dtype: tf.DType) -> tf.DType:
-    return tf.float64 if dtype == tf.float64 else tf.float32
-
-
-def _as_spec(x: Any) -> tf.TensorSpec:
-    if isinstance(x, tf.TensorSpec):
-        spec = x
-    elif isinstance(x, (tf.TensorShape, list, tuple)) and all(
-        isinstance(d, (int, type(None))) for d in x
-    ):
-        spec = tf.TensorSpec(tf.TensorShape(x), tf.float32)
-    elif hasattr(x, "shape") and hasattr(x, "dtype"):
-        spec = tf.TensorSpec(tf.TensorShape(x.shape), tf.as_dtype(x.dtype))
-    else:
-        raise TypeError(
-            "record_specs must be a structure of tf.TensorSpec, tensors or variables, got a "
-            f"{type(x).__name__}"
-        )
-    if not spec.shape.is_fully_defined():
-        raise ValueError(f"record_specs must have fully defined shapes, got {spec.shape}")
-    if not spec.dtype.is_floating:
-        raise TypeError(f"record_specs must be floating point, got {spec.dtype.name}")
-    return spec
-
-
-class TreeCumulativeSumQuery(dp_query.SumAggregationDPQuery):
+class TreeCumulativeSumQuery(RecordStateMixin, JointClipSumQuery):
     """Noised prefix sums of records clipped to ``l2_norm_clip`` (the binary tree mechanism).
 
     Each call of :meth:`get_noised_result` adds the sample's clipped sum as the next leaf and
@@ -199,27 +174,11 @@ class TreeCumulativeSumQuery(dp_query.SumAggregationDPQuery):
                 )
             depth = int(max_depth)
             restart_every = 2**depth - 1
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
-        if seed is not None and abs(seed) > 2**53:
-            raise ValueError(f"seed must be an integer with |seed| <= 2**53, got {seed}")
         self._restart_every = restart_every
         self._depth = depth
-        self._seed = seed
-        self._generator = make_generator(seed)
-        self._specs = None
-        if record_specs is not None:
-            self.set_record_specs(record_specs)
+        self._init_record_state(seed, record_specs)
 
     # -- configuration ---------------------------------------------------------------------------
-
-    def set_record_specs(self, record_specs: Any) -> None:
-        """Sets the structure of one record (see the ``record_specs`` argument)."""
-        self._specs = tf.nest.map_structure(_as_spec, record_specs)
-
-    @property
-    def record_specs(self) -> Any:
-        return self._specs
 
     def resize(self, restart_every: int, max_restart_every: Optional[int] = None) -> None:
         """Sets the steps per tree, with a node stack of ``depth`` levels for trees of up to
@@ -259,7 +218,7 @@ class TreeCumulativeSumQuery(dp_query.SumAggregationDPQuery):
                 "model.trainable_variables) before initial_global_state"
             )
         nodes = tf.nest.map_structure(
-            lambda s: tf.zeros([self._depth] + s.shape.as_list(), _node_dtype(s.dtype)),
+            lambda s: tf.zeros([self._depth] + s.shape.as_list(), dp_query.state_dtype(s.dtype)),
             self._specs,
         )
         prefix = (
@@ -276,20 +235,6 @@ class TreeCumulativeSumQuery(dp_query.SumAggregationDPQuery):
             step=tf.zeros_like(global_state.step),
             prefix=tf.nest.map_structure(tf.zeros_like, global_state.prefix),
         )
-
-    def derive_sample_params(self, global_state: TreeState) -> Any:
-        return tf.convert_to_tensor(global_state.l2_norm_clip, tf.float32)
-
-    def clip_weights(self, params: Any, squared_norms: Any) -> Any:
-        leaves = tf.nest.flatten(squared_norms)
-        total = tf.add_n([tf.cast(x, tf.float32) for x in leaves])
-        w = clip_weight(params, total)
-        return tf.nest.map_structure(lambda _: w, squared_norms)
-
-    def preprocess_record(self, params: Any, record: Any) -> Any:
-        sq = tf.nest.map_structure(dp_query.squared_norm, record)
-        weights = self.clip_weights(params, sq)
-        return tf.nest.map_structure(dp_query.scale, record, weights)
 
     def _tree_step(self, global_state: TreeState) -> tf.Tensor:
         """Index (0-based) in its tree of the leaf the next call adds (0 after a restart)."""

@@ -56,8 +56,95 @@ def _spec_of(g: Any) -> tf.TensorSpec:
     return tf.TensorSpec(g.shape, g.dtype)
 
 
+class StatefulNoiseSGD(DPOptimizerMixin, keras.optimizers.SGD):
+    """What the SGD optimizers with stateful, correlated noise share (DP-FTRL's tree,
+    :class:`tf_dp.keras.DPKerasMFOptimizer`'s matrix factorization): the argument checks, the
+    noise state sized from the trainable variables on the first step (eager or traced) and built
+    once, and the common config. A subclass names its mechanism (``_mechanism``, for messages)
+    and builds its state in :meth:`_build_noise_state`."""
+
+    #: the mechanism, in messages ("tree aggregation", "matrix factorization")
+    _mechanism = ""
+    _calibrates_as_dp_sgd = False  # correlated noise: not DP-SGD's accounting
+
+    def _check_noise_arguments(self, l2_norm_clip: Any, noise_multiplier: Any,
+                               gradient_mode: str, kwargs: dict) -> tuple[float, float]:
+        """Checks the arguments every such optimizer takes (before anything is built) and returns
+        ``(l2_norm_clip, noise_multiplier)`` as floats; ``kwargs`` loses ``nesterov``."""
+        name = type(self).__name__
+        if kwargs.get("nesterov"):
+            raise ValueError(f"{name} does not offer nesterov momentum")
+        kwargs.pop("nesterov", None)
+        for arg in ("dp_sum_query", "jl_projections"):
+            if arg in kwargs:
+                raise TypeError(f"{name} does not take {arg}")
+        l2_norm_clip, noise_multiplier = python_number(l2_norm_clip), python_number(noise_multiplier)
+        if l2_norm_clip is None or noise_multiplier is None:
+            raise ValueError(
+                f"{name} needs l2_norm_clip (a finite number > 0) and "
+                "noise_multiplier (a finite number >= 0)"
+            )
+        check_number("l2_norm_clip", l2_norm_clip, positive=True)
+        check_number("noise_multiplier", noise_multiplier, positive=False)
+        if gradient_mode == "jl":
+            raise ValueError(
+                f"gradient_mode='jl' cannot be used with {name}: no accountant "
+                f"analyses {self._mechanism} with JL clipping; use 'auto', 'vectorized', "
+                "'microbatch' or 'ghost'"
+            )
+        return float(l2_norm_clip), float(noise_multiplier)  # the subclass keeps them, after
+        # keras's __init__, as _noise_clip and _noise_z
+
+    @property
+    def l2_norm_clip(self) -> float:
+        return self._noise_clip
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self._noise_z
+
+    def _build_noise_state(self, records: list) -> None:
+        """Builds the noise state for ``records`` (one per trainable variable), once."""
+        raise NotImplementedError
+
+    def build(self, variables) -> None:
+        super().build(variables)
+        self._build_noise_state(list(variables))
+
+    def private_gradients(self, loss_fn, data, variables, model=None, check=None):
+        # the first (traced) step, before Keras builds the optimizer: size the state from the
+        # variables (variables created on the first trace are allowed by tf.function)
+        self._build_noise_state(list(variables))
+        return super().private_gradients(loss_fn, data, variables, model, check)
+
+    def dp_step(self, loss_fn, data, variables, model=None, check=None, extra_gradients=None):
+        self._build_noise_state(list(variables))  # as in private_gradients
+        return super().dp_step(loss_fn, data, variables, model, check, extra_gradients)
+
+    def dp_aggregate(self, clipped):
+        # the first (traced) step, before Keras builds the optimizer: size the state from the
+        # clipped sum (one tensor per trainable variable)
+        self._build_noise_state(tf.nest.flatten(clipped.clipped_sum))
+        return super().dp_aggregate(clipped)
+
+    def _noise_config(self) -> dict[str, Any]:
+        """SGD's config (without ``nesterov``) and the arguments every such optimizer takes."""
+        config = keras.optimizers.SGD.get_config(self)
+        config.pop("nesterov", None)
+        config.update(
+            {
+                "l2_norm_clip": self._noise_clip,
+                "noise_multiplier": self._noise_z,
+                "num_microbatches": self.num_microbatches,
+                "gradient_mode": self.gradient_mode,
+                "max_physical_batch_size": self.max_physical_batch_size,
+            }
+        )
+        return config
+
+
 @keras.saving.register_keras_serializable(package="tf_dp", name="DPKerasFTRLOptimizer")
-class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
+class DPKerasFTRLOptimizer(StatefulNoiseSGD):
     """DP-FTRL (Kairouz et al. 2021): SGD, optionally with momentum, on tree-aggregated gradients.
 
     Every step clips the per-example gradients to ``l2_norm_clip``, adds the batch's clipped sum
@@ -85,7 +172,7 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
     ledger records (``tree_step`` 0).
     """
 
-    _calibrates_as_dp_sgd = False  # tree-aggregated noise: not DP-SGD's accounting
+    _mechanism = "tree aggregation"
 
     def __init__(
         self,
@@ -102,26 +189,8 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         max_physical_batch_size: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
-        if kwargs.get("nesterov"):
-            raise ValueError("DPKerasFTRLOptimizer does not offer nesterov momentum")
-        kwargs.pop("nesterov", None)
-        for name in ("dp_sum_query", "jl_projections"):
-            if name in kwargs:
-                raise TypeError(f"DPKerasFTRLOptimizer does not take {name}")
-        l2_norm_clip, noise_multiplier = python_number(l2_norm_clip), python_number(noise_multiplier)
-        if l2_norm_clip is None or noise_multiplier is None:
-            raise ValueError(
-                "DPKerasFTRLOptimizer needs l2_norm_clip (a finite number > 0) and "
-                "noise_multiplier (a finite number >= 0)"
-            )
-        check_number("l2_norm_clip", l2_norm_clip, positive=True)
-        check_number("noise_multiplier", noise_multiplier, positive=False)
-        if gradient_mode == "jl":
-            raise ValueError(
-                "gradient_mode='jl' cannot be used with DPKerasFTRLOptimizer: no accountant "
-                "analyses tree aggregation with JL clipping; use 'auto', 'vectorized', "
-                "'microbatch' or 'ghost'"
-            )
+        l2_norm_clip, noise_multiplier = self._check_noise_arguments(
+            l2_norm_clip, noise_multiplier, gradient_mode, kwargs)
         if restart_every != "epoch" and (
             isinstance(restart_every, bool)
             or not isinstance(restart_every, int)
@@ -144,7 +213,7 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         keras.optimizers.SGD.__init__(self, learning_rate, momentum=momentum, **kwargs)
         period = restart_every if restart_every != "epoch" else (max_epoch_steps or 1)
         tree = TreeResidualSumQuery(
-            float(l2_norm_clip), float(noise_multiplier) * float(l2_norm_clip),
+            l2_norm_clip, noise_multiplier * l2_norm_clip,
             restart_every=period, seed=noise_seed,
         )
         self._tree = tree
@@ -155,19 +224,10 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         )
         # DP-FTRL has its own configuration (not an arbitrary dp_sum_query): serialisable.
         self._custom_query = False
-        self._ftrl_clip = float(l2_norm_clip)
-        self._ftrl_noise_multiplier = float(noise_multiplier)
+        self._noise_clip, self._noise_z = l2_norm_clip, noise_multiplier
         self._restart_every = restart_every
         self._max_epoch_steps = max_epoch_steps
         self._epoch_steps: Optional[int] = None
-
-    @property
-    def l2_norm_clip(self) -> float:
-        return self._ftrl_clip
-
-    @property
-    def noise_multiplier(self) -> float:
-        return self._ftrl_noise_multiplier
 
     # -- tree structure ----------------------------------------------------------------------------
 
@@ -256,44 +316,15 @@ class DPKerasFTRLOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
                 "(restart_every='epoch' gives the paper's bound)", self._restart_every, steps,
             )
 
-    def build(self, variables) -> None:
-        super().build(variables)
-        self._build_tree(list(variables))
-
-    def _build_tree(self, records: list) -> None:
+    def _build_noise_state(self, records: list) -> None:
         """The tree's state (one node stack per variable), carried by the engine (once)."""
         if not self._engine.state_built:
             self._tree.set_record_specs([_spec_of(r) for r in records])
             self._engine.build_state()
 
-    def private_gradients(self, loss_fn, data, variables, model=None, check=None):
-        # the first (traced) step, before Keras builds the optimizer: size the tree state from
-        # the variables (variables created on the first trace are allowed by tf.function)
-        self._build_tree(list(variables))
-        return super().private_gradients(loss_fn, data, variables, model, check)
-
-    def dp_step(self, loss_fn, data, variables, model=None, check=None, extra_gradients=None):
-        self._build_tree(list(variables))  # as in private_gradients
-        return super().dp_step(loss_fn, data, variables, model, check, extra_gradients)
-
-    def dp_aggregate(self, clipped):
-        # the first (traced) step, before Keras builds the optimizer: size the tree state from
-        # the clipped sum (one tensor per trainable variable)
-        self._build_tree(tf.nest.flatten(clipped.clipped_sum))
-        return super().dp_aggregate(clipped)
-
     def get_config(self) -> dict[str, Any]:
-        config = keras.optimizers.SGD.get_config(self)
-        config.pop("nesterov", None)
+        config = self._noise_config()
         config.update(
-            {
-                "l2_norm_clip": self._ftrl_clip,
-                "noise_multiplier": self._ftrl_noise_multiplier,
-                "restart_every": self._restart_every,
-                "max_epoch_steps": self._max_epoch_steps,
-                "num_microbatches": self.num_microbatches,
-                "gradient_mode": self.gradient_mode,
-                "max_physical_batch_size": self.max_physical_batch_size,
-            }
+            {"restart_every": self._restart_every, "max_epoch_steps": self._max_epoch_steps}
         )
         return config

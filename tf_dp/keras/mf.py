@@ -34,9 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp.correlated.noise_tf import CorrelatedNoiseState, CorrelatedNoiseSumQuery, recurrence_of
-from tf_dp.engine.validation import check_number, python_number
-from tf_dp.keras.ftrl import _spec_of
-from tf_dp.keras.optimizers import DPOptimizerMixin
+from tf_dp.keras.ftrl import StatefulNoiseSGD, _spec_of
 
 __all__ = ["DPKerasMFOptimizer"]
 
@@ -67,7 +65,7 @@ class _Recurrence:
 
 
 @keras.saving.register_keras_serializable(package="tf_dp", name="DPKerasMFOptimizer")
-class DPKerasMFOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
+class DPKerasMFOptimizer(StatefulNoiseSGD):
     """DP-MF: SGD, optionally with momentum, on gradients with correlated (matrix factorization)
     noise.
 
@@ -86,7 +84,7 @@ class DPKerasMFOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
       noise_seed: tests and debugging only (a known seed voids the guarantee).
     """
 
-    _calibrates_as_dp_sgd = False  # correlated noise: not DP-SGD's accounting
+    _mechanism = "matrix factorization"
 
     def __init__(
         self,
@@ -102,39 +100,18 @@ class DPKerasMFOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         max_physical_batch_size: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
-        if kwargs.get("nesterov"):
-            raise ValueError("DPKerasMFOptimizer does not offer nesterov momentum")
-        kwargs.pop("nesterov", None)
-        for name in ("dp_sum_query", "jl_projections"):
-            if name in kwargs:
-                raise TypeError(f"DPKerasMFOptimizer does not take {name}")
-        l2_norm_clip, noise_multiplier = (
-            python_number(l2_norm_clip),
-            python_number(noise_multiplier),
-        )
-        if l2_norm_clip is None or noise_multiplier is None:
-            raise ValueError(
-                "DPKerasMFOptimizer needs l2_norm_clip (a finite number > 0) and "
-                "noise_multiplier (a finite number >= 0)"
-            )
-        check_number("l2_norm_clip", l2_norm_clip, positive=True)
-        check_number("noise_multiplier", noise_multiplier, positive=False)
+        l2_norm_clip, noise_multiplier = self._check_noise_arguments(
+            l2_norm_clip, noise_multiplier, gradient_mode, kwargs)
         if strategy is None:
             raise ValueError(
                 "DPKerasMFOptimizer needs strategy: a banded or BLT strategy of "
                 "tf_dp.correlated.strategies (or its noise_recurrence())"
             )
-        if gradient_mode == "jl":
-            raise ValueError(
-                "gradient_mode='jl' cannot be used with DPKerasMFOptimizer: no accountant "
-                "analyses matrix factorization with JL clipping; use 'auto', 'vectorized', "
-                "'microbatch' or 'ghost'"
-            )
         recurrence_of(strategy)  # validates it before anything is built
         keras.optimizers.SGD.__init__(self, learning_rate, momentum=momentum, **kwargs)
         query = CorrelatedNoiseSumQuery(  # a strategy's config goes into every ledger row
-            float(l2_norm_clip),
-            float(noise_multiplier) * float(l2_norm_clip),
+            l2_norm_clip,
+            noise_multiplier * l2_norm_clip,
             strategy,
             seed=noise_seed,
         )
@@ -152,8 +129,7 @@ class DPKerasMFOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
             placeholder_state=CorrelatedNoiseState(0, [], query.l2_norm_clip, query.stddev),
         )
         self._custom_query = False
-        self._mf_clip = float(l2_norm_clip)
-        self._mf_noise_multiplier = float(noise_multiplier)
+        self._noise_clip, self._noise_z = l2_norm_clip, noise_multiplier
         self._pending_state: Optional[dict[str, np.ndarray]] = None
 
     @classmethod
@@ -205,14 +181,6 @@ class DPKerasMFOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
             accountant=accountant,
         )
         return cls(noise_multiplier=z, strategy=strategy, **kwargs)
-
-    @property
-    def l2_norm_clip(self) -> float:
-        return self._mf_clip
-
-    @property
-    def noise_multiplier(self) -> float:
-        return self._mf_noise_multiplier
 
     @property
     def strategy(self) -> Any:
@@ -271,8 +239,8 @@ class DPKerasMFOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
             sampling_probability = sampling.selection_probability
         return MatrixFactorizationEvent(
             strategy.to_config(),
-            self._mf_noise_multiplier,
-            self._mf_clip,
+            self._noise_z,
+            self._noise_clip,
             participation,
             period=period,
             sampling_probability=sampling_probability,
@@ -293,10 +261,6 @@ class DPKerasMFOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
         self._engine.ledger.save(path, metadata={MF_METADATA_KEY: event.to_dict()})
 
     # -- the noise state -----------------------------------------------------------------------
-
-    def build(self, variables) -> None:
-        super().build(variables)
-        self._build_noise_state(list(variables))
 
     def _build_noise_state(self, records: list) -> None:
         """The noise state (one buffer stack per variable), carried by the engine (once)."""
@@ -357,38 +321,16 @@ class DPKerasMFOptimizer(DPOptimizerMixin, keras.optimizers.SGD):
             else:
                 self._pending_state = arrays
 
-    def private_gradients(self, loss_fn, data, variables, model=None, check=None):
-        self._build_noise_state(list(variables))
-        return super().private_gradients(loss_fn, data, variables, model, check)
-
-    def dp_step(self, loss_fn, data, variables, model=None, check=None, extra_gradients=None):
-        self._build_noise_state(list(variables))
-        return super().dp_step(loss_fn, data, variables, model, check, extra_gradients)
-
-    def dp_aggregate(self, clipped):
-        self._build_noise_state(tf.nest.flatten(clipped.clipped_sum))
-        return super().dp_aggregate(clipped)
-
     # -- config ----------------------------------------------------------------------------------
 
     def get_config(self) -> dict[str, Any]:
-        config = keras.optimizers.SGD.get_config(self)
-        config.pop("nesterov", None)
+        config = self._noise_config()
         strategy = self._mf_strategy
         if hasattr(strategy, "to_config"):
             saved = {"class": type(strategy).__name__, "config": strategy.to_config()}
         else:
             saved = {"recurrence": _recurrence_config(self._mf_query.recurrence)}
-        config.update(
-            {
-                "l2_norm_clip": self._mf_clip,
-                "noise_multiplier": self._mf_noise_multiplier,
-                "strategy": saved,
-                "num_microbatches": self.num_microbatches,
-                "gradient_mode": self.gradient_mode,
-                "max_physical_batch_size": self.max_physical_batch_size,
-            }
-        )
+        config["strategy"] = saved
         return config
 
     @classmethod
