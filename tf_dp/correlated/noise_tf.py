@@ -253,19 +253,10 @@ class CorrelatedNoiseSumQuery(RecordStateMixin, JointClipSumQuery):
     def stddev(self) -> Any:
         return self._stddev
 
-
     # -- DPQuery protocol ------------------------------------------------------------------------
 
     def initial_global_state(self) -> CorrelatedNoiseState:
-        if self._specs is None:
-            raise ValueError(
-                f"{type(self).__name__} needs record_specs (the structure of one record, e.g. "
-                "model.trainable_variables) before initial_global_state"
-            )
-        buffers = tf.nest.map_structure(
-            lambda s: tf.zeros([self._buffers] + s.shape.as_list(), dp_query.state_dtype(s.dtype)),
-            self._specs,
-        )
+        buffers = self._zeros_per_record(self._buffers)
         return CorrelatedNoiseState(
             tf.constant(0, tf.int64), buffers, self._l2_norm_clip, self._stddev
         )

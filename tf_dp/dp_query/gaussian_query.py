@@ -89,6 +89,19 @@ class RecordStateMixin:
     def noise_seed(self) -> Optional[int]:
         return self._seed
 
+    def _zeros_per_record(self, k: int) -> Any:
+        """Zeros ``[k, *shape]`` for every leaf of a record (state dtype), once the specs are
+        known (else a ``ValueError`` that says to set them)."""
+        if self._specs is None:
+            raise ValueError(
+                f"{type(self).__name__} needs record_specs (the structure of one record, e.g. "
+                "model.trainable_variables) before initial_global_state"
+            )
+        return tf.nest.map_structure(
+            lambda s: tf.zeros([k] + s.shape.as_list(), dp_query.state_dtype(s.dtype)),
+            self._specs,
+        )
+
 
 @serializable_query
 class GaussianSumQuery(JointClipSumQuery):

@@ -212,15 +212,7 @@ class TreeCumulativeSumQuery(RecordStateMixin, JointClipSumQuery):
     # -- DPQuery protocol ------------------------------------------------------------------------
 
     def initial_global_state(self) -> TreeState:
-        if self._specs is None:
-            raise ValueError(
-                f"{type(self).__name__} needs record_specs (the structure of one record, e.g. "
-                "model.trainable_variables) before initial_global_state"
-            )
-        nodes = tf.nest.map_structure(
-            lambda s: tf.zeros([self._depth] + s.shape.as_list(), dp_query.state_dtype(s.dtype)),
-            self._specs,
-        )
+        nodes = self._zeros_per_record(self._depth)
         prefix = (
             tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), self._specs)
             if self._keeps_prefix else ()
