@@ -135,6 +135,9 @@ def clipped_vs_loop(model, x, y, jit_compile):
     atol = tolerance("float32", terms, float(np.sum(np.minimum(norms, clip))))
     for v, a, b in zip(model.trainable_variables, got, want):
         np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
+    # the probe checked every recorded layer: no run-time axis-0 assertion left in the step
+    ops = step.get_concrete_function().graph.get_operations()
+    assert not [op for op in ops if "axis 0" in str(op.node_def)], "run-time axis-0 checks"
     return ghost
 """
 

@@ -91,6 +91,8 @@ class Plan:
     demoted: dict = dataclasses.field(default_factory=dict)
     #: whether a shape probe (:func:`_probe_axis0`) has run for a trace with an unknown batch size
     probed: bool = False
+    #: layers (by id) whose outputs had the examples on axis 0 at every probe size
+    axis0_ok: set = dataclasses.field(default_factory=set)
 
     @property
     def mode(self) -> str:
@@ -473,6 +475,7 @@ def _probe_axis0(plan: Plan, loss_fn, data, index: dict) -> None:
     layers whose outputs' axis 0 is not the batch. Tracing only: no op of the probe runs, so no
     random state moves and no variable changes."""
     plan.probed = True
+    seen: list = []  # per probe size: the layers whose every output had the batch on axis 0
 
     def spec(t):
         t = tf.convert_to_tensor(t)
@@ -486,6 +489,9 @@ def _probe_axis0(plan: Plan, loss_fn, data, index: dict) -> None:
                     loss_fn(x, y, sw)
             records = [r for r in capture.records if id(r.layer) not in capture.nested]
             _demote_off_axis(plan, records, size, index)
+            ok = {id(r.layer) for r in records if _axis0_is_examples(r, size)}
+            ok -= {id(r.layer) for r in records if not _axis0_is_examples(r, size)}
+            seen.append(ok)
             return tf.constant(0.0)
 
         x, y, sw = data
@@ -495,6 +501,7 @@ def _probe_axis0(plan: Plan, loss_fn, data, index: dict) -> None:
         except Exception as e:  # noqa: BLE001 -- a model that cannot trace at this size
             _logger.info("tf_dp: ghost clipper: shape probe at batch %d failed (%s)", size, e)
             return
+    plan.axis0_ok = set.intersection(*seen) if seen else set()
 
 
 def _whole_model_per_example(loss_fn, data, variables, loop: bool = False) -> list:
@@ -637,6 +644,7 @@ class GhostClipper(base.GradientClipper):
             if any(r.layer is l for l, _ in plan.ghost) or any(r.layer is u for u, _, _ in plan.local)
         ]
         checks = []
+        unchecked = [r for r in unchecked if id(r.layer) not in plan.axis0_ok]
         for rec in unchecked:  # shapes unknown at trace time: checked when the step runs
             for t in rec.outputs:
                 checks.append(
