@@ -47,3 +47,14 @@ def test_sensitivities_match_closed_forms():
     # the banded square root (all bands) squares to the prefix-sum matrix
     _, full = compare.banded_sqrt(n, n)
     np.testing.assert_allclose(full @ full, np.tril(np.ones((n, n))), atol=1e-12)
+
+
+@pytest.mark.parametrize("parts,epochs", [(8, 5), (6, 3)])
+def test_tree_sensitivity_is_sqrt_of_epochs_times_tree_depth(parts, epochs):
+    """One tree per epoch, a record once per epoch at the same position: it lies in
+    floor(log2 b) + 1 nodes of each epoch's tree (0/1 sums: exact)."""
+    from tf_dp.correlated.strategies import TreeStrategy
+
+    c = np.kron(np.eye(epochs), TreeStrategy(parts).matrix())
+    want = math.sqrt(epochs * (math.floor(math.log2(parts)) + 1))
+    assert compare.sensitivity(c, parts) == pytest.approx(want, rel=1e-12)

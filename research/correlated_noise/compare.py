@@ -14,7 +14,10 @@ epsilon (delta = 1e-5):
   cut to ``b`` bands;
 * ``blt``: the same batches with BLT noise of ``d`` buffers, its ``omega`` and ``theta``
   optimised here for this run (L-BFGS on the sensitivity times the prefix sums' noise
-  ``||A C^{-1}||_F``, from a fit to the square root's inverse).
+  ``||A C^{-1}||_F``, from a fit to the square root's inverse);
+* ``dpftrl_tree``: the same batches with DP-FTRL's tree aggregation
+  (``tf_dp.keras.DPKerasFTRLOptimizer``, a new tree every epoch): ``C`` the block diagonal of one
+  ``tf_dp.correlated.strategies.TreeStrategy(b)`` per epoch (a row per released node).
 
 Accounting of the last three (no amplification): each is a Gaussian mechanism ``C x + Z`` (the
 optimizer's noise ``C^{-1} Z`` is post-processing of it) whose L2 sensitivity under add/remove of
@@ -50,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # this checkout's tf
 import numpy as np  # noqa: E402
 from scipy import optimize, special, stats  # noqa: E402
 
-MECHANISMS = ("dpsgd_poisson", "dpsgd_cyclic", "bandmf", "blt")
+MECHANISMS = ("dpsgd_poisson", "dpsgd_cyclic", "bandmf", "blt", "dpftrl_tree")
 
 
 def _scatternet():
@@ -117,8 +120,9 @@ def blt_fit(n: int, buffers: int, parts: int):
 
 
 def sensitivity(c: np.ndarray, parts: int) -> float:
-    """``max_p ||C u_p||`` with ``u_p`` the indicator of steps ``p, p + parts, ...``."""
-    n = c.shape[0]
+    """``max_p ||C u_p||`` with ``u_p`` the indicator of steps ``p, p + parts, ...`` (``C``: a
+    row per release, a column per step)."""
+    n = c.shape[1]
     return max(float(np.linalg.norm(c[:, p::parts].sum(axis=1))) for p in range(min(parts, n)))
 
 
@@ -174,12 +178,18 @@ def train(mechanism, feats, labels, args, seed, target):
         elif mechanism == "bandmf":
             coef, c = banded_sqrt(steps, args.bands)
             strategy = type("Banded", (), {"coef": coef})()
-        else:
+        elif mechanism == "blt":
             omega, theta, c = blt_fit(steps, args.buffers, parts)
             strategy = type("BLT", (), {"omega": omega, "theta": theta})()
+        else:  # one tree per epoch of `parts` steps
+            from tf_dp.correlated.strategies import TreeStrategy
+
+            c = np.kron(np.eye(args.epochs), TreeStrategy(parts).matrix())
         delta_sens = sensitivity(c, parts)
         sigma = delta_sens / mu
-        if strategy is None:
+        if mechanism == "dpftrl_tree":
+            opt = tf_dp.keras.DPKerasFTRLOptimizer(noise_multiplier=sigma, **common)
+        elif strategy is None:
             opt = tf_dp.keras.DPKerasSGDOptimizer(noise_multiplier=sigma, **common)
         else:
             opt = tf_dp.keras.DPKerasMFOptimizer(noise_multiplier=sigma, strategy=strategy,
@@ -258,6 +268,8 @@ def main(argv=None):
                    help="train on the first 50,000 training images, evaluate on the last 10,000")
     p.add_argument("--quick", action="store_true", help="3000 / 1000 images, 3 epochs, no files")
     p.add_argument("--plot", action="store_true", help="only draw accuracy.png from results.csv")
+    p.add_argument("--append", action="store_true",
+                   help="keep results.csv's rows of the other mechanisms (replace these ones)")
     args = p.parse_args(argv)
     if args.plot:
         return plot()
@@ -276,6 +288,11 @@ def main(argv=None):
             for seed in range(args.seeds):
                 rows.append(train(mechanism, feats, (y, yt), args, seed, target))
     if not (args.quick or args.validation):
+        if args.append and os.path.exists(os.path.join(HERE, "results.csv")):
+            ran = set(args.mechanisms.split(","))
+            with open(os.path.join(HERE, "results.csv"), newline="") as f:
+                kept = [r for r in csv.DictReader(f) if r["mechanism"] not in ran]
+            rows = kept + rows
         with open(os.path.join(HERE, "results.csv"), "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
