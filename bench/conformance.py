@@ -65,7 +65,7 @@ TINY = {
     "num_hidden_layers": 1,
     "hidden_size": 8,
     "intermediate_size": 16,
-    "head_size": 4,
+    "head_size": 8,  # = hidden_dim / num_heads (RoformerV2 adds a head_size-wide projection)
     "max_position_embeddings": 16,
     "rope_theta": 10000.0,
     "attention_bias": False,
@@ -655,6 +655,15 @@ def table(results: list, skipped: dict, pending: list = ()) -> str:
             "equals a per-example GradientTape reference within float32's bound), *rule* (`ghost`: "
             "every variable on an exact fast rule; otherwise the layers that fall back to per-example "
             "gradients), *ratio* (median DP / non-private step time of interleaved one-step fits, shared CPU)."
+        ),
+        "",
+        (
+            "*exact* is judged against a worst-case float32 rounding bound (`tolerance`, counted "
+            "from fan-ins and positions; for images it grows with the squared number of input "
+            "positions, so it is loose there): the records in `bench/coverage_results.jsonl` give "
+            "`max_error` and `step_size` for a closer look. A `timeout` row ran out of the "
+            "`--timeout` budget (900 s) on a shared 2-core machine, where tracing a big model's "
+            "first DP step alone takes minutes: rerun it with a larger `--timeout`."
         ),
         "",
         "## Summary",
