@@ -128,3 +128,22 @@ def test_volume_mixed_precision():
     atol = tolerance("float16", VOLUME_TERMS, magnitude)
     for v, a, b in zip(half.trainable_variables, got, ref):
         np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
+
+
+@pytest.mark.parametrize(
+    "make, shape, mode",
+    [
+        # last output axis == filters: Keras adds the bias along the last axis (ops.add's
+        # bias_add shortcut), so the per-channel rule would measure another gradient
+        (lambda: L.Conv2D(4, 3, padding="same", data_format="channels_first"), (2, 4, 4), "mixed"),
+        (lambda: L.Conv1D(4, 1, data_format="channels_first"), (2, 4), "mixed"),
+        (lambda: L.Conv2D(4, 3, padding="same", data_format="channels_first"), (2, 5, 5), "ghost"),
+    ],
+)
+def test_channels_first_bias_on_the_last_axis_falls_back(make, shape, mode):
+    r = rng(5)
+    model = keras.Sequential(
+        [keras.Input(shape), make(), L.Activation("tanh"), L.Flatten(), L.Dense(3)]
+    )
+    x = r.normal(size=(6,) + shape).astype("float32")
+    check(model, x, r.integers(0, 3, 6), reference=LoopReference, expect_mode=mode)

@@ -32,8 +32,38 @@ from tf_dp.gradients.ghost.factors import Outer, PerExample
 from tf_dp.gradients.ghost.registry import norm_rule
 
 
+def _bias_axis_hazard(layer) -> Optional[str]:
+    """Keras 3's TensorFlow ``ops.add`` turns ``x + reshape(bias, [1, C, 1, ...])`` into a
+    ``bias_add`` over the LAST axis whenever that axis also has C entries, so a
+    ``channels_first`` convolution whose last output axis equals its bias size adds the bias
+    along the wrong axis (keras 3.15). The rules assume the per-channel bias the layer means;
+    there the model's real gradient differs, so such layers (or ones whose output size is not
+    known when planned) go to the per-example fallback, which differentiates what runs."""
+    if getattr(layer, "data_format", None) != "channels_first":
+        return None
+    if not getattr(layer, "use_bias", False) or getattr(layer, "bias", None) is None:
+        return None
+    size = int(layer.bias.shape[0])
+    try:
+        shapes = getattr(layer, "_build_shapes_dict", None) or {}
+        input_shape = next(iter(shapes.values())) if shapes else None
+        last = layer.compute_output_shape(input_shape)[-1] if input_shape else None
+    except Exception:  # noqa: BLE001 - an output size we cannot tell is treated as a match
+        last = None
+    if last is None or int(last) == size:
+        return (
+            f"{layer.name}: channels_first with a bias of {size} and a last output axis of "
+            f"{last if last is not None else 'unknown'} size (Keras adds such a bias along the "
+            "last axis); per-example gradients"
+        )
+    return None
+
+
 def _depthwise_supports(layer) -> Optional[str]:
     reason = plain(layer)
+    if reason:
+        return reason
+    reason = _bias_axis_hazard(layer)
     if reason:
         return reason
     if getattr(layer, "rank", None) not in (1, 2):
@@ -43,6 +73,9 @@ def _depthwise_supports(layer) -> Optional[str]:
 
 def _conv_supports(layer) -> Optional[str]:
     reason = plain(layer)
+    if reason:
+        return reason
+    reason = _bias_axis_hazard(layer)
     if reason:
         return reason
     if getattr(layer, "rank", None) not in (1, 2, 3):
@@ -194,6 +227,9 @@ def _separable_supports(layer) -> Optional[str]:
     reason = plain(layer)
     if reason:
         return reason
+    reason = _bias_axis_hazard(layer)
+    if reason:
+        return reason
     if getattr(layer, "rank", None) not in (1, 2):
         return f"{layer.name}: only 1-D and 2-D separable convolutions have a built-in norm rule"
     if layer.padding == "causal":
@@ -261,6 +297,9 @@ def separable_conv_rule(layer, context, grads):
 
 def _transpose_supports(layer) -> Optional[str]:
     reason = plain(layer)
+    if reason:
+        return reason
+    reason = _bias_axis_hazard(layer)
     if reason:
         return reason
     if getattr(layer, "rank", None) not in (1, 2, 3):
