@@ -86,6 +86,12 @@ def own_trainable_variables(layer: Any) -> Optional[list]:
     return getattr(layer, "_trainable_variables", None)
 
 
+def build_input_shape(layer: Any) -> Any:
+    """The input shape a built layer was built with (Keras keeps it in a private dict), or None."""
+    shapes = getattr(layer, "_build_shapes_dict", None) or {}
+    return next(iter(shapes.values())) if shapes else None
+
+
 def kernel_variable(layer: Any) -> Any:
     """The kernel *variable* of a Dense/EinsumDense (``layer.kernel`` is a tensor under LoRA)."""
     return getattr(layer, "_kernel", None) if hasattr(layer, "_kernel") else layer.kernel

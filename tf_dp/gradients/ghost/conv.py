@@ -27,6 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_dp._compat import build_input_shape
 from tf_dp.gradients.ghost.common import batch_size, bias_per_example, f32, plain
 from tf_dp.gradients.ghost.factors import Outer, PerExample
 from tf_dp.gradients.ghost.registry import norm_rule
@@ -45,8 +46,7 @@ def _bias_axis_hazard(layer) -> Optional[str]:
         return None
     size = int(layer.bias.shape[0])
     try:
-        shapes = getattr(layer, "_build_shapes_dict", None) or {}
-        input_shape = next(iter(shapes.values())) if shapes else None
+        input_shape = build_input_shape(layer)
         last = layer.compute_output_shape(input_shape)[-1] if input_shape else None
     except Exception:  # noqa: BLE001 - an output size we cannot tell is treated as a match
         last = None
