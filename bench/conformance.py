@@ -458,6 +458,13 @@ def _hub_inputs(task, rng) -> dict:
     return x
 
 
+def _task(cls, **kwargs):
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a task with settings of its own beyond the backbone's
+        raise NotConstructible(f"{cls.__name__}: {str(e)[:200]}") from e
+
+
 def _build_hub(name):
     import keras_hub
 
@@ -468,14 +475,14 @@ def _build_hub(name):
     backbone = _hub_backbone(cls.backbone_cls, kind)
     rng = np.random.default_rng(0)
     if kind == "ImageClassifier":
-        task = cls(backbone=backbone, num_classes=3, preprocessor=None)
+        task = _task(cls, backbone=backbone, num_classes=3, preprocessor=None)
         shape = [d if d is not None else IMAGE for d in task.inputs[0].shape[1:]]
         x = rng.normal(size=(BATCH, *shape)).astype("float32")
         return task, x, np.arange(BATCH) % 3, "sce"
     if kind == "TextClassifier":
-        task = cls(backbone=backbone, num_classes=3, preprocessor=None)
+        task = _task(cls, backbone=backbone, num_classes=3, preprocessor=None)
         return task, _hub_inputs(task, rng), np.arange(BATCH) % 3, "sce"
-    task = cls(backbone=backbone, preprocessor=None)
+    task = _task(cls, backbone=backbone, preprocessor=None)
     if lora:
         backbone.enable_lora(4)
     x = _hub_inputs(task, rng)
