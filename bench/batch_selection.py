@@ -10,8 +10,8 @@ Small batches (the padding question): ``python -m bench.batch_selection --n 6000
 Every selection feeds the same private model (``DPKerasSGDOptimizer``, clip 1, noise 1.1, the
 library's default gradient mode) with ``n`` synthetic examples of the model's input shape at an
 expected batch size ``b``. What differs is what a step computes on: ``b`` rows (fixed batches),
-the Poisson sample padded to the smallest of ``poisson_batches``' default pad sizes that holds it
-(``poisson``: the median, 0.9, 0.999 and ``1 - 1e-6`` quantiles of ``Binomial(n, b / n)``), or
+the Poisson sample padded to the smallest of ``poisson_batches``' ``pad_sizes="auto"`` that holds
+it (``poisson``: the median, 0.9, 0.999 and ``1 - 1e-6`` quantiles of ``Binomial(n, b / n)``), or
 always to the ``1 - 1e-6`` quantile (``poisson_max``: ``pad_sizes=None``; balls-in-bins at
 ``Binomial(n, 1 / T)``), or exactly ``B`` rows (truncated Poisson, ``B`` at the same quantile).
 Padding rows cost the same as real ones, so the row count drives the time. ``--steps`` times

@@ -67,7 +67,7 @@ def test_padding_shape_weights_and_sample_weight():
     n, q = 300, 0.1
     x, y = _indexed_data(n)
     sw = np.linspace(0.5, 2.0, n).astype(np.float32)
-    pb = poisson_batches(x, y, sampling_probability=q, sample_weight=sw, seed=1, pad_sizes=None)
+    pb = poisson_batches(x, y, sampling_probability=q, sample_weight=sw, seed=1)
     assert pb.pad_sizes == (pb.max_batch_size,)
     assert pb.tf_dp_sampling == (n, q)
     assert pb.steps_per_epoch == 10
@@ -97,7 +97,7 @@ def test_pad_sizes_keep_the_sample_and_pad_to_the_smallest_size_that_holds_it():
     x, y = _indexed_data(n)
     sw = np.linspace(0.5, 2.0, n).astype(np.float32)
     kw = dict(sampling_probability=q, sample_weight=sw, seed=11, steps_per_epoch=400)
-    auto = poisson_batches(x, y, **kw)
+    auto = poisson_batches(x, y, pad_sizes="auto", **kw)
     one = poisson_batches(x, y, pad_sizes=None, **kw)
     b = auto.max_batch_size
     assert b == one.max_batch_size == default_max_batch_size(n, q)
@@ -126,7 +126,8 @@ def test_default_pad_sizes_cost_little_padding():
     is within 1.3 n q (padding to max_batch_size alone: 25 rows, 3.1 n q)."""
     n, q, steps = 60000, 8 / 60000, 1500
     x, y = _indexed_data(n)
-    pb = poisson_batches(x, y, sampling_probability=q, seed=5, steps_per_epoch=steps)
+    pb = poisson_batches(x, y, sampling_probability=q, seed=5, steps_per_epoch=steps,
+                         pad_sizes="auto")
     ks = np.arange(0, 200)
     pmf = stats.binom.pmf(ks, n, q)
     rows = np.array([_smallest_holding(pb.pad_sizes, k) for k in ks])
@@ -155,7 +156,8 @@ def test_pad_sizes_bound_the_traces_of_a_compiled_step():
             f(bx, bw)
         return f.experimental_get_tracing_count()
 
-    pb = poisson_batches(x, y, sampling_probability=q, seed=4, steps_per_epoch=400)
+    pb = poisson_batches(x, y, sampling_probability=q, seed=4, steps_per_epoch=400,
+                         pad_sizes="auto")
     count = traces(pb.dataset)
     assert count <= len(pb.pad_sizes) == 4
     unpadded = pb.dataset.map(lambda bx, by, bw: (tf.boolean_mask(bx, bw > 0),
