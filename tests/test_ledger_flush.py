@@ -12,7 +12,11 @@ written by the test (a Python list), for the ledger and for its journal file.
 
 from __future__ import annotations
 
+import collections
 import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -159,3 +163,30 @@ def test_a_call_larger_than_the_staging_table_still_raises():
     with pytest.raises(LedgerOverflowError, match="staging table"):
         ledger.flush()
     assert ledger.samples() == _expected(STAGING)  # the steps that fit; the others released nothing
+
+
+def test_a_compiled_step_is_compiled_once_whatever_the_rows_staged():
+    """A compiled step staged its row at ``table[k]``, k the rows already staged: XLA needs such
+    an index as a compile-time constant, so the step was compiled anew for each k (64 compiles
+    of the whole train step between two moves of the staging table, each keeping its JIT code
+    for the life of the process: a 300-step XLA fit of the test suite ran the process out of
+    memory maps and crashed). Counted from TensorFlow's compile log, in a subprocess (a crash
+    there is a failure here): the bare recorder and the Keras train step are compiled once each
+    over 70 steps (64 each before the fix)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="0",
+               TF_CPP_VMODULE="device_compiler=2")
+    p = subprocess.run(
+        [sys.executable, os.path.join(root, "tests", "helpers", "xla_compile_count.py")],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert p.returncode == 0 and "DONE" in p.stderr, p.stderr[-3000:]
+    compiled = collections.Counter(
+        re.search(r"signature: (\w+)", line).group(1)
+        for line in p.stderr.splitlines() if "Instantly compiling for signature" in line
+    )
+    names = sorted(compiled)
+    assert len(names) == 2, compiled  # the log is on: each function was compiled at least once
+    assert names[0].startswith("__inference_bare_recorder"), compiled
+    assert names[1].startswith("__inference_one_step_on_data"), compiled
+    assert set(compiled.values()) == {1}, compiled

@@ -293,16 +293,17 @@ class _Buffer(tf.Module):
         capacity = self._capacity_tensor()
         room = k < capacity
         wanted = tf.constant(True) if keep is None else tf.convert_to_tensor(keep)
-        # Out of range writes are clamped onto the last row and masked out: the row is dropped,
-        # counted in ``overflow``, and the step's release is withheld by the caller (has_room).
-        slot = tf.minimum(k, capacity - 1)
+        # The row goes to slot k by a mask over the table's rows, not by indexing the table with
+        # k: under XLA an index read from a variable (``table[k]``) must be a compile-time
+        # constant, so the step would be compiled anew for every staged count (up to 64
+        # compiles of the whole train step, each holding JIT code for the process's lifetime).
+        # A row that finds the table full (or is not wanted) writes nothing: it is counted in
+        # ``overflow`` and the step's release is withheld by the caller (has_room).
         table = self.staged.read_value()
+        at_slot = tf.logical_and(tf.equal(tf.range(capacity), k), room & wanted)
         # (a whole-table assign: mirrored variables under tf.distribute have no scatter update)
         self.staged.assign(
-            tf.tensor_scatter_nd_update(
-                table, tf.reshape(slot, [1, 1]),
-                tf.reshape(tf.where(room & wanted, row, table[slot]), [1, -1]),
-            )
+            tf.where(at_slot[:, None], tf.reshape(tf.cast(row, table.dtype), [1, -1]), table)
         )
         self.staged_count.assign_add(tf.where(room & wanted, tf.constant(1, tf.int64), 0))
         self.overflow.assign_add(tf.where(room | ~wanted, tf.constant(0, tf.int64), 1))
