@@ -114,6 +114,7 @@ print(compute_epsilon(ledger, DELTA).epsilon)
 # and the moments accountant's epsilon for six settings. Side by side with what tf_dp computes:
 
 # %%
+import math
 import time
 
 TABLE1 = [  # (sigma, epochs, paper mu, paper eps CLT, paper eps moments accountant)
@@ -132,7 +133,8 @@ print("sigma epochs     | tf_dp paper | gdp    paper  | paper MA moments     rdp
 for sigma, epochs, paper_mu, paper_clt, paper_ma in TABLE1:
     row = {"sigma": sigma, "epochs": epochs, "paper_mu": paper_mu, "paper_clt": paper_clt,
            "paper_ma": paper_ma}
-    entries = dp_sgd_entries(60000, 256, sigma, epochs=epochs)
+    # the paper's step count T = epochs * n / b (the samplers run round(n / b) steps per epoch)
+    entries = dp_sgd_entries(60000, 256, sigma, steps=math.ceil(epochs * 60000 / 256))
     for name in ("gdp", "moments", "rdp", "pld"):
         r = compute_epsilon(entries, DELTA, accountant=name, discretization=PLD_GRID)
         row[name] = r.epsilon
