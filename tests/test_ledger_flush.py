@@ -166,13 +166,11 @@ def test_a_call_larger_than_the_staging_table_still_raises():
 
 
 def test_a_compiled_step_is_compiled_once_whatever_the_rows_staged():
-    """A compiled step staged its row at ``table[k]``, k the rows already staged: XLA needs such
-    an index as a compile-time constant, so the step was compiled anew for each k (64 compiles
-    of the whole train step between two moves of the staging table, each keeping its JIT code
-    for the life of the process: a 300-step XLA fit of the test suite ran the process out of
-    memory maps and crashed). Counted from TensorFlow's compile log, in a subprocess (a crash
-    there is a failure here): the bare recorder and the Keras train step are compiled once each
-    over 70 steps (64 each before the fix)."""
+    """A compiled step that stages a ledger row is compiled once, whatever the number of rows
+    already staged (an index read from a variable would be a compile-time constant under XLA:
+    one compile per staged count, up to 64 between two moves, each keeping its JIT code for the
+    life of the process). Counted from TensorFlow's compile log over 70 steps, in a subprocess
+    (a crash there is a failure here): the bare recorder and the Keras train step once each."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="0",
                TF_CPP_VMODULE="device_compiler=2")

@@ -17,7 +17,8 @@ the journal) read the prefix as runs; :meth:`~PrivacyLedger.samples` and
 :meth:`~PrivacyLedger.tables` list every step. Tables
 double when full, so recording costs amortised O(1) per step. Inside an XLA-compiled step
 (``jit_compile=True``), where no variable may change shape, rows go to a fixed-size staging table
-written by index; :meth:`PrivacyLedger.flush`, between compiled calls, moves them into the ledger
+(each written through a mask over its rows, so the step compiles once whatever the rows
+staged); :meth:`PrivacyLedger.flush`, between compiled calls, moves them into the ledger
 whenever the staging table could not hold another call's reserved rows (the Keras integration
 flushes after every call; reading methods see staged rows too). A compiled step that finds the
 staging table full records nothing and must release nothing (:meth:`PrivacyLedger.has_room`;
