@@ -2,7 +2,9 @@
 ``PReLU``, which fell back to per-example gradients before (issue 35). Each is checked against
 per-example gradients from a ``GradientTape`` loop over the examples (``LoopReference``), clipped
 and summed (eager, ``tf.function``), and the unclipped sums of a model with all three under XLA and mixed float16; the plan
-must cover every variable (mode ``"ghost"``, no fallback).
+must cover every variable (mode ``"ghost"``, no fallback). Also: layers whose parameter Keras
+applies along another axis than the layer's ``axis`` says (a channels_first bias, an
+``RMSNormalization`` scale) are measured as applied.
 """
 
 from __future__ import annotations
@@ -147,3 +149,28 @@ def test_channels_first_bias_on_the_last_axis_falls_back(make, shape, mode):
     )
     x = r.normal(size=(6,) + shape).astype("float32")
     check(model, x, r.integers(0, 3, 6), reference=LoopReference, expect_mode=mode)
+
+
+@pytest.mark.parametrize(
+    "make, shape",
+    [
+        # Keras 3.15 multiplies by scale ([4]) by broadcasting, so along the LAST axis, not axis 1
+        (lambda: L.RMSNormalization(axis=1), (4, 3, 4)),
+        (lambda: L.RMSNormalization(axis=[1, 2]), (3, 3, 3)),
+        (lambda: L.RMSNormalization(axis=-1), (4, 3, 5)),
+        (lambda: L.RMSNormalization(axis=[2, 3]), (4, 3, 5)),
+    ],
+)
+def test_rms_normalization_scale_follows_the_applied_broadcast(make, shape):
+    """The rule measures the gradient of the scale as Keras applies it (broadcast on the trailing
+    axes), also where ``axis`` is not the trailing axes (the rule reduced over the wrong axes)."""
+    r = rng(9)
+    model = keras.Sequential(
+        [keras.Input(shape), L.Dense(shape[-1]), make(), L.Activation("tanh"), L.Flatten(),
+         L.Dense(3)]
+    )
+    model.build((None,) + shape)
+    for v in model.layers[1].weights:
+        v.assign(r.uniform(0.5, 2.0, v.shape).astype("float32"))
+    x = r.normal(size=(6,) + shape).astype("float32")
+    check(model, x, r.integers(0, 3, 6), reference=LoopReference, expect_mode="ghost")

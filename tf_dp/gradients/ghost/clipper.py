@@ -29,6 +29,7 @@ a rule that missed a use of a variable would bias the gradient but never break t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -264,12 +265,20 @@ class _Capture:
         self.nested: set = set()
         self._saved: list = []
         self._stack: list = []  # ids of the recorded layers whose calls are running
+        #: the variables each scope read directly (not inside a recorded call it made): one
+        #: ``(ids of the recorded layers whose calls enclose it, own included; variable keys)``
+        #: per recorded call and one for the rest of the forward pass (``()``)
+        self.reads: list = []
+        self._tapes: list = []  # one watching tape per open scope; only the innermost records
 
     def __enter__(self):
         try:
             self._graph = tf.compat.v1.get_default_graph()
         except Exception:  # pragma: no cover
             self._graph = None
+        root = tf.GradientTape(watch_accessed_variables=True)
+        root.__enter__()
+        self._tapes.append(root)
         items = [(l, e) for l, e in self._plan.ghost] + [(l, None) for l, _, _ in self._plan.local]
         for layer, entry in items:
             had = "call" in layer.__dict__
@@ -280,6 +289,9 @@ class _Capture:
         return self
 
     def __exit__(self, *exc):
+        root = self._tapes.pop()
+        root.__exit__(None, None, None)
+        self.reads.append(((), {id(v) for v in root.watched_variables()}))
         for layer, had, prev in reversed(self._saved):
             if had:
                 object.__setattr__(layer, "call", prev)
@@ -311,12 +323,23 @@ class _Capture:
 
             enclosing = tuple(self._stack)
             self._stack.append(id(layer))
+            scope = contextlib.ExitStack()
+            if not nested:  # the variables this call reads, apart from its enclosing scopes'
+                scope.enter_context(self._tapes[-1].stop_recording())
+                reads = scope.enter_context(tf.GradientTape(watch_accessed_variables=True))
+                self._tapes.append(reads)
             try:
-                if entry is not None and entry.forward is not None and not nested:
-                    z, inputs = entry.forward(layer, orig, args, kwargs, watch)
-                else:
-                    z = orig(*args, **kwargs)
+                with scope:
+                    if entry is not None and entry.forward is not None and not nested:
+                        z, inputs = entry.forward(layer, orig, args, kwargs, watch)
+                    else:
+                        z = orig(*args, **kwargs)
             finally:
+                if not nested:
+                    self._tapes.pop()
+                    self.reads.append(
+                        (enclosing + (id(layer),), {id(v) for v in reads.watched_variables()})
+                    )
                 self._stack.pop()
                 if split:
                     object.__setattr__(layer, "activation", act)
@@ -423,21 +446,9 @@ def _demote_off_axis(plan: Plan, records: list, n: Optional[int], index: dict) -
     if not bad:
         return unknown
     bad_ids = {id(layer) for layer in bad}
-    units = {id(u): vs for u, _, vs in plan.local if id(u) not in bad_ids}
-    entries = {id(layer): entry for layer, entry in plan.ghost}
     for layer in bad:
-        if id(layer) in entries:
-            own = _rule_variables(layer, entries[id(layer)])
-        else:
-            own = next(vs for u, _, vs in plan.local if u is layer)
-        own = [v for v in own if _key(v) in index]
         # the innermost recorded fallback layer around each call; one for all calls, or none
-        around = set()
-        for rec in records:
-            if rec.layer is layer:
-                inner = [i for i in rec.enclosing if i in units]
-                around.add(inner[-1] if inner else None)
-        unit_id = around.pop() if len(around) == 1 else None
+        sites = {_innermost_unit(plan, rec.enclosing, bad_ids) for rec in records if rec.layer is layer}
         shape = next(
             list(t.shape)
             for rec in records
@@ -445,22 +456,86 @@ def _demote_off_axis(plan: Plan, records: list, n: Optional[int], index: dict) -
             for t in rec.outputs
             if t.shape.rank == 0 or (t.shape.rank and t.shape[0] is not None and t.shape[0] != n)
         )
-        why = f"output shape {shape} has no example axis 0 (batch {n})"
-        if unit_id is not None:
-            unit_vs = units[unit_id]
-            unit_vs.extend(v for v in own if all(_key(v) != _key(u) for u in unit_vs))
-            unit = next(u for u, _, _ in plan.local if id(u) == unit_id)
-            plan.demoted[layer.name] = f"{why}; per-example gradients through {unit.name}"
-        else:
-            for v in own:
-                if _key(v) not in plan.model_level:
-                    plan.model_level.append(_key(v))
-                    plan.model_level_names.append(getattr(v, "path", None) or v.name)
-            plan.demoted[layer.name] = f"{why}; per-example gradients through the model"
-        _logger.info("tf_dp: ghost clipper: %s: %s", layer.name, plan.demoted[layer.name])
-    plan.ghost[:] = [(l, e) for l, e in plan.ghost if id(l) not in bad_ids]
-    plan.local[:] = [(u, r, vs) for u, r, vs in plan.local if id(u) not in bad_ids]
+        _demote(plan, layer, sites, f"output shape {shape} has no example axis 0 (batch {n})", index)
     return [rec for rec in unknown if id(rec.layer) not in bad_ids]
+
+
+def _innermost_unit(plan: Plan, enclosing: tuple, exclude: set = frozenset()) -> Optional[int]:
+    """The id of the innermost per-layer fallback layer in ``enclosing`` (ids, outermost first),
+    or ``None``."""
+    units = {id(u) for u, _, _ in plan.local if id(u) not in exclude}
+    inner = [i for i in enclosing if i in units]
+    return inner[-1] if inner else None
+
+
+def _demote(plan: Plan, layer, sites: set, why: str, index: dict) -> None:
+    """Moves ``layer`` out of its rule or per-layer fallback for good: its variables get
+    per-example gradients from the per-layer fallback whose call encloses every use of them
+    (``sites``: the innermost fallback layer's id at each use, ``None`` for none), or else from
+    the whole-model fallback."""
+    entries = {id(l): e for l, e in plan.ghost}
+    if id(layer) in entries:
+        own = _rule_variables(layer, entries[id(layer)])
+    else:
+        own = next(vs for u, _, vs in plan.local if u is layer)
+    own = [v for v in own if _key(v) in index]
+    plan.ghost[:] = [(l, e) for l, e in plan.ghost if l is not layer]
+    plan.local[:] = [(u, r, vs) for u, r, vs in plan.local if u is not layer]
+    unit_id = next(iter(sites)) if len(sites) == 1 else None
+    unit = next((u for u, _, _ in plan.local if id(u) == unit_id), None)
+    if unit is not None:
+        unit_vs = next(vs for u, _, vs in plan.local if u is unit)
+        unit_vs.extend(v for v in own if all(_key(v) != _key(u) for u in unit_vs))
+        plan.demoted[layer.name] = f"{why}; per-example gradients through {unit.name}"
+    else:
+        for v in own:
+            if _key(v) not in plan.model_level:
+                plan.model_level.append(_key(v))
+                plan.model_level_names.append(getattr(v, "path", None) or v.name)
+        plan.demoted[layer.name] = f"{why}; per-example gradients through the model"
+    _logger.info("tf_dp: ghost clipper: %s: %s", layer.name, plan.demoted[layer.name])
+
+
+def _demote_outside_reads(plan: Plan, capture: "_Capture", index: dict) -> None:
+    """Moves out of its rule (or per-layer fallback) every layer one of whose variables the
+    forward pass read outside that layer's own calls, e.g. a decoder block computing
+    ``ops.matmul(x, self.ffw_linear.kernel)`` instead of calling ``self.ffw_linear`` (keras-hub's
+    Gemma 4). A rule sees only its layer's calls: such a use is missing from the norms and the
+    sum (the variable trained on part of its gradient, or not at all). The variables go to the
+    per-layer fallback whose call encloses every use (the decoder block), or to the whole-model
+    fallback."""
+    owner: dict = {}  # variable key -> the rule layer or fallback layer whose norms cover it
+    for layer, entry in plan.ghost:
+        for v in _rule_variables(layer, entry):
+            owner.setdefault(_key(v), layer)
+    for unit, _, vs in plan.local:
+        for v in vs:
+            owner.setdefault(_key(v), unit)
+    model_level = set(plan.model_level)
+    bad: dict = {}  # id(layer) -> (layer, innermost fallback ids at the outside reads, names)
+    for scope, keys in capture.reads:
+        for k in keys:
+            layer = owner.get(k)
+            if layer is None or k in model_level or k not in index or id(layer) in scope:
+                continue
+            where = bad.setdefault(id(layer), (layer, set(), set()))
+            where[1].add(_innermost_unit(plan, scope, {id(layer)}))
+            where[2].add(k)
+    for layer, sites, keys in bad.values():
+        sites = set(sites)
+        sites.update(
+            _innermost_unit(plan, rec.enclosing, {id(layer)})
+            for rec in capture.records
+            if rec.layer is layer
+        )
+        names = sorted(
+            getattr(v, "path", None) or v.name
+            for l, e in plan.ghost if l is layer for v in _rule_variables(l, e) if _key(v) in keys
+        ) or sorted(
+            getattr(v, "path", None) or v.name
+            for u, _, vs in plan.local if u is layer for v in vs if _key(v) in keys
+        )
+        _demote(plan, layer, sites, f"{', '.join(names)} read outside the layer's call", index)
 
 
 #: the batch sizes of the shape probe: a tensor whose axis 0 has each of them is taken as
@@ -489,6 +564,7 @@ def _probe_axis0(plan: Plan, loss_fn, data, index: dict) -> None:
                     loss_fn(x, y, sw)
             records = [r for r in capture.records if id(r.layer) not in capture.nested]
             _demote_off_axis(plan, records, size, index)
+            _demote_outside_reads(plan, capture, index)
             ok = {id(r.layer) for r in records if _axis0_is_examples(r, size)}
             ok -= {id(r.layer) for r in records if not _axis0_is_examples(r, size)}
             seen.append(ok)
@@ -636,6 +712,7 @@ class GhostClipper(base.GradientClipper):
             total = tf.reduce_sum(losses)
         records = [r for r in capture.records if id(r.layer) not in capture.nested]
         unchecked = _demote_off_axis(plan, records, n, index)
+        _demote_outside_reads(plan, capture, index)
         if len(plan.demoted) != demoted:
             self.mode, self.description = plan.mode, plan.description
         records = [

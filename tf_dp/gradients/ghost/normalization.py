@@ -26,14 +26,19 @@ from tf_dp.gradients.ghost.registry import norm_rule
 
 
 def _scale_factor(layer, x, g, axes, epsilon, variable=None):
+    """``xhat`` normalised over ``axes``; ``scale`` multiplies it by broadcasting, so along the
+    trailing ``scale.ndim`` axes whatever ``axes`` are: Keras 3.15's ``ops.rms_normalization``
+    does not reshape ``scale`` to ``axes``, so ``RMSNormalization(axis=1)`` on a ``[B, C, H, C]``
+    input scales along the last axis (on another shape the call fails). The gradient measured is
+    the one applied."""
     rank = x.shape.rank
     axes = sorted(a % rank for a in axes)
     xhat = x * tf.math.rsqrt(tf.reduce_mean(tf.square(x), axis=axes, keepdims=True) + epsilon)
-    reduce_axes = [a for a in range(1, rank) if a not in axes]
+    scale = layer.scale if variable is None else variable
+    reduce_axes = list(range(1, rank - len(scale.shape)))
     per_ex = g * xhat
     if reduce_axes:
         per_ex = tf.reduce_sum(per_ex, axis=reduce_axes)
-    scale = layer.scale if variable is None else variable
     return [(scale, PerExample(tf.reshape(per_ex, [tf.shape(g)[0]] + list(scale.shape))))]
 
 
