@@ -14,7 +14,8 @@ segfault or timeout is a recorded failure).
     python -m bench.conformance --case layer:Dense                # one case, in this process
 
 Case names: ``layer:<keras.layers class>``, ``app:<keras.applications function>``,
-``hub:<keras_hub.models task class>`` (``+lora``: with ``backbone.enable_lora(4)``).
+``hub:<keras_hub.models task class>`` (``+lora``: with ``backbone.enable_lora(4)``, or with
+``target_layer_names`` from ``LORA_TARGETS`` where keras-hub's default names match no layer).
 """
 
 from __future__ import annotations
@@ -458,6 +459,11 @@ def _hub_inputs(task, rng) -> dict:
     return x
 
 
+#: attention projections given LoRA adapters where keras-hub's ``default_lora_layer_names()``
+#: name none of a backbone's layers (GPT-NeoX's fused ``query_key_value``, SmolLM's ``q_proj``)
+LORA_TARGETS = frozenset({"query_key_value", "q_proj", "v_proj", "in_proj_qkv", "qkv"})
+
+
 def _task(cls, **kwargs):
     try:
         return cls(**kwargs)
@@ -467,6 +473,8 @@ def _task(cls, **kwargs):
 
 def _build_hub(name):
     import keras_hub
+
+    from tf_dp import _compat
 
     lora = name.endswith("+lora")
     name = name.removesuffix("+lora")
@@ -485,6 +493,18 @@ def _build_hub(name):
     task = _task(cls, backbone=backbone, preprocessor=None)
     if lora:
         backbone.enable_lora(4)
+        if not task.trainable_variables:  # keras-hub's default names match no layer of this one
+            names = {
+                layer.name
+                for layer in _compat.flatten_layers(backbone, include_self=False)
+                if hasattr(layer, "enable_lora") and layer.name in LORA_TARGETS
+            }
+            if not names:
+                raise NotConstructible(
+                    f"{cls.__name__}: backbone.enable_lora(4) enables no adapter (no layer named "
+                    f"{backbone.default_lora_layer_names()} or {sorted(LORA_TARGETS)})"
+                )
+            backbone.enable_lora(4, target_layer_names=sorted(names))
     x = _hub_inputs(task, rng)
     if kind == "MaskedLM":  # the original tokens at the masked positions
         y = rng.integers(0, VOCAB, (BATCH, MASKS)).astype("int32")
@@ -650,7 +670,11 @@ def table(results: list, skipped: dict, pending: list = ()) -> str:
             f"Inputs: keras-hub tasks from tiny backbone configs derived from the class signature "
             f"(width 16, 1 layer, 1 stage, vocabulary {VOCAB}, sequence {SEQ}, images "
             f"{IMAGE}x{IMAGE}; masked LMs with {MASKS} masked positions; causal LMs also with "
-            f"`enable_lora(4)`); `keras.applications` models with `weights=None`, 3 classes, the "
+            f"`enable_lora(4)`, or `enable_lora(4, target_layer_names=...)` with the backbone's "
+            f"attention projections among {sorted(LORA_TARGETS)} where keras-hub's default names "
+            "match none of its layers; the checked model keeps the adapters and the frozen weights "
+            "across the harness's `.keras` copy); `keras.applications` models with "
+            f"`weights=None`, 3 classes, the "
             f"smallest of {IMAGE}, 75 and 197 px they accept, after `tf_dp.keras.fix_for_dp` "
             "(BatchNormalization -> GroupNormalization); each Keras layer in a minimal model."
         ),

@@ -167,7 +167,16 @@ BAD_INPUTS = [
                          batch_size=None), ValueError, "'bmp'"),
     ("batch mean, tf.data input", lambda: _fit_dataset(BatchMean(name="bmd")), ValueError,
      "'bmd'"),
+    # issue 35: every layer frozen (keras-hub's enable_lora matching no layer): not AddN's error
+    ("no trainable variables", lambda: fit_private(frozen()), ValueError,
+     "the model has no trainable variables"),
 ]
+
+
+def frozen():
+    model = dense_with()
+    model.trainable = False
+    return model
 
 
 def _fit_dataset(layer):

@@ -35,6 +35,11 @@ def test_representative_cases_conform():
     for record in records:
         _assert_conforms(record)
         assert record["mode"] == "ghost", (record["case"], record["fallback_reasons"])
+    # the LoRA case checks the adapters (a plain .keras copy of a keras-hub model loses them and
+    # trained every weight instead)
+    lora = records[-1]["fast_rule_variables"] + records[-1]["fallback_variables"]
+    assert any(v.endswith("lora_kernel_a") for v in lora), lora
+    assert not any(v.endswith("/kernel") for v in lora), lora
 
 
 def test_enumeration_is_programmatic_and_lists_reasons():

@@ -200,6 +200,12 @@ class DPEngine:
         """Resolves (once) the gradient clipper for ``model``; logs the choice."""
         if self.clipper is not None:
             return self.clipper
+        if model is not None and getattr(model, "built", False) and not model.trainable_variables:
+            raise ValueError(
+                "the model has no trainable variables, so DP training has nothing to train (every "
+                "layer frozen; e.g. keras-hub's backbone.enable_lora(r) found no layer named as in "
+                "backbone.default_lora_layer_names(): pass target_layer_names=)"
+            )
         speed = self.speed
         options = {}
         if speed.jl_projections is not None:

@@ -86,9 +86,37 @@ class _CountBatches(keras.callbacks.Callback):
 
 
 def _copy(model: keras.Model, folder: str, name: str) -> keras.Model:
+    """A ``.keras`` copy of ``model`` with its LoRA adapters and trainable flags: a keras-hub
+    backbone rebuilds its layers from its own config, which holds neither, so a plain reload of a
+    model after ``backbone.enable_lora(r)`` trains every weight and no adapter."""
     path = os.path.join(folder, name + ".keras")
     model.save(path)
-    return keras.saving.load_model(path, compile=False)
+    copy = keras.saving.load_model(path, compile=False)
+    src = _compat.flatten_layers(model) or []
+    dst = _compat.flatten_layers(copy) or []
+    if len(src) == len(dst):
+        for a, b in zip(src, dst):
+            if getattr(a, "lora_enabled", False) and not getattr(b, "lora_enabled", False):
+                b.enable_lora(a.lora_rank, lora_alpha=getattr(a, "lora_alpha", None))
+        for a, b in zip(src, dst):  # outer layers first: an inner layer's own flag wins
+            if b.trainable != a.trainable:
+                b.trainable = a.trainable
+        if [w.shape for w in model.weights] == [w.shape for w in copy.weights]:
+            copy.set_weights(model.get_weights())
+            for a, b in zip(model.weights, copy.weights):  # e.g. the kernel LoRA froze
+                if b.trainable != a.trainable:
+                    b.trainable = a.trainable
+
+    def shapes(m):  # paths may differ (a model's name, unnamed weights' counters)
+        return [tuple(v.shape) for v in m.trainable_variables]
+
+    if shapes(copy) != shapes(model):
+        names = [getattr(v, "path", None) or v.name for v in copy.trainable_variables]
+        raise ValueError(
+            f"the .keras copy of the model does not train the model's variables: shapes "
+            f"{shapes(model)[:8]} vs {shapes(copy)[:8]} ({names[:8]})"
+        )
+    return copy
 
 
 def _no_dropout(model: keras.Model) -> keras.Model:
@@ -339,7 +367,7 @@ def check_model(
         ratios = []
         for _ in range(int(timing_repeats)):
             start = time.perf_counter()
-            loaded.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+            private.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
             dp = time.perf_counter() - start
             start = time.perf_counter()
             plain.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
