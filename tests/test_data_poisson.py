@@ -9,6 +9,7 @@ from scipy import stats
 
 import tf_dp
 from tf_dp.data import default_max_batch_size, poisson_batches
+from tf_dp.data.poisson import default_pad_sizes
 from tf_dp.gradients import make_clipper
 from tf_dp.keras.losses import PerExampleLoss
 
@@ -67,7 +68,7 @@ def test_padding_shape_weights_and_sample_weight():
     n, q = 300, 0.1
     x, y = _indexed_data(n)
     sw = np.linspace(0.5, 2.0, n).astype(np.float32)
-    pb = poisson_batches(x, y, sampling_probability=q, sample_weight=sw, seed=1)
+    pb = poisson_batches(x, y, sampling_probability=q, sample_weight=sw, seed=1, pad_sizes=None)
     assert pb.pad_sizes == (pb.max_batch_size,)
     assert pb.tf_dp_sampling == (n, q)
     assert pb.steps_per_epoch == 10
@@ -78,6 +79,22 @@ def test_padding_shape_weights_and_sample_weight():
         k = int((bw > 0).sum())
         np.testing.assert_allclose(bw[:k], sw[by[:k]])
         np.testing.assert_array_equal(bw[k:], 0)
+
+
+def test_default_pads_to_a_few_sizes_near_the_expected_batch():
+    """Issue 34 item 13: by default a sample is padded to the smallest of the few sizes of
+    ``default_pad_sizes`` that holds it (a bound near the expected size), not always to the
+    maximum; ``pad_sizes=None`` keeps one shape."""
+    n, q = 3000, 0.01
+    x, y = _indexed_data(n)
+    pb = poisson_batches(x, y, sampling_probability=q, seed=3)
+    assert pb.pad_sizes == default_pad_sizes(n, q, pb.max_batch_size)
+    assert len(pb.pad_sizes) > 1 and pb.pad_sizes[-1] == pb.max_batch_size
+    rows = [bx.shape[0] for bx, _, _ in _batches(pb, 200)]
+    assert set(rows) <= set(pb.pad_sizes)
+    assert np.mean(rows) < pb.max_batch_size  # padded less than to the maximum
+    one = poisson_batches(x, y, sampling_probability=q, seed=3, pad_sizes=None)
+    assert {bx.shape[0] for bx, _, _ in _batches(one, 20)} == {one.max_batch_size}
 
 
 def _smallest_holding(sizes, k):

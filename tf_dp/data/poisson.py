@@ -21,7 +21,8 @@ clipped; see :mod:`tf_dp.data.users`). Each step's users are drawn on the host a
 
 How variable batch sizes are handled:
 
-- Every batch is padded to a fixed ``max_batch_size`` with rows of zeros whose sample weight is 0
+- Every batch is padded with rows of zeros whose sample weight is 0 (to one of a few sizes, see
+  ``pad_sizes`` below; at most ``max_batch_size``)
   (real rows get weight 1, or the user's ``sample_weight``). A zero-weight row has zero loss, hence
   a zero per-example gradient: it adds nothing to the clipped sum, whatever the clip. The DP
   optimizer divides the noised sum by the *expected* batch size ``q * n`` (public), never by the
@@ -31,11 +32,11 @@ How variable batch sizes are handled:
   full sample is emitted unpadded (never truncated: dropping examples would change the mechanism
   the ledger describes). The dataset's batch dimension is ``None``, so Keras traces its train step
   once; a larger batch costs no retrace there (an XLA-compiled step would recompile for it).
-- With ``pad_sizes="auto"`` a sample is padded only up to the smallest of a few sizes (the
-  median, 0.9 and 0.999 quantiles of ``Binomial(n, q)`` and ``max_batch_size``:
+- By default (``pad_sizes="auto"``) a sample is padded only up to the smallest of a few sizes
+  (the median, 0.9 and 0.999 quantiles of ``Binomial(n, q)`` and ``max_batch_size``:
   :func:`default_pad_sizes`) that holds it, not always to ``max_batch_size``: at an expected
   batch of 8 out of 60000 a step computes on 10 rows on average instead of 25, at 256 on 269
-  instead of 335. An XLA-compiled step compiles once per pad size (four at most); the default
+  instead of 335. An XLA-compiled step compiles once per pad size (four at most);
   ``pad_sizes=None`` pads every batch to ``max_batch_size`` (one shape). The pad sizes decide only
   how many zero-weight rows follow the sample: the sample, the update and the ledger are the
   same whichever sizes are used.
@@ -335,7 +336,7 @@ def poisson_batches(
     shard_index: int = 0,
     user_ids: Any = None,
     max_records_per_user: Optional[int] = None,
-    pad_sizes: Any = None,
+    pad_sizes: Any = "auto",
 ) -> PoissonBatches:
     """Poisson-sampled, padded batches of in-memory data for a private model's ``fit``.
 
@@ -368,8 +369,8 @@ def poisson_batches(
       max_records_per_user: ``k`` >= 1, required with ``user_ids``.
       pad_sizes: the batch sizes a sample of ``k`` examples is padded to: the smallest one
         ``>= k`` (zero-weight rows; a sample larger than all of them is emitted whole).
-        ``"auto"``: :func:`default_pad_sizes` (at most four sizes, the last
-        ``max_batch_size``); ``None`` (default): ``max_batch_size`` only (every batch one
+        ``"auto"`` (default): :func:`default_pad_sizes` (at most four sizes, the last
+        ``max_batch_size``); ``None``: ``max_batch_size`` only (every batch one
         shape); or a
         sequence of integers >= 1, whose largest is then ``max_batch_size`` (pass
         ``max_batch_size`` equal to it or not at all). With ``user_ids`` only ``"auto"`` or
@@ -387,7 +388,7 @@ def poisson_batches(
     >>> batches.tf_dp_sampling, batches.steps_per_epoch, batches.expected_batch_size
     ((100, 0.1), 10, 10.0)
     >>> xb, yb, weights = next(iter(batches.dataset))
-    >>> xb.shape[0] == weights.shape[0] == batches.max_batch_size   # padded, padding weight 0
+    >>> xb.shape[0] == weights.shape[0] and xb.shape[0] in batches.pad_sizes  # padded, weight 0
     True
     """
     x = _as_numpy_leaves("x", x)  # first: a data set or ragged x is the real problem
