@@ -103,6 +103,22 @@ def test_reversible_and_position_embeddings_and_rms_norms(tie, cap):
     assert ghost.description == "ghost"
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_negative_ids_count_on_the_row_keras_reads(tie):
+    """Keras's lookup (``ops.take``) reads row ``id + V`` for a negative id; the rule's rows did
+    not wrap, so a table read at ``-1`` and at ``V - 1`` by one example was measured as two rows."""
+    r = rng(4)
+    model = built_lm(4, tie=tie)
+    ids, y, mask = lm_data(r)
+    ids[2, :3] = [-1, V - 1, -V]  # rows V - 1 (twice) and 0
+    ids[4, 0] = -2
+    ghost = check(model, ids, y, mask, reference=LoopReference)
+    assert ghost.description == "ghost"
+    plain = keras.Sequential([keras.Input((T,), dtype="int32"), keras.layers.Embedding(V, D),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+    check(plain, ids, r.integers(0, 3, len(ids)), reference=LoopReference)
+
+
 def test_tied_embedding_cross_term_matters():
     """The tied table's norm is not the norm of its two uses taken apart."""
     r = rng(2)

@@ -91,7 +91,10 @@ class Rows:
         ids = tf.convert_to_tensor(self.ids)
         if ids.dtype not in (tf.int32, tf.int64):
             ids = tf.cast(ids, tf.int64)
-        self.ids = tf.cast(ids if ids.shape.rank != 1 else ids[:, None], tf.int64)
+        ids = tf.cast(ids if ids.shape.rank != 1 else ids[:, None], tf.int64)
+        # a negative id reads row id + V, as Keras's ops.take (every Embedding's lookup) does:
+        # the gradient goes to that row, so its norm and sum must count it there
+        self.ids = tf.where(ids < 0, ids + int(self.num_rows), ids)
         self.g = _as_btx(self.g)
 
 
