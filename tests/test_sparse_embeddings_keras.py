@@ -293,3 +293,101 @@ def test_for_target_epsilon_calibrates_both_queries():
         tf_dp.keras.DPKerasSGDOptimizer.for_target_epsilon(
             target, delta, n=n, batch_size=batch, epochs=epochs, l2_norm_clip=1.0,
             sparse_embeddings=SparseEmbeddingConfig(5.0, 0.5))
+
+
+# -- DP-FEST: fixed rows ---------------------------------------------------------------------
+
+FIXED = [2, 5, 7, 20]  # 2, 5, 7 touched by the data (ids 0..11), 20 never
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_fixed_rows_release_the_clipped_sum_on_those_rows_only(jit_compile):
+    """DP-FEST (rows fixed once, e.g. from public frequencies): noise 0, one SGD step (lr 1)
+    moves the fixed rows that the batch touched by minus the jointly clipped per-example sum over
+    B (the reference's rows), and no other row: touched rows outside the set stay bit for bit;
+    the Dense layer moves as in the reference. Fixed shapes: the step also runs under XLA."""
+    n, clip = 16, 0.05
+    x, y = _data(0, n)
+    model = _embedding_model()
+    ref = _reference_sum(model, x, y, clip)
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    private = tf_dp.keras.make_private(model)
+    opt = tf_dp.keras.DPKerasSGDOptimizer(
+        l2_norm_clip=clip, noise_multiplier=0.0, learning_rate=1.0,
+        sparse_embeddings=SparseEmbeddingConfig(rows={"emb": FIXED}))
+    private.compile(optimizer=opt, loss="mse", jit_compile=jit_compile)
+    private.fit(x, y, batch_size=n, epochs=1, shuffle=False, verbose=0)
+    table = _table(model)
+    for v, b, r in zip(model.trainable_variables, before, ref):
+        got = b - v.numpy()
+        want = r / n
+        if v is table:
+            others = np.setdiff1d(np.arange(V), FIXED)
+            assert np.array_equal(v.numpy()[others], b[others])  # bit for bit
+            assert np.all(np.abs(want[np.setdiff1d(np.unique(x), FIXED)]).sum(1) > 0)
+            got, want = got[FIXED], want[FIXED]
+        tol = 4 * (n * L + 2) * EPS32 * (np.abs(b).max() + np.abs(want).max())
+        np.testing.assert_allclose(got, want, rtol=0, atol=tol, err_msg=v.path)
+    assert opt.ledger.num_samples == 1
+
+
+def test_fixed_rows_ledger_holds_the_gradient_query_alone(tmp_path):
+    """With noise on, every fixed row moves (row 20, untouched, by noise) and no other row; the
+    ledger records one sum query per step (no selection), and epsilon from the saved file
+    equals dp_accounting's Poisson-subsampled Gaussian of the gradient's multiplier."""
+    n, q, z, clip = 64, 0.125, 1.3, 0.5
+    x, y = _data(3, n)
+    model = tf_dp.keras.make_private(_embedding_model(3))
+    table = _table(model)
+    before = table.numpy().copy()
+    cfg = SparseEmbeddingConfig(rows=FIXED)  # the model's only sparse table
+    opt = tf_dp.keras.DPKerasSGDOptimizer(l2_norm_clip=clip, noise_multiplier=z,
+                                          learning_rate=0.1, sparse_embeddings=cfg)
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(tf_dp.data.poisson_batches(x, y, sampling_probability=q, steps_per_epoch=3,
+                                         seed=0), epochs=1, verbose=0)
+    moved = np.nonzero(np.any(table.numpy() != before, axis=1))[0]
+    assert moved.tolist() == FIXED
+    path = tmp_path / "ledger.json"
+    opt.ledger.save(path)
+    entries = read_ledger_file(path)
+    assert len(entries) == 3
+    for e in entries:
+        np.testing.assert_allclose([(ev.l2_sensitivity, ev.noise_stddev) for ev in e.queries],
+                                   [(clip, z * clip)], rtol=1e-6)
+    delta = 1e-5
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), 3)
+    oracle = dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(delta)
+    assert compute_epsilon(str(path), delta, "rdp").epsilon == pytest.approx(oracle, rel=1e-6)
+    # for_target_epsilon with fixed rows calibrates the gradient's Gaussian alone
+    cal = tf_dp.keras.DPKerasSGDOptimizer.for_target_epsilon(
+        2.0, 1e-5, n=1000, batch_size=50, epochs=2, l2_norm_clip=1.0, sparse_embeddings=cfg)
+    plain = tf_dp.keras.DPKerasSGDOptimizer.for_target_epsilon(
+        2.0, 1e-5, n=1000, batch_size=50, epochs=2, l2_norm_clip=1.0)
+    assert cal.noise_multiplier == pytest.approx(plain.noise_multiplier, rel=1e-12)
+    # saved in the optimizer's config and back
+    again = SparseEmbeddingConfig.from_config(json.loads(json.dumps(cfg.get_config())))
+    assert again == cfg
+
+
+def test_fixed_rows_are_checked_naming_the_problem():
+    for kwargs, match in (
+        ({"rows": [1, 2], "threshold": 1.0}, "threshold must be None with rows="),
+        ({"rows": []}, "non-empty 1-d"),
+        ({"rows": [1, -2]}, ">= 0"),
+        ({"rows": {"emb": [0.5]}}, "integer row ids"),
+        ({}, "threshold is required"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            SparseEmbeddingConfig(**kwargs)
+    x, y = _data(7, 8)
+    for rows, match in (({"other": [1]}, "no entry for the sparse table of layer 'emb'"),
+                        ({"emb": [1, V]}, f"row id {V} is out of range")):
+        model = tf_dp.keras.make_private(_embedding_model(7))
+        model.compile(optimizer=tf_dp.keras.DPKerasSGDOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=1.0,
+            sparse_embeddings=SparseEmbeddingConfig(rows=rows)), loss="mse")
+        with pytest.raises(ValueError, match=match):
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        assert model.optimizer.ledger.num_samples == 0

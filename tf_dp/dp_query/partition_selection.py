@@ -185,21 +185,60 @@ def _finite(name: str, value: Any, low: float, strict: bool) -> float:
     return float(value)
 
 
+def _check_rows(rows: Any) -> tuple:
+    """``rows`` as ``((layer name or None, (sorted distinct ids...)), ...)``."""
+    import numpy as np
+
+    if isinstance(rows, dict):
+        items = list(rows.items())
+    else:
+        items = [(None, rows)]
+    if not items:
+        raise ValueError("rows must name at least one table (a dict of layer name -> row ids)")
+    out = []
+    for name, ids in items:
+        if name is not None and not isinstance(name, str):
+            raise ValueError(f"rows: keys must be layer names (str), got {name!r}")
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(
+                f"rows{'' if name is None else '[' + repr(name) + ']'} must be a non-empty 1-d "
+                f"sequence of integer row ids >= 0, got {ids!r:.80}")
+        if arr.min() < 0:
+            raise ValueError(f"rows: row ids must be >= 0, got {int(arr.min())}")
+        out.append((name, tuple(int(v) for v in np.unique(arr))))
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class SparseEmbeddingConfig:
-    """DP-AdaFEST for the embedding tables of a Keras model (the ``sparse_embeddings`` argument of
-    the DP optimizers): per step each table gets the noised gradient on privately selected rows
-    only, as a ``tf.IndexedSlices``.
+    """Sparse DP training of the embedding tables of a Keras model (the ``sparse_embeddings``
+    argument of the DP optimizers): each table gets the noised gradient on a set of rows only, as a
+    ``tf.IndexedSlices``; the other rows get nothing, not noise.
+
+    Two ways to choose the rows (Ghazi et al. 2023):
+
+    - DP-AdaFEST (``threshold`` and ``selection_noise_multiplier``): at every step, the rows whose
+      clipped contribution count plus Gaussian noise exceeds ``threshold`` (a second Gaussian sum
+      query of the step, recorded in the ledger);
+    - DP-FEST (``rows``): a fixed set of rows per table, chosen once from public frequencies or
+      from one privately counted histogram (:func:`top_rows`; its privacy cost is the user's to
+      record, e.g. as one more Gaussian sum query in the ledger). No per-step selection: the step
+      is the gradient's Gaussian query alone, and its shapes are fixed, so it also runs under XLA.
 
     Attributes:
       threshold: ``tau`` (finite, >= 0): a row is selected when its clipped count plus noise
-        exceeds it.
+        exceeds it. Required without ``rows``; must be None with it.
       selection_noise_multiplier: ``sigma1`` (finite, >= 0): the count noise stddev is
-        ``sigma1 * contribution_bound`` (0: no privacy, for tests only).
+        ``sigma1 * contribution_bound`` (0: no privacy, for tests only). Required without
+        ``rows``; must be None with it.
       contribution_bound: ``C1`` (finite, > 0): the L2 bound of one example's contribution map
         (its distinct rows over all sparse tables, each of weight ``min(1, C1 / sqrt(k))``).
       layers: names of the ``keras.layers.Embedding`` layers to train sparsely (None: every
         ``Embedding`` of the model, ``ReversibleEmbedding`` included).
+      rows: DP-FEST's fixed rows: a dict of layer name -> row ids (every sparse table must have
+        an entry), or one sequence of row ids when the model has one sparse table. Stored as
+        ``((name or None, sorted distinct ids), ...)``.
 
     Example:
 
@@ -208,17 +247,38 @@ class SparseEmbeddingConfig:
     1.0
     >>> SparseEmbeddingConfig.from_config(cfg.get_config()) == cfg
     True
+    >>> fest = SparseEmbeddingConfig(rows={"items": [7, 3, 3, 11]})
+    >>> fest.rows, fest.selection_stddev
+    ((('items', (3, 7, 11)),), None)
     """
 
-    threshold: float
-    selection_noise_multiplier: float
+    threshold: Optional[float] = None
+    selection_noise_multiplier: Optional[float] = None
     contribution_bound: float = 1.0
     layers: Optional[tuple] = None
+    rows: Optional[tuple] = None
 
     def __post_init__(self):
-        object.__setattr__(self, "threshold", _finite("threshold", self.threshold, 0.0, False))
-        object.__setattr__(self, "selection_noise_multiplier", _finite(
-            "selection_noise_multiplier", self.selection_noise_multiplier, 0.0, False))
+        if self.rows is not None:
+            given = [n for n in ("threshold", "selection_noise_multiplier")
+                     if getattr(self, n) is not None]
+            if given:
+                raise ValueError(
+                    f"{' and '.join(given)} must be None with rows= (DP-FEST: the rows are fixed, "
+                    "no per-step selection)")
+            if not (isinstance(self.rows, tuple) and all(
+                    isinstance(r, tuple) and len(r) == 2 and isinstance(r[1], tuple)
+                    for r in self.rows)):
+                object.__setattr__(self, "rows", _check_rows(self.rows))
+        else:
+            for name in ("threshold", "selection_noise_multiplier"):
+                if getattr(self, name) is None:
+                    raise ValueError(
+                        f"{name} is required (a finite number >= 0) unless rows= is given "
+                        "(DP-FEST's fixed rows)")
+            object.__setattr__(self, "threshold", _finite("threshold", self.threshold, 0.0, False))
+            object.__setattr__(self, "selection_noise_multiplier", _finite(
+                "selection_noise_multiplier", self.selection_noise_multiplier, 0.0, False))
         object.__setattr__(self, "contribution_bound", _finite(
             "contribution_bound", self.contribution_bound, 0.0, True))
         if self.layers is not None:
@@ -229,18 +289,41 @@ class SparseEmbeddingConfig:
             object.__setattr__(self, "layers", names)
 
     @property
-    def selection_stddev(self) -> float:
-        """``sigma1 * C1``, the noise stddev of each row's count."""
+    def selection_stddev(self) -> Optional[float]:
+        """``sigma1 * C1``, the noise stddev of each row's count (None with fixed ``rows``)."""
+        if self.rows is not None:
+            return None
         return self.selection_noise_multiplier * self.contribution_bound
 
+    def rows_for(self, name: str, num_tables: int) -> Optional[tuple]:
+        """The fixed rows of the table of layer ``name`` (None without ``rows``); ValueError
+        when ``rows`` has no entry for it."""
+        if self.rows is None:
+            return None
+        table = dict(self.rows)
+        if name in table:
+            return table[name]
+        if None in table and num_tables == 1:
+            return table[None]
+        raise ValueError(
+            f"sparse_embeddings rows= has no entry for the sparse table of layer {name!r} (its "
+            f"entries: {sorted(str(k) for k in table)}); give a dict of layer name -> row ids with "
+            "one entry per sparse table")
+
     def get_config(self) -> dict:
-        return {"threshold": self.threshold,
-                "selection_noise_multiplier": self.selection_noise_multiplier,
-                "contribution_bound": self.contribution_bound,
-                "layers": None if self.layers is None else list(self.layers)}
+        config = {"threshold": self.threshold,
+                  "selection_noise_multiplier": self.selection_noise_multiplier,
+                  "contribution_bound": self.contribution_bound,
+                  "layers": None if self.layers is None else list(self.layers)}
+        if self.rows is not None:
+            config["rows"] = [[name, list(ids)] for name, ids in self.rows]
+        return config
 
     @classmethod
     def from_config(cls, config: dict) -> "SparseEmbeddingConfig":
+        config = dict(config)
+        if config.get("rows") is not None:
+            config["rows"] = tuple((name, tuple(ids)) for name, ids in config["rows"])
         return cls(**config)
 
 
@@ -308,10 +391,14 @@ class PartitionSelectionQuery(DPQuery):
 
     def sum_query_specs(self, global_state) -> list:
         c = self.config
-        return list(self.query.sum_query_specs(global_state)) + [SumQuerySpec(
+        specs = list(self.query.sum_query_specs(global_state))
+        if c.rows is not None:  # DP-FEST: fixed rows, no selection in the step
+            return specs
+        return specs + [SumQuerySpec(
             c.contribution_bound, c.selection_stddev, noise_seed=self._seed, exact_gaussian=True)]
 
-    def noised_rows(self, global_state: Any, ids: list, slices: list) -> list:
+    def noised_rows(self, global_state: Any, ids: list, slices: list,
+                    names: Optional[list] = None) -> list:
         """The released updates of the sparse tables (a list of ``tf.IndexedSlices``).
 
         Args:
@@ -322,16 +409,28 @@ class PartitionSelectionQuery(DPQuery):
             ids flattened, dense_shape [V, d])``.
 
         One selection for all tables: the tables' rows are numbered one after another, so each
-        example's contribution map over all of them has L2 norm ``<= C1``.
+        example's contribution map over all of them has L2 norm ``<= C1``. With DP-FEST's fixed
+        ``rows`` (``names``: the tables' layer names) there is no selection: each table's
+        fixed rows get the sum and the noise.
         """
         c = self.config
+        std = self.query.sum_query_specs(global_state)[0].noise_stddev
+        if c.rows is not None:
+            if names is None or len(names) != len(slices):
+                raise ValueError("noised_rows with fixed rows needs the tables' layer names")
+            out = []
+            for t, s, name in zip(ids, slices, names):
+                fixed = tf.constant(c.rows_for(name, len(slices)), tf.int64)
+                row_ids = tf.where(tf.reshape(t, [-1]) >= 0, tf.cast(s.indices, tf.int64), -1)
+                out.append(sparse_noised_sum(self._generator, fixed, row_ids, s.values,
+                                             tf.cast(std, s.values.dtype), s.dense_shape))
+            return out
         sizes = [int(s.dense_shape[0]) if tf.get_static_value(s.dense_shape) is None
                  else int(tf.get_static_value(s.dense_shape)[0]) for s in slices]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         all_ids = tf.concat([tf.where(t >= 0, t + o, -1) for t, o in zip(ids, offsets)], axis=1)
         counts = contribution_map(all_ids, sum(sizes), c.contribution_bound)
         selected = select_rows(self._generator, counts, c.threshold, c.selection_stddev)
-        std = self.query.sum_query_specs(global_state)[0].noise_stddev
         out = []
         for t, s, o, v in zip(ids, slices, offsets, sizes):
             mine = tf.boolean_mask(selected, (selected >= o) & (selected < o + v)) - o

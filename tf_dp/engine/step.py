@@ -53,7 +53,8 @@ from tf_dp.engine import validation
 from tf_dp.engine.config import PrivacyConfig, SpeedConfig, check_combination
 from tf_dp.data.sampling import Sampling
 from tf_dp.gradients import ClippedGradients, GradientClipper, make_clipper
-from tf_dp.gradients.embedding_rows import sparse_table_keys
+from tf_dp.gradients.base import as_tf_variables
+from tf_dp.gradients.embedding_rows import sparse_table_names
 from tf_dp.gradients.per_user import for_users
 from tf_dp.gradients.physical_batches import PhysicalBatches
 from tf_dp.ledger.privacy_ledger import PrivacyLedger, ledger_variable, table_steps
@@ -230,7 +231,8 @@ class DPEngine:
                 f"clipping rule; {type(self.query).__name__} has none"
             )
         if sparse is not None:  # the tables' clipped rows come back as tf.IndexedSlices
-            strategy.sparse_keys = sparse_table_keys(model, sparse)
+            self._sparse_names = sparse_table_names(model, sparse)
+            strategy.sparse_keys = frozenset(self._sparse_names)
         self.clipper = strategy
         _logger.info(
             "tf_dp: gradient_mode=%r uses the %r clipper", speed.gradient_mode, strategy.name
@@ -321,6 +323,10 @@ class DPEngine:
             # engine had (a withheld step does not move ``step``, but it is counted)
             extra["step"] = tf.cast(step, tf.int64) + self._skipped
         clipped = clipper.clipped_sum(loss_fn, data, variables, self.recorder, params, **extra)
+        if self.privacy.sparse_embeddings is not None:  # the sparse tables' names, in order
+            names = getattr(self, "_sparse_names", {})
+            self._sparse_order = [
+                names[id(v)] for v in as_tf_variables(variables) if id(v) in names]
         if check is not None:
             check(clipped)
         if self._batch_checked_by_mask:
@@ -410,7 +416,7 @@ class DPEngine:
         sums = list(clipped.clipped_sum)
         sparse_at = [i for i, g in enumerate(sums) if isinstance(g, tf.IndexedSlices)]
         if sparse_at:  # the sparse tables are noised by the partition selection, not here
-            _refuse_sparse_context()
+            _refuse_sparse_context(self.privacy.sparse_embeddings)
             sums = [tf.zeros([0], g.values.dtype) if i in sparse_at else g
                     for i, g in enumerate(sums)]
         state = q.accumulate_norms(
@@ -456,7 +462,8 @@ class DPEngine:
         ids = [tf.where(real[:, None], tf.reshape(tf.cast(s.indices, tf.int64), [b, -1]),
                         tf.constant(-1, tf.int64)) for s in slices]
         with tf.control_dependencies(tf.nest.flatten(noised)):
-            rows = self.query.noised_rows(self.global_state, ids, slices)
+            rows = self.query.noised_rows(self.global_state, ids, slices,
+                                          getattr(self, "_sparse_order", None))
         noised = list(noised)
         for i, r in zip(sparse_at, rows):
             noised[i] = r
@@ -763,13 +770,14 @@ def _zero_unless(ok: tf.Tensor, g: Any) -> Any:
     return tf.where(ok, g, tf.zeros_like(g))
 
 
-def _refuse_sparse_context() -> None:
-    """sparse_embeddings selects a data-dependent number of rows: not under XLA, and its
-    release is not all-reduced across replicas."""
-    if in_xla_context():
+def _refuse_sparse_context(config: Any = None) -> None:
+    """DP-AdaFEST selects a data-dependent number of rows: not under XLA (DP-FEST's fixed rows
+    are); no sparse release is all-reduced across replicas."""
+    if in_xla_context() and getattr(config, "rows", None) is None:
         raise ValueError(
-            "sparse_embeddings cannot run under XLA (the number of selected rows varies from step "
-            "to step): compile the model with jit_compile=False")
+            "sparse_embeddings cannot run under XLA with a per-step selection (the number of "
+            "selected rows varies from step to step): compile the model with jit_compile=False, "
+            "or fix the rows (SparseEmbeddingConfig(rows=...), DP-FEST)")
     if tf.distribute.has_strategy() and not isinstance(
             tf.distribute.get_strategy(), tf.distribute.OneDeviceStrategy):
         raise ValueError(

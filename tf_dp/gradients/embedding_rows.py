@@ -25,7 +25,8 @@ import tensorflow as tf
 
 from tf_dp.dp_query import partition_selection as ps
 
-__all__ = ["EmbeddingRows", "embedding_rows", "squared_norms", "adafest_update", "sparse_table_keys"]
+__all__ = ["EmbeddingRows", "embedding_rows", "squared_norms", "adafest_update", "sparse_table_keys",
+           "sparse_table_names"]
 
 
 class EmbeddingRows(NamedTuple):
@@ -94,12 +95,13 @@ def adafest_update(
     )
 
 
-def sparse_table_keys(model: Any, config: Any) -> frozenset:
-    """The keys (as the ghost clipper keys variables) of the embedding tables that
-    ``config`` (a :class:`~tf_dp.dp_query.partition_selection.SparseEmbeddingConfig`) trains
-    sparsely: every trainable ``keras.layers.Embedding`` table of ``model`` (ReversibleEmbedding
-    included), or those of the layers named in ``config.layers``. ValueError when there is none
-    or a named layer is missing or not an Embedding."""
+def sparse_table_names(model: Any, config: Any) -> dict:
+    """The embedding tables that ``config`` (a
+    :class:`~tf_dp.dp_query.partition_selection.SparseEmbeddingConfig`) trains sparsely, as
+    ``{key (as the ghost clipper keys variables): layer name}``: every trainable
+    ``keras.layers.Embedding`` table of ``model`` (ReversibleEmbedding included), or those of the
+    layers named in ``config.layers``. ValueError when there is none, a named layer is missing or
+    not an Embedding, or DP-FEST's fixed ``rows`` lack a table or name a row beyond it."""
     import keras
 
     from tf_dp import _compat
@@ -121,9 +123,23 @@ def sparse_table_keys(model: Any, config: Any) -> frozenset:
     for layer in chosen:
         table = _compat.embeddings_variable(layer)
         if getattr(table, "trainable", True) and layer.trainable:
-            tables.append(table)
+            tables.append((layer.name, table))
     if not tables:
         raise ValueError(
             "sparse_embeddings was given but the model has no trainable keras.layers.Embedding "
             "table to train sparsely: set sparse_embeddings=None")
-    return frozenset(id(base.as_tf_variables([t])[0]) for t in tables)
+    names = {}
+    for name, table in tables:
+        fixed = config.rows_for(name, len(tables)) if getattr(config, "rows", None) else None
+        if fixed is not None and fixed[-1] >= int(table.shape[0]):
+            raise ValueError(
+                f"sparse_embeddings rows= for layer {name!r}: row id {fixed[-1]} is out of range "
+                f"for its table of {int(table.shape[0])} rows (accepted: 0 .. "
+                f"{int(table.shape[0]) - 1})")
+        names[id(base.as_tf_variables([table])[0])] = name
+    return names
+
+
+def sparse_table_keys(model: Any, config: Any) -> frozenset:
+    """The keys of :func:`sparse_table_names` (the tables trained sparsely)."""
+    return frozenset(sparse_table_names(model, config))

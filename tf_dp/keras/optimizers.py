@@ -103,9 +103,10 @@ class DPOptimizerMixin(OptimizerSettings, OptimizerSampling, OptimizerSaving):
         required; ``noise_multiplier``, ``noise_stddev`` and ``dp_sum_query`` are refused, the
         calibration sets the noise). With ``num_microbatches`` the calibration assumes
         microbatches of several examples (sensitivity ``2C``); with ``gradient_mode="jl"`` it
-        counts the ``jl_projections`` norm releases; with ``sparse_embeddings`` the calibration
-        is of the step's two Gaussians together, and ``noise_multiplier`` is the gradient's share
-        ``sigma2`` (``sigma1^-2 + sigma2^-2 = sigma^-2``). The calibrated value is
+        counts the ``jl_projections`` norm releases; with ``sparse_embeddings`` (DP-AdaFEST) the
+        calibration is of the step's two Gaussians together, and ``noise_multiplier`` is the
+        gradient's share ``sigma2`` (``sigma1^-2 + sigma2^-2 = sigma^-2``); with DP-FEST's fixed
+        ``rows`` the step is the gradient's Gaussian alone. The calibrated value is
         ``optimizer.noise_multiplier``.
 
         Example::
@@ -142,7 +143,7 @@ class DPOptimizerMixin(OptimizerSettings, OptimizerSampling, OptimizerSaving):
             jl_projections=jl_projections if kwargs.get("gradient_mode") == "jl" else None,
         )
         sparse = kwargs.get("sparse_embeddings")
-        if sparse is not None:
+        if sparse is not None and getattr(sparse, "rows", None) is None:
             # the step is two Gaussians of one sample: the calibrated sigma is their combined
             # multiplier (sigma1^-2 + sigma2^-2 = sigma^-2), and the gradient gets sigma2
             sigma1 = float(getattr(sparse, "selection_noise_multiplier", 0.0))
