@@ -519,22 +519,39 @@ def build_case(case: str):
     return {"layer": _build_layer, "app": _build_app, "hub": _build_hub}[kind](name)
 
 
-def run_case(case: str, timing_repeats: int = 3) -> dict:
+def run_case(case: str, timing_repeats: int = 3, floatx: str | None = None) -> dict:
     """Builds and checks one case in this process; the record as a dict with ``case`` and
-    ``status`` (``"checked"``, ``"not constructible"``)."""
+    ``status`` (``"checked"``, ``"not constructible"``). ``floatx`` (e.g. ``"float64"``) builds
+    the model in that float type (``keras.config.set_floatx``) and casts the float inputs: it
+    tells a rule's error from float32 rounding amplified through a deep model."""
     import keras
 
     from tf_dp.keras.conformance import check_model
 
+    if floatx is not None:
+        keras.config.set_floatx(floatx)
     keras.utils.set_random_seed(0)
     try:
         model, x, y, _ = build_case(case)
     except NotConstructible as e:
         return {"case": case, "status": "not constructible", "error": str(e)}
+    if floatx is not None:
+        x = tf_nest_cast(x, floatx)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     record = check_model(model, x, y, loss, timing_repeats=timing_repeats).as_dict()
     record.update(case=case, status="checked")
+    if floatx is not None:  # what the model was built in
+        record["weights_dtype"] = sorted({str(w.dtype) for w in model.weights})
     return record
+
+
+def tf_nest_cast(x, dtype: str):
+    """The float arrays of ``x`` (an array or a dict of arrays) cast to ``dtype``."""
+    def cast(a):
+        a = np.asarray(a)
+        return a.astype(dtype) if np.issubdtype(a.dtype, np.floating) else a
+
+    return {k: cast(v) for k, v in x.items()} if isinstance(x, dict) else cast(x)
 
 
 def run_isolated(case: str, timeout: float = 900.0, timing_repeats: int = 3) -> dict:
@@ -784,10 +801,15 @@ def main(argv=None):
     parser.add_argument("--format", choices=("text", "json"), default="text")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--timing_repeats", type=int, default=3)
+    parser.add_argument(
+        "--floatx",
+        help="with --case: build the model in this float type (e.g. float64) to tell a rule's "
+        "error from float32 rounding",
+    )
     args = parser.parse_args(argv)
     if args.case:
         for case in args.case.split(","):
-            print(json.dumps(run_case(case, args.timing_repeats)), flush=True)
+            print(json.dumps(run_case(case, args.timing_repeats, args.floatx)), flush=True)
         return
     cases, skipped = all_cases()
     if args.cases:

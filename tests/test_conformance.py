@@ -126,6 +126,29 @@ def test_sub_model_arguments_are_named_in_the_reason():
         conformance.build_case("hub:Gemma4AssistantCausalLM")
 
 
+def test_float64_build_separates_rounding_from_the_rules():
+    """``--floatx float64``: the model and its inputs in float64 (a subprocess: the float type is
+    global); the step still equals the reference, now within the float32 norms' rounding."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.conformance", "--case", "layer:Conv2D", "--floatx",
+         "float64", "--timing_repeats", "1"],
+        cwd=root, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": root, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    _assert_conforms(record)
+    assert record["weights_dtype"] == ["float64"], record
+    # float32 norms give clip weights to ~1e-7 relative; float32 weights would round to ~6e-8
+    # of the largest weight on their own, float64 ones do not
+    assert record["max_error"] < 1e-5 * record["step_size"], record
+
+
 def test_results_of_several_files_last_record_wins(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text('{"case": "x", "status": "crashed"}\n{"case": "y", "status": "timeout"}\n')
