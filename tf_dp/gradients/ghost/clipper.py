@@ -25,6 +25,10 @@ One step:
 
 Every clipped record is exactly the vector whose norm was measured (the same factors give both), so
 a rule that missed a use of a variable would bias the gradient but never break the clipping bound.
+Uses outside a rule's view are found: the capture watches which variables each recorded call, and
+the rest of the forward pass, reads, and a layer whose variable is read outside its own calls
+(``ops.matmul(x, self.ffw_linear.kernel)`` in keras-hub's Gemma 4) moves to a fallback
+(:func:`_demote_outside_reads`).
 """
 
 from __future__ import annotations
