@@ -391,3 +391,41 @@ def test_fixed_rows_are_checked_naming_the_problem():
         with pytest.raises(ValueError, match=match):
             model.fit(x, y, batch_size=8, epochs=1, verbose=0)
         assert model.optimizer.ledger.num_samples == 0
+
+
+def test_private_histogram_rows_are_recorded_and_composed_with_training():
+    """DP-FEST from a privately counted histogram: ``private_row_counts`` adds N(0, (sigma C1)^2)
+    to the clipped contribution map of the whole data set (noise mean and spread within 5
+    standard errors over 20000 empty rows, seeded) and records one Gaussian over all examples in
+    a ledger; that ledger's runs with the training's (on the top rows) give dp_accounting's
+    composition of that Gaussian with the Poisson-subsampled steps."""
+    from tf_dp.dp_query.partition_selection import private_row_counts, top_rows
+
+    big = np.zeros((40, L), np.int64)
+    noisy = private_row_counts(big, 20_000, 2.0, 1.5, seed=3).numpy()[1:]  # rows nobody touched
+    sd = 1.5 * 2.0
+    assert abs(noisy.mean()) < 5 * sd / np.sqrt(noisy.size)
+    assert abs(noisy.std() / sd - 1) < 5 / np.sqrt(2 * noisy.size)
+
+    n, q, z, sigma, clip = 64, 0.125, 1.3, 4.0, 0.5
+    x, y = _data(8, n)
+    model = tf_dp.keras.make_private(_embedding_model(8))
+    histogram = tf_dp.ledger.PrivacyLedger()
+    rows = top_rows(private_row_counts(x, V, 1.0, sigma, ledger=histogram), 8).numpy()
+    opt = tf_dp.keras.DPKerasSGDOptimizer(
+        l2_norm_clip=clip, noise_multiplier=z, learning_rate=0.1,
+        sparse_embeddings=SparseEmbeddingConfig(rows=rows))
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(tf_dp.data.poisson_batches(x, y, sampling_probability=q, steps_per_epoch=3,
+                                         seed=0), epochs=1, verbose=0)
+    assert histogram.num_samples == 1 and opt.ledger.num_samples == 3
+    entry = histogram.samples()[0]
+    assert entry.sampling.population_size == n and entry.sampling.selection_probability == 1.0
+    delta = 1e-5
+    event = dp_accounting.ComposedDpEvent([
+        dp_accounting.GaussianDpEvent(sigma),
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), 3)])
+    oracle = dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(delta)
+    both = histogram.runs() + opt.ledger.runs()
+    assert compute_epsilon(both, delta, "rdp").epsilon == pytest.approx(oracle, rel=1e-6)

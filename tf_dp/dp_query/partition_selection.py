@@ -44,6 +44,7 @@ __all__ = [
     "select_rows",
     "sparse_noised_sum",
     "top_rows",
+    "private_row_counts",
     "make_generator",
     "SparseEmbeddingConfig",
     "PartitionSelectionQuery",
@@ -175,6 +176,52 @@ def top_rows(frequencies: Any, k: int) -> tf.Tensor:
     if not (isinstance(k, int) and 0 < k <= n):
         raise ValueError(f"k must be an integer in [1, {n}], got {k!r}")
     return tf.sort(tf.cast(tf.math.top_k(freqs, k).indices, tf.int64))
+
+
+def private_row_counts(ids: Any, vocab_size: int, contribution_bound: float,
+                       noise_multiplier: float, ledger: Any = None,
+                       seed: Optional[int] = None) -> tf.Tensor:
+    """DP-FEST's privately counted histogram: the contribution map of the whole data set
+    (:func:`contribution_map`, one example's map of L2 norm at most ``C1``) plus
+    ``N(0, (noise_multiplier * C1)^2)`` on every row; pass it to :func:`top_rows`. One Gaussian
+    sum query over all ``n`` examples: with ``ledger`` (a :class:`~tf_dp.ledger.PrivacyLedger`)
+    it is recorded there as a sample of every example (rate 1) with that query; compose it with
+    the training's: ``compute_epsilon(ledger.runs() + optimizer.ledger.runs(), delta)``.
+
+    Args:
+      ids: ``[n, L]`` integer row ids of every example (``-1`` pads).
+      vocab_size: ``V``, the table's rows.
+      contribution_bound: ``C1 > 0``.
+      noise_multiplier: ``sigma > 0`` (finite).
+      ledger: where to record the query, or None (the caller accounts for it).
+      seed: tests only (a predictable draw has no privacy).
+
+    Example:
+
+    >>> import numpy as np
+    >>> from tf_dp.ledger import PrivacyLedger
+    >>> ledger = PrivacyLedger()
+    >>> ids = np.random.default_rng(0).integers(0, 50, (1000, 4))
+    >>> counts = private_row_counts(ids, 50, 1.0, 4.0, ledger=ledger)
+    >>> rows = top_rows(counts, 10)
+    >>> entry = ledger.samples()[0]
+    >>> entry.queries[0].noise_stddev, entry.sampling.selection_probability
+    (4.0, 1.0)
+    """
+    c1 = _finite("contribution_bound", contribution_bound, 0.0, True)
+    sigma = _finite("noise_multiplier", noise_multiplier, 0.0, True)
+    ids = tf.convert_to_tensor(ids)
+    n = int(ids.shape[0]) if ids.shape.rank else 0
+    if n < 1:
+        raise ValueError(f"ids must be [n, L] with n >= 1 examples, got shape {ids.shape}")
+    counts = contribution_map(ids, vocab_size, c1)
+    generator = make_generator(seed)
+    noisy = counts + gaussian_noise(generator, vocab_size, tf.float32, sigma * c1)
+    if ledger is not None:
+        ledger.record_sampling(n, 1.0, "poisson", origin="sampled")
+        ledger.record_sum_query(c1, sigma * c1, noise_seed=seed)
+        ledger.flush()
+    return noisy
 
 
 def _finite(name: str, value: Any, low: float, strict: bool) -> float:
