@@ -17,14 +17,10 @@ failure, not a dead suite).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.scenarios import run_scenarios, scenario_output
+
 
 PRELUDE = """
 import os
@@ -136,42 +132,13 @@ SCENARIOS = {
     for mode in ("eager", "graph", "xla")
 }
 
-RUNNER = """
-import io, json, traceback, contextlib
-results = {}
-for name, body in SCENARIOS.items():
-    buf = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(buf):
-            exec(textwrap.dedent(body), dict(globals()))
-        results[name] = {"ok": True, "out": buf.getvalue()}
-    except Exception:
-        results[name] = {"ok": False, "out": buf.getvalue() + traceback.format_exc()[-3000:]}
-print("RESULTS" + json.dumps(results))
-"""
-
-
 @pytest.fixture(scope="module")
 def results():
     """All scenarios in one subprocess (one TensorFlow import; a crash fails every test)."""
-    code = PRELUDE + "\nimport textwrap\nSCENARIOS = " + repr(SCENARIOS) + "\n" + RUNNER
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"},
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS"))
-    return json.loads(line[len("RESULTS"):])
+    return run_scenarios(PRELUDE, SCENARIOS)
 
 
-def _ok(results, name) -> str:
-    r = results[name]
-    assert r["ok"], r["out"]
-    return r["out"]
+_ok = scenario_output
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
