@@ -10,6 +10,7 @@ import os
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tf_dp import _compat
 
@@ -140,6 +141,7 @@ def test_every_private_name_listed_in_compat_exists_in_the_installed_versions():
         "keras CompileMetrics": model._compile_metrics,
         "keras CompileLoss": model._compile_loss,
         "keras tensor": mask,
+        "keras.Variable": model.trainable_variables[0],
     }
     missing = []
     for owner, name in _compat.PRIVATE_NAMES:
@@ -150,6 +152,7 @@ def test_every_private_name_listed_in_compat_exists_in_the_installed_versions():
             missing.append(f"{owner}.{name}")
     assert not missing, missing
     assert _compat.functional_class() is type(model)
+    assert isinstance(_compat.tf_variable(model.trainable_variables[0]), tf.Variable)
     assert [layer.name for layer in _compat.flatten_layers(model, include_self=False)] == [
         layer.name for layer in model.layers]
     assert _compat.loss_tracker(model) is not None and _compat.compiled_metrics(model) is not None

@@ -479,3 +479,49 @@ def test_conv_transpose(layer, shape, graph):
     scale = r.uniform(0.2, 3.0, (6,) + (1,) * len(shape))
     x = (r.normal(size=size) * scale).astype("float32")
     check(model, x, r.integers(0, 3, 6), graph=graph, reference=LoopReference)
+
+
+# -- grouped convolutions (ConvNeXt's depthwise Conv2D(groups=C)) ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "layer, shape, graph",
+    [
+        (lambda: L.Conv2D(6, 7, padding="same", groups=6), (8, 8, 6), False),
+        (lambda: L.Conv2D(4, 3, strides=2, groups=2, activation="relu"), (9, 9, 6), True),
+        (lambda: L.Conv2D(6, 3, dilation_rate=2, padding="same", groups=3), (8, 8, 6), False),
+        (lambda: L.Conv1D(6, 3, padding="causal", groups=2), (10, 4), True),
+        (lambda: L.Conv3D(4, 2, groups=2), (4, 4, 4, 4), False),
+    ],
+    ids=["depthwise-like", "strided", "dilated", "conv1d-causal", "conv3d"],
+)
+def test_grouped_conv(layer, shape, graph):
+    keras.utils.set_random_seed(41)
+    r = rng(42)
+    inp = keras.Input(shape)
+    h = L.Conv1D(shape[-1], 1)(inp) if len(shape) == 2 else inp  # a non-grouped neighbour
+    h = layer()(h)
+    out = L.Dense(3)(L.Flatten()(h))
+    model = keras.Model(inp, out)
+    x = (r.normal(size=(5, *shape)) * r.uniform(0.2, 3.0, (5,) + (1,) * len(shape)))
+    check(model, x.astype("float32"), r.integers(0, 3, 5), reference=LoopReference, graph=graph)
+
+
+def test_grouped_conv_xla():
+    keras.utils.set_random_seed(43)
+    r = rng(44)
+    inp = keras.Input((8, 8, 4))
+    h = L.Conv2D(4, 5, padding="same", groups=4)(inp)
+    h = L.Conv2D(8, 3, groups=2)(h)
+    model = _compile(keras.Model(inp, L.Dense(3)(L.GlobalAveragePooling2D()(h))))
+    x = r.normal(size=(5, 8, 8, 4)).astype("float32")
+    y = r.integers(0, 3, 5)
+    ref = [np.asarray(g) for g in _sum_fn(LoopReference(), model, (x, y, None))()]
+    magnitude = _magnitude(model, (x, y, None))
+    strategy = GhostClipper()
+    got = _sum_fn(strategy, model, (tf.constant(x), tf.constant(y), None), True)()
+    assert strategy.mode == "ghost", strategy.description
+    # per example: the 25-tap and 3x3x2 convolutions, 36 pooled positions, 8 features; casts
+    atol = tolerance("float32", 25 + 18 + 36 + 8 + 2, magnitude)
+    for v, a, b in zip(model.trainable_variables, got, ref):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)

@@ -36,6 +36,8 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("keras CompileLoss", "_user_loss_weights"),
     ("keras tensor", "_keras_mask"),
     ("keras.src.models.functional", "Functional"),
+    ("keras.src.applications.convnext", "LayerScale"),
+    ("keras.Variable", "_value"),
     ("keras.src.backend", "rnn"),
     ("keras.src.backend.tensorflow.trainer", "reduce_per_replica"),
     ("keras.src.backend.tensorflow.trainer", "_collective_all_reduce_multi_worker"),
@@ -45,6 +47,26 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("tensorflow.python.ops", "gen_nn_ops"),
     ("tensorflow.python.ops.parallel_for", "pfor"),
 )
+
+
+def tf_variable(v: Any) -> Any:
+    """The ``tf.Variable`` behind a Keras 3 variable, also inside a mixed-precision autocast scope
+    (where ``v.value`` is a cast tensor)."""
+    import tensorflow as tf
+
+    if isinstance(v, tf.Variable):
+        return v
+    inner = getattr(v, "_value", None)
+    return inner if isinstance(inner, tf.Variable) else v
+
+
+def keras_layer_scale() -> Optional[type]:
+    """``keras.applications``' ConvNeXt ``LayerScale`` layer class (None if Keras moved it)."""
+    try:
+        from keras.src.applications.convnext import LayerScale
+    except ImportError:
+        return None
+    return LayerScale
 
 
 def functional_class() -> type:

@@ -4,6 +4,8 @@
   ``Outer(patches, g)``; the bias is per example. 3-D patches ``[B, od, oh, ow, kd*kh*kw*C]``
   are a gather of voxel rows with precomputed indices (static sizes; XLA-compilable), else a
   convolution with a one-hot kernel.
+- Grouped ``Conv1D/2D/3D`` (``groups > 1``): per block of channels, the kernel's per-example
+  gradient materialised (:class:`PerExample`).
 - ``DepthwiseConv1D`` and ``DepthwiseConv2D``: output channel ``c M + m`` only reads input
   channel ``c``, so the per-example gradient of the ``[kh, kw, C, M]`` kernel is
   ``sum_t patches[t, k, c] g[t, c, m]``, materialised per example (:class:`PerExample`; it has
@@ -80,8 +82,6 @@ def _conv_supports(layer) -> Optional[str]:
         return reason
     if getattr(layer, "rank", None) not in (1, 2, 3):
         return f"{layer.name}: only 1-D, 2-D and 3-D convolutions have a built-in norm rule"
-    if getattr(layer, "groups", 1) != 1:
-        return f"{layer.name}: grouped convolutions have no built-in norm rule"
     if layer.rank == 3 and any(d != 1 for d in layer.dilation_rate):
         return f"{layer.name}: dilated 3-D convolutions have no built-in norm rule"
     return None
@@ -198,6 +198,21 @@ def depthwise_conv_rule(layer, inputs, grad_output):
     return out
 
 
+def _grouped_kernel_factor(kernel, patches, g, groups):
+    """A grouped convolution (``groups`` G: input channels and filters in G contiguous blocks,
+    block j of the filters reading only block j of the channels; ConvNeXt's depthwise
+    ``Conv2D(groups=C)``): its ``[*taps, C/G, F]`` kernel's per-example gradient is, per block,
+    ``sum_t patches[t, k, j, c] g[t, j, f]``, materialised (:class:`PerExample`, the kernel's
+    size per example: small for the depthwise case; costs what the forward convolution costs)."""
+    cg, f = kernel.shape[-2], kernel.shape[-1]
+    taps = int(np.prod(kernel.shape[:-2]))
+    b = batch_size(g)
+    p = tf.reshape(patches, [b, -1, taps, groups, cg])
+    gg = tf.reshape(g, [b, -1, groups, f // groups])
+    per_example = tf.einsum("btkjc,btjf->bkcjf", p, gg)
+    return PerExample(tf.reshape(per_example, [b] + list(kernel.shape)))
+
+
 @norm_rule(
     keras.layers.Conv1D,
     keras.layers.Conv2D,
@@ -210,6 +225,12 @@ def conv_rule(layer, inputs, grad_output):
     patches, g = _patches(layer, x, g)
     k = patches.shape[-1]
     f = g.shape[-1]
+    groups = getattr(layer, "groups", 1)
+    if groups != 1:
+        out = [(layer.kernel, _grouped_kernel_factor(layer.kernel, patches, g, groups))]
+        if layer.bias is not None:
+            out.append((layer.bias, bias_per_example(g, layer.bias)))
+        return out
     out = [
         (
             layer.kernel,

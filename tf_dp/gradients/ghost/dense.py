@@ -83,3 +83,61 @@ def einsum_dense_rule(layer, inputs, grad_output):
             (layer.bias, PerExample(tf.reshape(per_ex, [batch_size(g)] + list(layer.bias.shape))))
         )
     return out
+
+
+# -- keras-hub's MaskedLMHead ------------------------------------------------------------------------
+
+_MASKED_LM_PARTS = ("_intermediate_dense", "_intermediate_layer_norm", "_bias", "token_embedding")
+
+
+def masked_lm_head_supports(layer) -> Optional[str]:
+    missing = [a for a in _MASKED_LM_PARTS if not hasattr(layer, a)]
+    if not getattr(layer, "token_embedding", None) and not hasattr(layer, "_kernel"):
+        missing.append("_kernel")
+    if missing:
+        return (
+            f"{layer.name}: this keras-hub MaskedLMHead has no {', '.join(missing)} (the rule "
+            "follows keras-hub 0.32's layer); per-example gradients"
+        )
+    return not_quantized(layer)
+
+
+def masked_lm_head_forward(layer, call, args, kwargs, watch):
+    """keras-hub's ``MaskedLMHead.call`` step by step: gather the masked positions, the
+    intermediate ``Dense`` and ``LayerNormalization`` and the tied ``token_embedding(x,
+    reverse=True)`` are called as layers (so each is recorded with its own rule, the tied table's
+    two uses included); the logits before the head's own bias and activation are watched, and the
+    projection's input is kept for an untied kernel."""
+    del call
+    inputs = args[0] if args else kwargs["inputs"]
+    positions = args[1] if len(args) > 1 else kwargs["mask_positions"]
+    x = keras.ops.take_along_axis(inputs, keras.ops.expand_dims(positions, axis=-1), axis=1)
+    x = layer._intermediate_layer_norm(layer._intermediate_dense(x))
+    if layer.token_embedding:
+        logits = layer.token_embedding(x, reverse=True)
+    else:
+        logits = keras.ops.matmul(x, layer._kernel)
+    logits = watch(keras.ops.cast(logits, layer.compute_dtype) + layer._bias)
+    out = layer.activation(logits) if layer.activation is not None else logits
+    return out, x
+
+
+def masked_lm_head_rule(layer, x, grads):
+    """keras-hub ``MaskedLMHead``'s own variables: the output bias (per example, ``[B, V]``) and,
+    without a tied embedding, the ``[D, V]`` projection ``Outer(x, g)`` (``x`` the layer-normed
+    features at the masked positions, ``g`` the gradient of the logits). Its intermediate
+    ``Dense``, ``LayerNormalization`` and tied ``ReversibleEmbedding`` have their own rules."""
+    g = f32(grads[0])
+    out = [(layer._bias, bias_per_example(g, layer._bias))]
+    if not layer.token_embedding:
+        xs = f32(x)
+        out.append(
+            (
+                layer._kernel,
+                Outer(
+                    tf.reshape(xs, [batch_size(xs), -1, xs.shape[-1]]),
+                    tf.reshape(g, [batch_size(g), -1, g.shape[-1]]),
+                ),
+            )
+        )
+    return out

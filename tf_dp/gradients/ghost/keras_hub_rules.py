@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import importlib
 
-from keras_hub.layers import PositionEmbedding, TokenAndPositionEmbedding
+from keras_hub.layers import MaskedLMHead, PositionEmbedding, TokenAndPositionEmbedding
 from keras_hub.src.models.gemma.rms_normalization import RMSNormalization
 
+from tf_dp.gradients.ghost.dense import (
+    masked_lm_head_forward,
+    masked_lm_head_rule,
+    masked_lm_head_supports,
+)
 from tf_dp.gradients.ghost.embeddings import (
     position_embedding_rule,
     position_forward,
@@ -19,6 +24,9 @@ from tf_dp.gradients.ghost.embeddings import (
     vit_patching_variables,
 )
 from tf_dp.gradients.ghost.normalization import (
+    channelwise_forward,
+    channelwise_rule,
+    channelwise_supports,
     gemma_rms_normalization_rule,
     last_axis_rms_norm_rule,
 )
@@ -54,6 +62,22 @@ _RMS_NORMS = (
     ),
 )
 
+# keras-hub's other norms and layer scales over the last axis, whatever their formula: the
+# channelwise rule (forward-mode products, exact when channel h depends on v[h] alone; each class
+# is checked against per-example gradients in tests/test_ghost_channelwise.py)
+CHANNELWISE = (
+    ("keras_hub.src.models.gemma3.gemma3_layers", "RMSNormalization"),
+    ("keras_hub.src.models.gemma4.gemma4_layers", "RMSNormalization"),
+    ("keras_hub.src.models.gemma3n.rms_normalization", "Gemma3nRMSNorm"),
+    ("keras_hub.src.models.roformer_v2.roformer_v2_attention", "RoformerNorm"),
+    ("keras_hub.src.models.qwen_moe.qwen_moe_layernorm", "QwenMoeLayerNorm"),
+    ("keras_hub.src.models.qwen3_moe.qwen3_moe_layernorm", "Qwen3MoeLayerNorm"),
+    ("keras_hub.src.models.edrec.edrec_layers", "EdRecRMSNormalization"),
+    ("keras_hub.src.layers.modeling.rms_normalization", "RMSNormalization"),
+    ("keras_hub.src.models.dinov2.dinov2_layers", "DINOV2LayerScale"),
+    ("keras_hub.src.models.dinov3.dinov3_layers", "DINOV3LayerScale"),
+)
+
 
 def _optional_class(module: str, name: str):
     try:
@@ -70,6 +94,12 @@ def register(registry: LayerRuleRegistry) -> None:
     # tracks the token embedding (``backbone.token_embedding``, used again for tied LM logits)
     registry.register_container(TokenAndPositionEmbedding)
     registry.register(RMSNormalization, gemma_rms_normalization_rule)
+    registry.register(
+        MaskedLMHead,
+        masked_lm_head_rule,
+        forward=masked_lm_head_forward,
+        supports=masked_lm_head_supports,
+    )
     relative = _optional_class(
         "keras_hub.src.models.deberta_v3.relative_embedding", "RelativeEmbedding"
     )
@@ -80,6 +110,15 @@ def register(registry: LayerRuleRegistry) -> None:
     vit = _optional_class("keras_hub.src.models.vit.vit_layers", "ViTPatchingAndEmbedding")
     if vit is not None:
         registry.register(vit, vit_patching_rule, variables=vit_patching_variables)
+    for module, name in CHANNELWISE:
+        layer_class = _optional_class(module, name)
+        if layer_class is not None:
+            registry.register(
+                layer_class,
+                channelwise_rule,
+                forward=channelwise_forward,
+                supports=channelwise_supports,
+            )
     for module, name, rule in _RMS_NORMS:
         layer_class = _optional_class(module, name)
         if layer_class is not None:

@@ -17,6 +17,8 @@ gradient of ``scale`` is ``g * xhat`` summed over the axes ``scale`` is broadcas
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
@@ -109,3 +111,90 @@ def group_norm_rule(layer, inputs, grad_output):
     mean, var = keras.ops.moments(xg, axes=red, keepdims=True)
     xhat = tf.reshape((xg - mean) * tf.math.rsqrt(var + layer.epsilon), shape)
     return _affine_norm_factors(layer, xhat, g, [axis], rank)
+
+
+# -- channelwise parameters, by forward-mode differentiation ----------------------------------------
+
+
+def _channel_variables(layer) -> list:
+    """The layer's own trainable variables (those the channelwise rule covers)."""
+    from tf_dp import _compat
+
+    return [v for v in (_compat.own_trainable_variables(layer) or []) if v.trainable]
+
+
+def channelwise_supports(layer):
+    """A channelwise layer's variables must be vectors (one entry per output channel)."""
+    bad = [v.path for v in _channel_variables(layer) if len(v.shape) != 1]
+    if bad:
+        return (
+            f"{layer.name}: the channelwise rule needs 1-D variables (one entry per channel of "
+            f"the output's last axis); {', '.join(bad)} are not"
+        )
+    return None
+
+
+def channelwise_forward(layer, call, args, kwargs, watch):
+    """Runs ``call`` inside one ``tf.autodiff.ForwardAccumulator`` per variable (tangent: all
+    ones), so that each variable's Jacobian-vector product with the output comes out of the same
+    forward pass, in the layer's own autocast scope; the output is watched."""
+    from tf_dp import _compat
+
+    variables = [_compat.tf_variable(v) for v in _channel_variables(layer)]
+    accumulators = [
+        tf.autodiff.ForwardAccumulator([v], [tf.ones_like(v)]) for v in variables
+    ]
+    with contextlib.ExitStack() as stack:
+        for acc in accumulators:
+            stack.enter_context(acc)
+        out = call(*args, **kwargs)
+    tangents = []
+    for acc in accumulators:
+        t = acc.jvp(out, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        tangents.append(t)
+    return watch(out), tangents
+
+
+def channelwise_rule(layer, tangents, grads):
+    """Exact per-example gradients of a layer whose every variable ``v`` is a vector acting
+    channelwise on the output's last axis: output channel ``h`` depends on ``v`` through ``v[h]``
+    alone (RMS and layer norms' scale and offset, ``(1 + scale)`` forms, layer scales,
+    ``x * gamma``). Then ``dy[..., h] / dv[k]`` is zero for ``k != h``, the forward-mode product
+    with an all-ones tangent is the diagonal ``dy[..., h] / dv[h]`` itself (whatever the formula),
+    and example ``b``'s gradient is ``sum_t g[b, t, h] * jvp[b, t, h]`` (:class:`PerExample`,
+    ``[B, H]``). Registered (with :func:`channelwise_forward`) for keras-hub's norms and layer
+    scales without a closed-form rule and for ``keras.applications``' ``LayerScale``; a user's
+    layer of this kind::
+
+        from tf_dp.gradients.ghost import register_layer_norm_rule
+        from tf_dp.gradients.ghost.normalization import (
+            channelwise_forward, channelwise_rule, channelwise_supports)
+
+        register_layer_norm_rule(MyNorm, channelwise_rule, forward=channelwise_forward,
+                                 supports=channelwise_supports)
+
+    A layer that mixes channels through a variable (``x * softmax(v)``) breaks the contract and
+    gets wrong (still clipped) gradients: check it with ``tf_dp.keras.conformance.check_model``.
+    """
+    g = f32(grads[0])
+    rank = g.shape.rank
+    out = []
+    for v, tangent in zip(_channel_variables(layer), tangents):
+        per_ex = g * f32(tangent)
+        if rank > 2:
+            per_ex = tf.reduce_sum(per_ex, axis=list(range(1, rank - 1)))
+        out.append((v, PerExample(tf.reshape(per_ex, [batch_size(g), v.shape[0]]))))
+    return out
+
+
+def _keras_layer_scale():
+    from tf_dp import _compat
+
+    return _compat.keras_layer_scale()
+
+
+@norm_rule(_keras_layer_scale(), supports=channelwise_supports, forward=channelwise_forward)
+def layer_scale_rule(layer, tangents, grads):
+    """``keras.applications``' ``LayerScale`` (ConvNeXt): ``x * gamma``, by
+    :func:`channelwise_rule`."""
+    return channelwise_rule(layer, tangents, grads)
