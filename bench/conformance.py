@@ -472,6 +472,7 @@ def _task(cls, **kwargs):
 
 
 def _build_hub(name):
+    import keras
     import keras_hub
 
     from tf_dp import _compat
@@ -484,6 +485,13 @@ def _build_hub(name):
     rng = np.random.default_rng(0)
     if kind == "ImageClassifier":
         task = _task(cls, backbone=backbone, num_classes=3, preprocessor=None)
+        if any(
+            isinstance(layer, keras.layers.BatchNormalization)
+            for layer in _compat.flatten_layers(task, include_self=False)
+        ):  # as for keras.applications: the user's documented path (a plain functional copy)
+            import tf_dp
+
+            task, _ = tf_dp.keras.fix_for_dp(task)
         shape = [d if d is not None else IMAGE for d in task.inputs[0].shape[1:]]
         x = rng.normal(size=(BATCH, *shape)).astype("float32")
         return task, x, np.arange(BATCH) % 3, "sce"
@@ -690,7 +698,8 @@ def table(results: list, skipped: dict, pending: list = ()) -> str:
             f"`enable_lora(4)`, or `enable_lora(4, target_layer_names=...)` with the backbone's "
             f"attention projections among {sorted(LORA_TARGETS)} where keras-hub's default names "
             "match none of its layers; the checked model keeps the adapters and the frozen weights "
-            "across the harness's `.keras` copy); `keras.applications` models with "
+            "across the harness's `.keras` copy; image classifiers with BatchNormalization after "
+            "`tf_dp.keras.fix_for_dp`); `keras.applications` models with "
             f"`weights=None`, 3 classes, the "
             f"smallest of {IMAGE}, 75 and 197 px they accept, after `tf_dp.keras.fix_for_dp` "
             "(BatchNormalization -> GroupNormalization); each Keras layer in a minimal model."

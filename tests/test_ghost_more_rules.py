@@ -525,3 +525,33 @@ def test_grouped_conv_xla():
     atol = tolerance("float32", 25 + 18 + 36 + 8 + 2, magnitude)
     for v, a, b in zip(model.trainable_variables, got, ref):
         np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
+
+
+# -- keras-hub DeiT's embeddings (class and distillation tokens, position table) ------------------
+
+
+@pytest.mark.parametrize("jit", [None, False, True], ids=["eager", "graph", "xla"])
+def test_deit_embeddings(jit):
+    from keras_hub.src.models.deit.deit_layers import DeiTEmbeddings
+
+    keras.utils.set_random_seed(46)
+    inp = keras.Input((8, 8, 3))
+    emb = DeiTEmbeddings(image_size=(8, 8), patch_size=(4, 4), hidden_dim=6)
+    h = L.Dense(4, activation="tanh")(emb(inp))
+    model = _compile(keras.Model(inp, L.Dense(3)(L.Flatten()(h))))
+    for v in (emb.class_token, emb.distillation_token):  # zeros at init: make them matter
+        v.assign(rng(47).normal(size=v.shape).astype("float32"))
+    r = rng(48)
+    x = r.normal(size=(5, 8, 8, 3)).astype("float32")
+    y = r.integers(0, 3, 5)
+    ref = [np.asarray(g) for g in _sum_fn(LoopReference(), model, (x, y, None))()]
+    strategy = GhostClipper()
+    got = _sum_fn(strategy, model, (tf.constant(x), tf.constant(y), None), jit)()
+    assert strategy.mode == "ghost", strategy.description
+    # per example: the 4 x 4 x 3 patch convolution + bias, the position add, the Dense's 6, the
+    # head's 24 flattened features, log-softmax 3; doubled for the backward pass; the kernel's
+    # sum over 4 patches; casts
+    terms = 2 * (49 + 1 + 6 + 24 + 3) + 4 + 2
+    atol = tolerance("float32", terms, _magnitude(model, (x, y, None)))
+    for v, a, b in zip(model.trainable_variables, got, ref):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)

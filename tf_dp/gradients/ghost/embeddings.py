@@ -25,6 +25,8 @@ per-example gradients of the layer's own call).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import keras
 import tensorflow as tf
 
@@ -183,3 +185,49 @@ def vit_patching_rule(layer, inputs, grad_output):
     if getattr(layer, "use_class_token", False):
         out.append((layer.class_token, PerExample(g[:, :1, None, :])))
     return out
+
+
+def deit_supports(layer) -> Optional[str]:
+    if getattr(layer, "use_mask_token", False):
+        return f"{layer.name}: DeiT embeddings with a mask token have no built-in norm rule"
+    missing = [
+        a
+        for a in ("patch_embedding", "class_token", "distillation_token", "position_embedding")
+        if not hasattr(layer, a)
+    ]
+    if missing:
+        return f"{layer.name}: this DeiTEmbeddings has no {', '.join(missing)}"
+    return None
+
+
+def deit_forward(layer, call, args, kwargs, watch):
+    """keras-hub ``DeiTEmbeddings.call`` step by step: the patch convolution is called as a layer
+    (recorded with the convolution rule), the sum ``concat(class, distillation, patches) +
+    position table`` is watched *before* the layer's dropout."""
+    del call
+    inputs = args[0] if args else kwargs["inputs"]
+    patches = layer.patch_embedding(inputs)
+    if layer.data_format == "channels_first":
+        patches = keras.ops.transpose(patches, axes=(0, 2, 3, 1))
+    shape = keras.ops.shape(patches)
+    patches = keras.ops.reshape(patches, [shape[0], -1, shape[-1]])
+    tokens = [
+        keras.ops.tile(layer.class_token, (shape[0], 1, 1)),
+        keras.ops.tile(layer.distillation_token, (shape[0], 1, 1)),
+    ]
+    summed = watch(keras.ops.concatenate(tokens + [patches], axis=1) + layer.position_embedding)
+    return layer.dropout(summed), None
+
+
+def deit_rule(layer, context, grads):
+    """keras-hub DeiT ``DeiTEmbeddings``: ``concat(class token, distillation token, patches) +
+    table`` with the ``[1, P + 2, D]`` table broadcast over the batch, so example ``b``'s gradient
+    of the table is ``g[b]`` (the gradient before the dropout) and of the two ``[1, 1, D]`` tokens
+    ``g[b, 0]`` and ``g[b, 1]`` (:class:`PerExample`)."""
+    del context
+    g = f32(grads[0])  # [B, P + 2, D]
+    return [
+        (layer.position_embedding, PerExample(g[:, None])),
+        (layer.class_token, PerExample(g[:, None, :1])),
+        (layer.distillation_token, PerExample(g[:, None, 1:2])),
+    ]

@@ -16,6 +16,9 @@ from tf_dp.gradients.ghost.dense import (
     masked_lm_head_supports,
 )
 from tf_dp.gradients.ghost.embeddings import (
+    deit_forward,
+    deit_rule,
+    deit_supports,
     position_embedding_rule,
     position_forward,
     relative_embedding_rule,
@@ -110,6 +113,9 @@ def register(registry: LayerRuleRegistry) -> None:
     vit = _optional_class("keras_hub.src.models.vit.vit_layers", "ViTPatchingAndEmbedding")
     if vit is not None:
         registry.register(vit, vit_patching_rule, variables=vit_patching_variables)
+    deit = _optional_class("keras_hub.src.models.deit.deit_layers", "DeiTEmbeddings")
+    if deit is not None:
+        registry.register(deit, deit_rule, forward=deit_forward, supports=deit_supports)
     for module, name in CHANNELWISE:
         layer_class = _optional_class(module, name)
         if layer_class is not None:
