@@ -555,3 +555,47 @@ def test_deit_embeddings(jit):
     atol = tolerance("float32", terms, _magnitude(model, (x, y, None)))
     for v, a, b in zip(model.trainable_variables, got, ref):
         np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
+
+
+# -- keras-hub T5's relative attention bias (one table, its bias reused by the later layers) -----
+
+
+@pytest.mark.parametrize("jit", [None, False, True], ids=["eager", "graph", "xla"])
+def test_tiny_t5_backbone_has_no_fallback(jit):
+    keras.utils.set_random_seed(51)
+    backbone = keras_hub.models.T5Backbone(
+        vocabulary_size=30,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=8,
+        intermediate_dim=16,
+        key_value_dim=4,
+        dropout=0.0,
+    )
+    pooled = L.GlobalAveragePooling1D()(backbone.output["decoder_sequence_output"])
+    model = _compile(keras.Model(backbone.input, L.Dense(3)(pooled)))
+    r = rng(52)
+    mask = np.ones((4, 6), "int32")
+    mask[1, 4:] = 0
+    x = {
+        "encoder_token_ids": r.integers(1, 30, (4, 6)).astype("int32"),
+        "encoder_padding_mask": mask,
+        "decoder_token_ids": r.integers(1, 30, (4, 6)).astype("int32"),
+        "decoder_padding_mask": mask[::-1].copy(),
+    }
+    y = r.integers(0, 3, 4)
+    ref = [np.asarray(g) for g in _sum_fn(LoopReference(), model, (x, y, None))()]
+    strategy = GhostClipper()
+    tx = {k: tf.constant(v) for k, v in x.items()}
+    got = _sum_fn(strategy, model, (tx, tf.constant(y), None), jit)()
+    assert strategy.mode == "ghost", strategy.description
+    tables = [v for v in model.trainable_variables if "embeddings" in v.path and v.shape[-1] == 2]
+    assert len(tables) == 2  # the encoder's and the decoder's relative attention bias tables
+    # per example, per layer: norm 8 + 3, projections 8, scores 4, softmax 6, values 6, output 8,
+    # norm 8 + 3, MLP 8 + 16; two encoder and two decoder layers (with cross-attention);
+    # doubled for the backward pass; the tables' sums over the 36 query/key pairs; casts
+    layer_terms = 11 + 8 + 4 + 6 + 6 + 8 + 11 + 24
+    terms = 2 * (6 * layer_terms + 11 + 6 + 8 + 3) + 36 + 2
+    atol = tolerance("float32", terms, _magnitude(model, (x, y, None)))
+    for v, a, b in zip(model.trainable_variables, got, ref):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)

@@ -231,3 +231,68 @@ def deit_rule(layer, context, grads):
         (layer.class_token, PerExample(g[:, None, :1])),
         (layer.distillation_token, PerExample(g[:, None, 1:2])),
     ]
+
+
+# -- keras-hub T5's relative attention bias ---------------------------------------------------------
+
+
+def t5_attention_supports(layer) -> Optional[str]:
+    for a in ("compute_bias", "_relative_position_bucket", "relative_attention_buckets"):
+        if not hasattr(layer, a):
+            return f"{layer.name}: this T5MultiHeadAttention has no {a}"
+    return None
+
+
+def t5_attention_forward(layer, call, args, kwargs, watch):
+    """keras-hub ``T5MultiHeadAttention.call`` as it is, with its ``compute_bias`` replaced for
+    the call by one returning the bias broadcast to ``[B, heads, Q, K]`` and watched: the bias
+    is ``[1, heads, Q, K]`` shared by the batch (and handed on to the later layers as their
+    ``position_bias``), so only a batch axis of its own gives each example's gradient, summed
+    over every layer that adds it. The context is the ``[Q, K]`` bucket of each query/key pair."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    batch = tf.shape(hidden)[:1]
+    original = layer.compute_bias
+    buckets: list = []
+
+    def compute_bias(query_length, key_length, query_start_index=0):
+        values = original(query_length, key_length, query_start_index=query_start_index)
+        context = keras.ops.arange(query_length)[:, None] + query_start_index
+        memory = keras.ops.arange(key_length)[None, :]
+        buckets.append(
+            layer._relative_position_bucket(
+                memory - context,
+                bidirectional=not layer.is_decoder,
+                num_buckets=layer.relative_attention_buckets,
+                max_distance=layer.relative_attention_max_distance,
+            )
+        )
+        values = tf.convert_to_tensor(values)
+        return watch(tf.broadcast_to(values, tf.concat([batch, tf.shape(values)[1:]], 0)))
+
+    object.__setattr__(layer, "compute_bias", compute_bias)
+    try:
+        out = call(*args, **kwargs)
+    finally:
+        object.__delattr__(layer, "compute_bias")
+    return out, buckets
+
+
+def t5_attention_rule(layer, buckets, grads):
+    """keras-hub T5 ``T5MultiHeadAttention`` owning the ``[buckets, heads]`` relative attention
+    bias table: entry ``(q, k, h)`` of the bias is ``table[bucket(q, k), h]``, so example ``b``'s
+    gradient of the table sums its bias gradient ``G[b, h, q, k]`` over the pairs of each bucket
+    (:class:`PerExample`, ``[B, buckets, heads]``). A layer without the table (the later layers,
+    cross-attention) owns no variable: its projections are ``Dense`` layers with their own
+    rule."""
+    if not getattr(layer, "use_relative_attention_bias", False):
+        return []
+    table = layer.relative_attention_bias
+    if not buckets:  # the call was given a position_bias: the table was not read
+        g = f32(grads[0])
+        return [(table, PerExample(tf.zeros([batch_size(g)] + list(table.shape))))]
+    g = f32(grads[0])  # [B, H, Q, K]
+    b, h = tf.shape(g)[0], table.shape[1]
+    ids = tf.reshape(tf.cast(buckets[0], tf.int32), [-1])  # [Q K]
+    flat = tf.transpose(tf.reshape(g, [b, h, -1]), [2, 0, 1])  # [Q K, B, H]
+    per_bucket = tf.math.unsorted_segment_sum(flat, ids, table.shape[0])  # [buckets, B, H]
+    return [(table, PerExample(tf.transpose(per_bucket, [1, 0, 2])))]

@@ -19,6 +19,9 @@ from tf_dp.gradients.ghost.embeddings import (
     deit_forward,
     deit_rule,
     deit_supports,
+    t5_attention_forward,
+    t5_attention_rule,
+    t5_attention_supports,
     position_embedding_rule,
     position_forward,
     relative_embedding_rule,
@@ -116,6 +119,11 @@ def register(registry: LayerRuleRegistry) -> None:
     deit = _optional_class("keras_hub.src.models.deit.deit_layers", "DeiTEmbeddings")
     if deit is not None:
         registry.register(deit, deit_rule, forward=deit_forward, supports=deit_supports)
+    t5 = _optional_class("keras_hub.src.models.t5.t5_multi_head_attention", "T5MultiHeadAttention")
+    if t5 is not None:
+        registry.register(
+            t5, t5_attention_rule, forward=t5_attention_forward, supports=t5_attention_supports
+        )
     for module, name in CHANNELWISE:
         layer_class = _optional_class(module, name)
         if layer_class is not None:
