@@ -15,6 +15,11 @@ epsilon (delta = 1e-5):
 * ``blt``: the same batches with BLT noise of ``d`` buffers, its ``omega`` and ``theta``
   optimised here for this run (L-BFGS on the sensitivity times the prefix sums' noise
   ``||A C^{-1}||_F``, from a fit to the square root's inverse);
+* ``bandmf_amplified``: amplified BandMF (Choquette-Choo et al. 2023): the data cut into
+  ``amp_bands`` parts, step ``t`` a Poisson sample of part ``t mod amp_bands`` at rate
+  ``q = batch * amp_bands / n`` (``tf_dp.data.cyclic_poisson_batches``), the optimised
+  ``amp_bands``-banded strategy, noise from ``DPKerasMFOptimizer.for_target_epsilon`` and
+  epsilon from the ledger (tf_dp's amplified BandMF PLD accounting);
 * ``dpftrl_tree``: the same batches with DP-FTRL's tree aggregation
   (``tf_dp.keras.DPKerasFTRLOptimizer``, a new tree every epoch): ``C`` the block diagonal of one
   ``tf_dp.correlated.strategies.TreeStrategy(b)`` per epoch (a row per released node).
@@ -25,9 +30,7 @@ one record is ``Delta = clip * max_p ||C u_p||``, ``u_p`` the indicator of the s
 ``p`` (``p, p + b, p + 2b, ...``), computed exactly from the dense ``C`` (DP-SGD: ``C = I``,
 ``Delta = clip sqrt(k)``). Epsilon then follows exactly from the Gaussian mechanism's tradeoff with
 ``mu = Delta / (sigma clip)`` (Balle & Wang 2018: ``delta(eps) = Phi(-eps/mu + mu/2) -
-e^eps Phi(-eps/mu - mu/2)``), and ``sigma`` is calibrated to the target epsilon. The BandMF
-papers' amplified accounting (cyclic Poisson, ``tf_dp.data.cyclic_poisson_batches``) is not used
-here.
+e^eps Phi(-eps/mu - mu/2)``), and ``sigma`` is calibrated to the target epsilon. ``bandmf_amplified`` is accounted from its ledger instead, with amplification.
 
     python research/correlated_noise/compare.py                      # the table in README.md
     python research/correlated_noise/compare.py --quick              # smoke run, no files
@@ -53,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # this checkout's tf
 import numpy as np  # noqa: E402
 from scipy import optimize, special, stats  # noqa: E402
 
-MECHANISMS = ("dpsgd_poisson", "dpsgd_cyclic", "bandmf", "blt", "dpftrl_tree")
+MECHANISMS = ("dpsgd_poisson", "dpsgd_cyclic", "bandmf", "blt", "dpftrl_tree", "bandmf_amplified")
 
 
 def _scatternet():
@@ -168,10 +171,19 @@ def train(mechanism, feats, labels, args, seed, target):
                   momentum=args.momentum)
     mu = mu_for(target, args.delta)
     strategy, delta_sens = None, None
+    q = None
     if mechanism == "dpsgd_poisson":
         sigma = calibrate_noise_multiplier(target, args.delta, n, batch, steps=steps,
                                            accountant="pld")
         opt = tf_dp.keras.DPKerasSGDOptimizer(noise_multiplier=sigma, **common)
+    elif mechanism == "bandmf_amplified":  # cyclic Poisson over `amp_bands` parts, same batch
+        from tf_dp.correlated.strategies import BandedStrategy
+
+        q = batch * args.amp_bands / n
+        strategy = BandedStrategy.optimize(num_steps=steps, bands=args.amp_bands)
+        opt = tf_dp.keras.DPKerasMFOptimizer.for_target_epsilon(
+            target, args.delta, strategy=strategy, sampling_probability=q, **common)
+        sigma = opt.noise_multiplier
     else:
         if mechanism == "dpsgd_cyclic":
             c = np.eye(steps)
@@ -204,6 +216,11 @@ def train(mechanism, feats, labels, args, seed, target):
         model.fit(tf_dp.data.poisson_batches(x, y, sampling_probability=batch / n),
                   epochs=args.epochs, verbose=0)
         eps = compute_epsilon(opt.ledger, args.delta, accountant="pld").epsilon
+    elif mechanism == "bandmf_amplified":
+        model.fit(tf_dp.data.cyclic_poisson_batches(x, y, num_parts=args.amp_bands,
+                                                    sampling_probability=q),
+                  epochs=steps // args.amp_bands, verbose=0)  # an epoch: one step per part
+        eps = compute_epsilon(opt.ledger, args.delta, accountant="pld").epsilon
     else:
         model.fit(x, y, batch_size=batch, epochs=args.epochs, shuffle=False, verbose=0)
         eps = gaussian_epsilon(delta_sens / sigma, args.delta)
@@ -211,7 +228,7 @@ def train(mechanism, feats, labels, args, seed, target):
     row = {"mechanism": mechanism, "target_epsilon": target, "epsilon": round(eps, 4),
            "seed": seed, "accuracy": float(acc), "noise_multiplier": sigma,
            "sensitivity": delta_sens, "parts": parts, "batch": batch, "steps": steps,
-           "bands": args.bands if mechanism == "bandmf" else None,
+           "bands": {"bandmf": args.bands, "bandmf_amplified": args.amp_bands}.get(mechanism),
            "buffers": args.buffers if mechanism == "blt" else None,
            "learning_rate": args.learning_rate, "seconds": round(time.time() - start, 1)}
     print(f"{mechanism} eps {eps:.3f} (target {target}) seed {seed}: acc {acc:.4f}, "
@@ -261,6 +278,8 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--bands", type=int, default=8)
     p.add_argument("--buffers", type=int, default=4)
+    p.add_argument("--amp_bands", type=int, default=4,
+                   help="bandmf_amplified: bands = cyclic Poisson parts (rate batch * b / n)")
     p.add_argument("--learning_rate", type=float, default=16.0)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--l2_norm_clip", type=float, default=0.1)
