@@ -42,6 +42,28 @@ def test_representative_cases_conform():
     assert not any(v.endswith("/kernel") for v in lora), lora
 
 
+#: a masked LM whose head only calls its tied embedding (a registered container), and a keras-hub
+#: image classifier with BatchNormalization, checked after fix_for_dp
+SUBSET2 = ["hub:RoformerV2MaskedLM", "hub:ResNetImageClassifier"]
+
+
+def test_more_families_conform_on_rules_alone():
+    records = conformance.run_isolated_together(SUBSET2, timeout=600, timing_repeats=1)
+    assert [r["case"] for r in records] == SUBSET2
+    _assert_conforms(records[0])
+    # an image model's float32 bound grows with the squared number of input positions (loose):
+    # the check still has power when the step moves the weights by more than the bound
+    image = records[1]
+    assert image["status"] == "checked" and image["error"] is None, image
+    assert image["trains"] and image["ledger_ok"] and image["ledger_steps"] == 3, image
+    assert image["step_size"] > image["tolerance"], image
+    assert image["exact"], (image["max_error"], image["tolerance"])
+    for record in records:
+        assert record["mode"] == "ghost", (record["case"], record["fallback_reasons"])
+    groupnorm = [v for v in records[1]["fast_rule_variables"] if "gamma" in v]
+    assert groupnorm, records[1]["fast_rule_variables"]  # the BatchNormalization replacements
+
+
 def test_enumeration_is_programmatic_and_lists_reasons():
     import keras
     import keras_hub

@@ -99,6 +99,12 @@ def register(registry: LayerRuleRegistry) -> None:
     # its own rule (ReversibleEmbedding's, PositionEmbedding's), including when the backbone also
     # tracks the token embedding (``backbone.token_embedding``, used again for tied LM logits)
     registry.register_container(TokenAndPositionEmbedding)
+    # RoFormer-v2's masked-LM head only calls its tied token embedding (reverse=True)
+    roformer_head = _optional_class(
+        "keras_hub.src.models.roformer_v2.roformer_v2_masked_lm", "RoformerV2MaskedLMHead"
+    )
+    if roformer_head is not None:
+        registry.register_container(roformer_head)
     registry.register(RMSNormalization, gemma_rms_normalization_rule)
     registry.register(
         MaskedLMHead,
