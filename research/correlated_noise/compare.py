@@ -180,7 +180,8 @@ def train(mechanism, feats, labels, args, seed, target):
         from tf_dp.correlated.strategies import BandedStrategy
 
         q = batch * args.amp_bands / n
-        strategy = BandedStrategy.optimize(num_steps=steps, bands=args.amp_bands)
+        strategy = BandedStrategy.optimize(num_steps=steps, bands=args.amp_bands,
+                                           workload=args.workload, momentum=args.momentum)
         opt = tf_dp.keras.DPKerasMFOptimizer.for_target_epsilon(
             target, args.delta, strategy=strategy, sampling_probability=q, **common)
         sigma = opt.noise_multiplier
@@ -278,6 +279,8 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--bands", type=int, default=8)
     p.add_argument("--buffers", type=int, default=4)
+    p.add_argument("--workload", default="prefix", choices=("prefix", "momentum"),
+                   help="bandmf_amplified: the workload its strategy is optimised for")
     p.add_argument("--amp_bands", type=int, default=4,
                    help="bandmf_amplified: bands = cyclic Poisson parts (rate batch * b / n)")
     p.add_argument("--learning_rate", type=float, default=16.0)
