@@ -13,12 +13,10 @@ import importlib
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
-from tests.helpers.tolerance import tolerance
 from tests.test_ghost import LoopReference, _compile, check, rng
 from tests.test_ghost_finetuning_rules import _sum_fn
-from tests.test_ghost_more_rules import _magnitude
+from tests.test_ghost_more_rules import assert_ghost_sums, loop_sums
 from tf_dp import _compat
 from tf_dp.gradients.ghost import GhostClipper
 from tf_dp.gradients.ghost.keras_hub_rules import CHANNELWISE
@@ -98,26 +96,15 @@ TERMS = 6 + 8 + 8 + 5 + 4 + 2
 def test_xla_and_mixed_float16(module, name):
     model, _ = _model(module, name)
     x, y, _ = _data()
-    ref = [np.asarray(g) for g in _sum_fn(LoopReference(), model, (x, y, None))()]
-    magnitude = _magnitude(model, (x, y, None))
-    strategy = GhostClipper()
-    got = _sum_fn(strategy, model, (tf.constant(x), tf.constant(y), None), True)()
-    assert strategy.mode == "ghost", strategy.description
-    atol = tolerance("float32", TERMS, magnitude)
-    for v, a, b in zip(model.trainable_variables, got, ref):
-        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
+    ref, magnitude = loop_sums(model, (x, y, None))
+    assert_ghost_sums(model, (x, y, None), ref, magnitude, TERMS, jit=True)
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         half, _ = _model(module, name)
     finally:
         keras.mixed_precision.set_global_policy("float32")
     half.set_weights(model.get_weights())
-    strategy = GhostClipper()
-    got = _sum_fn(strategy, half, (tf.constant(x), tf.constant(y), None), False)()
-    assert strategy.mode == "ghost", strategy.description
-    atol = tolerance("float16", TERMS, magnitude)
-    for v, a, b in zip(half.trainable_variables, got, ref):
-        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
+    assert_ghost_sums(half, (x, y, None), ref, magnitude, TERMS, jit=False, dtype="float16")
 
 
 class _Matrix(L.Layer):

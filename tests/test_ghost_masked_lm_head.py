@@ -10,13 +10,9 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
-import tensorflow as tf
 
-from tests.helpers.tolerance import tolerance
 from tests.test_ghost import LoopReference, check, rng
-from tests.test_ghost_finetuning_rules import _sum_fn
-from tests.test_ghost_more_rules import _magnitude
-from tf_dp.gradients.ghost import GhostClipper
+from tests.test_ghost_more_rules import assert_ghost_sums, loop_sums
 
 L = keras.layers
 VOCAB, SEQ, MASKED, DIM = 20, 6, 2, 8
@@ -78,24 +74,12 @@ TERMS = 8 + 8 + 8 + 8 + VOCAB + MASKED + 2
 def test_masked_lm_head_xla_and_mixed_float16(case):
     model = _model(**CASES[case])
     x, y = _data()
-    ref = [np.asarray(g) for g in _sum_fn(LoopReference(), model, (x, y, None))()]
-    magnitude = _magnitude(model, (x, y, None))
-    tx = {k: tf.constant(v) for k, v in x.items()}
-    strategy = GhostClipper()
-    got = _sum_fn(strategy, model, (tx, tf.constant(y), None), True)()
-    assert strategy.mode == "ghost", strategy.description
-    atol = tolerance("float32", TERMS, magnitude)
-    for v, a, b in zip(model.trainable_variables, got, ref):
-        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
+    ref, magnitude = loop_sums(model, (x, y, None))
+    assert_ghost_sums(model, (x, y, None), ref, magnitude, TERMS, jit=True)
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         half = _model(**CASES[case])
     finally:
         keras.mixed_precision.set_global_policy("float32")
     half.set_weights(model.get_weights())
-    strategy = GhostClipper()
-    got = _sum_fn(strategy, half, (tx, tf.constant(y), None), False)()
-    assert strategy.mode == "ghost", strategy.description
-    atol = tolerance("float16", TERMS, magnitude)
-    for v, a, b in zip(half.trainable_variables, got, ref):
-        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
+    assert_ghost_sums(half, (x, y, None), ref, magnitude, TERMS, jit=False, dtype="float16")

@@ -55,6 +55,25 @@ def _magnitude(model, data):
     return max(float(t.max()) for t in total)
 
 
+def loop_sums(model, data):
+    """``(sums, magnitude)``: the unclipped per-example-loop sums and their rounding scale."""
+    return [np.asarray(g) for g in _sum_fn(LoopReference(), model, data)()], _magnitude(model, data)
+
+
+def assert_ghost_sums(model, data, ref, magnitude, terms, jit=None, dtype="float32"):
+    """The ghost clipper's unclipped sums of ``model`` on ``data`` (eager when ``jit`` is None,
+    else a ``tf.function``, XLA if ``jit``) equal ``ref`` within the bound of ``terms`` roundings
+    in ``dtype``, with every variable on a rule (mode ``"ghost"``)."""
+    x, y, sw = data
+    tensors = (tf.nest.map_structure(tf.constant, x), tf.constant(y), sw)
+    strategy = GhostClipper()
+    got = _sum_fn(strategy, model, tensors, jit)()
+    assert strategy.mode == "ghost", strategy.description
+    atol = tolerance(dtype, terms, magnitude)
+    for v, a, b in zip(model.trainable_variables, got, ref):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
+
+
 # -- depthwise convolutions ------------------------------------------------------------------------
 
 
@@ -243,14 +262,8 @@ def test_xla(name):
     build, terms = MODELS[name]
     model = build()
     x, y = _data()
-    ref = [np.asarray(g) for g in _sum_fn(LoopReference(), model, (x, y, None))()]
-    magnitude = _magnitude(model, (x, y, None))
-    strategy = GhostClipper()
-    got = _sum_fn(strategy, model, (tf.constant(x), tf.constant(y), None), True)()
-    assert strategy.mode == "ghost", strategy.description
-    atol = tolerance("float32", terms, magnitude)
-    for v, a, b in zip(model.trainable_variables, got, ref):
-        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
+    ref, magnitude = loop_sums(model, (x, y, None))
+    assert_ghost_sums(model, (x, y, None), ref, magnitude, terms, jit=True)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -258,20 +271,14 @@ def test_mixed_precision(name):
     build, terms = MODELS[name]
     model = build()
     x, y = _data()
-    ref = [np.asarray(g) for g in _sum_fn(LoopReference(), model, (x, y, None))()]
-    magnitude = _magnitude(model, (x, y, None))
+    ref, magnitude = loop_sums(model, (x, y, None))
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         half = build()
     finally:
         keras.mixed_precision.set_global_policy("float32")
     half.set_weights(model.get_weights())
-    strategy = GhostClipper()
-    got = _sum_fn(strategy, half, (tf.constant(x), tf.constant(y), None), False)()
-    assert strategy.mode == "ghost", strategy.description
-    atol = tolerance("float16", terms, magnitude)
-    for v, a, b in zip(half.trainable_variables, got, ref):
-        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
+    assert_ghost_sums(half, (x, y, None), ref, magnitude, terms, jit=False, dtype="float16")
 
 
 # -- a whole keras-hub backbone --------------------------------------------------------------------
@@ -516,15 +523,9 @@ def test_grouped_conv_xla():
     model = _compile(keras.Model(inp, L.Dense(3)(L.GlobalAveragePooling2D()(h))))
     x = r.normal(size=(5, 8, 8, 4)).astype("float32")
     y = r.integers(0, 3, 5)
-    ref = [np.asarray(g) for g in _sum_fn(LoopReference(), model, (x, y, None))()]
-    magnitude = _magnitude(model, (x, y, None))
-    strategy = GhostClipper()
-    got = _sum_fn(strategy, model, (tf.constant(x), tf.constant(y), None), True)()
-    assert strategy.mode == "ghost", strategy.description
+    ref, magnitude = loop_sums(model, (x, y, None))
     # per example: the 25-tap and 3x3x2 convolutions, 36 pooled positions, 8 features; casts
-    atol = tolerance("float32", 25 + 18 + 36 + 8 + 2, magnitude)
-    for v, a, b in zip(model.trainable_variables, got, ref):
-        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
+    assert_ghost_sums(model, (x, y, None), ref, magnitude, 25 + 18 + 36 + 8 + 2, jit=True)
 
 
 # -- keras-hub DeiT's embeddings (class and distillation tokens, position table) ------------------
@@ -544,17 +545,12 @@ def test_deit_embeddings(jit):
     r = rng(48)
     x = r.normal(size=(5, 8, 8, 3)).astype("float32")
     y = r.integers(0, 3, 5)
-    ref = [np.asarray(g) for g in _sum_fn(LoopReference(), model, (x, y, None))()]
-    strategy = GhostClipper()
-    got = _sum_fn(strategy, model, (tf.constant(x), tf.constant(y), None), jit)()
-    assert strategy.mode == "ghost", strategy.description
+    ref, magnitude = loop_sums(model, (x, y, None))
     # per example: the 4 x 4 x 3 patch convolution + bias, the position add, the Dense's 6, the
     # head's 24 flattened features, log-softmax 3; doubled for the backward pass; the kernel's
     # sum over 4 patches; casts
     terms = 2 * (49 + 1 + 6 + 24 + 3) + 4 + 2
-    atol = tolerance("float32", terms, _magnitude(model, (x, y, None)))
-    for v, a, b in zip(model.trainable_variables, got, ref):
-        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
+    assert_ghost_sums(model, (x, y, None), ref, magnitude, terms, jit=jit)
 
 
 # -- keras-hub T5's relative attention bias (one table, its bias reused by the later layers) -----
@@ -584,11 +580,7 @@ def test_tiny_t5_backbone_has_no_fallback(jit):
         "decoder_padding_mask": mask[::-1].copy(),
     }
     y = r.integers(0, 3, 4)
-    ref = [np.asarray(g) for g in _sum_fn(LoopReference(), model, (x, y, None))()]
-    strategy = GhostClipper()
-    tx = {k: tf.constant(v) for k, v in x.items()}
-    got = _sum_fn(strategy, model, (tx, tf.constant(y), None), jit)()
-    assert strategy.mode == "ghost", strategy.description
+    ref, magnitude = loop_sums(model, (x, y, None))
     tables = [v for v in model.trainable_variables if "embeddings" in v.path and v.shape[-1] == 2]
     assert len(tables) == 2  # the encoder's and the decoder's relative attention bias tables
     # per example, per layer: norm 8 + 3, projections 8, scores 4, softmax 6, values 6, output 8,
@@ -596,6 +588,4 @@ def test_tiny_t5_backbone_has_no_fallback(jit):
     # doubled for the backward pass; the tables' sums over the 36 query/key pairs; casts
     layer_terms = 11 + 8 + 4 + 6 + 6 + 8 + 11 + 24
     terms = 2 * (6 * layer_terms + 11 + 6 + 8 + 3) + 36 + 2
-    atol = tolerance("float32", terms, _magnitude(model, (x, y, None)))
-    for v, a, b in zip(model.trainable_variables, got, ref):
-        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol, err_msg=v.path)
+    assert_ghost_sums(model, (x, y, None), ref, magnitude, terms, jit=jit)
