@@ -131,6 +131,11 @@ def test_every_private_name_listed_in_compat_exists_in_the_installed_versions():
     model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
     model.fit(np.ones((2, 3)), np.zeros((2, 2)), verbose=0)
     mask = keras.layers.Embedding(5, 2, mask_zero=True)(np.array([[1, 0]]))
+    import keras_hub
+    from keras_hub.src.models.t5.t5_multi_head_attention import T5MultiHeadAttention
+
+    head = keras_hub.layers.MaskedLMHead(vocabulary_size=5, intermediate_activation="gelu")
+    head.build((None, 3, 4), (None, 2))  # untied: it owns its projection kernel
     objects = {
         "keras.Layer": model.layers[-1],
         "keras.layers.Dense": model.layers[-1],
@@ -142,6 +147,8 @@ def test_every_private_name_listed_in_compat_exists_in_the_installed_versions():
         "keras CompileLoss": model._compile_loss,
         "keras tensor": mask,
         "keras.Variable": model.trainable_variables[0],
+        "keras_hub MaskedLMHead": head,
+        "keras_hub T5MultiHeadAttention": T5MultiHeadAttention,
     }
     missing = []
     for owner, name in _compat.PRIVATE_NAMES:

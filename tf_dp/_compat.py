@@ -38,6 +38,11 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("keras.src.models.functional", "Functional"),
     ("keras.src.applications.convnext", "LayerScale"),
     ("keras.Variable", "_value"),
+    ("keras_hub MaskedLMHead", "_intermediate_dense"),
+    ("keras_hub MaskedLMHead", "_intermediate_layer_norm"),
+    ("keras_hub MaskedLMHead", "_kernel"),
+    ("keras_hub MaskedLMHead", "_bias"),
+    ("keras_hub T5MultiHeadAttention", "_relative_position_bucket"),
     ("keras.src.backend", "rnn"),
     ("keras.src.backend.tensorflow.trainer", "reduce_per_replica"),
     ("keras.src.backend.tensorflow.trainer", "_collective_all_reduce_multi_worker"),
@@ -58,6 +63,24 @@ def tf_variable(v: Any) -> Any:
         return v
     inner = getattr(v, "_value", None)
     return inner if isinstance(inner, tf.Variable) else v
+
+
+def masked_lm_head_parts(layer: Any) -> tuple[Any, Any, Any, Any]:
+    """keras-hub ``MaskedLMHead``'s ``(intermediate Dense, its LayerNormalization, the untied
+    projection kernel or None, the output bias)``; AttributeError when a part is missing."""
+    kernel = getattr(layer, "_kernel", None) if not layer.token_embedding else None
+    return layer._intermediate_dense, layer._intermediate_layer_norm, kernel, layer._bias
+
+
+def t5_relative_position_bucket(layer: Any, relative_position: Any) -> Any:
+    """keras-hub ``T5MultiHeadAttention``'s bucket of each relative position (its own static
+    ``_relative_position_bucket`` with the layer's settings)."""
+    return layer._relative_position_bucket(
+        relative_position,
+        bidirectional=not layer.is_decoder,
+        num_buckets=layer.relative_attention_buckets,
+        max_distance=layer.relative_attention_max_distance,
+    )
 
 
 def keras_layer_scale() -> Optional[type]:

@@ -8,6 +8,7 @@ from typing import Optional
 import keras
 import tensorflow as tf
 
+from tf_dp import _compat
 from tf_dp.gradients.ghost.common import (
     batch_size,
     bias_per_example,
@@ -87,18 +88,16 @@ def einsum_dense_rule(layer, inputs, grad_output):
 
 # -- keras-hub's MaskedLMHead ------------------------------------------------------------------------
 
-_MASKED_LM_PARTS = ("_intermediate_dense", "_intermediate_layer_norm", "_bias", "token_embedding")
-
-
 def masked_lm_head_supports(layer) -> Optional[str]:
-    missing = [a for a in _MASKED_LM_PARTS if not hasattr(layer, a)]
-    if not getattr(layer, "token_embedding", None) and not hasattr(layer, "_kernel"):
-        missing.append("_kernel")
-    if missing:
+    try:
+        _, _, kernel, _ = _compat.masked_lm_head_parts(layer)
+    except AttributeError as e:
         return (
-            f"{layer.name}: this keras-hub MaskedLMHead has no {', '.join(missing)} (the rule "
-            "follows keras-hub 0.32's layer); per-example gradients"
+            f"{layer.name}: this keras-hub MaskedLMHead lacks a part the rule reads ({e}; the "
+            "rule follows keras-hub 0.32's layer); per-example gradients"
         )
+    if not layer.token_embedding and kernel is None:
+        return f"{layer.name}: an untied MaskedLMHead without its projection kernel"
     return not_quantized(layer)
 
 
@@ -109,15 +108,16 @@ def masked_lm_head_forward(layer, call, args, kwargs, watch):
     two uses included); the logits before the head's own bias and activation are watched, and the
     projection's input is kept for an untied kernel."""
     del call
+    dense, norm, kernel, bias = _compat.masked_lm_head_parts(layer)
     inputs = args[0] if args else kwargs["inputs"]
     positions = args[1] if len(args) > 1 else kwargs["mask_positions"]
     x = keras.ops.take_along_axis(inputs, keras.ops.expand_dims(positions, axis=-1), axis=1)
-    x = layer._intermediate_layer_norm(layer._intermediate_dense(x))
+    x = norm(dense(x))
     if layer.token_embedding:
         logits = layer.token_embedding(x, reverse=True)
     else:
-        logits = keras.ops.matmul(x, layer._kernel)
-    logits = watch(keras.ops.cast(logits, layer.compute_dtype) + layer._bias)
+        logits = keras.ops.matmul(x, kernel)
+    logits = watch(keras.ops.cast(logits, layer.compute_dtype) + bias)
     out = layer.activation(logits) if layer.activation is not None else logits
     return out, x
 
@@ -127,13 +127,14 @@ def masked_lm_head_rule(layer, x, grads):
     without a tied embedding, the ``[D, V]`` projection ``Outer(x, g)`` (``x`` the layer-normed
     features at the masked positions, ``g`` the gradient of the logits). Its intermediate
     ``Dense``, ``LayerNormalization`` and tied ``ReversibleEmbedding`` have their own rules."""
+    _, _, kernel, bias = _compat.masked_lm_head_parts(layer)
     g = f32(grads[0])
-    out = [(layer._bias, bias_per_example(g, layer._bias))]
-    if not layer.token_embedding:
+    out = [(bias, bias_per_example(g, bias))]
+    if kernel is not None:
         xs = f32(x)
         out.append(
             (
-                layer._kernel,
+                kernel,
                 Outer(
                     tf.reshape(xs, [batch_size(xs), -1, xs.shape[-1]]),
                     tf.reshape(g, [batch_size(g), -1, g.shape[-1]]),

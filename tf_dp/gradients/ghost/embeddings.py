@@ -237,7 +237,7 @@ def deit_rule(layer, context, grads):
 
 
 def t5_attention_supports(layer) -> Optional[str]:
-    for a in ("compute_bias", "_relative_position_bucket", "relative_attention_buckets"):
+    for a in ("compute_bias", "relative_attention_buckets", "relative_attention_max_distance"):
         if not hasattr(layer, a):
             return f"{layer.name}: this T5MultiHeadAttention has no {a}"
     return None
@@ -258,14 +258,7 @@ def t5_attention_forward(layer, call, args, kwargs, watch):
         values = original(query_length, key_length, query_start_index=query_start_index)
         context = keras.ops.arange(query_length)[:, None] + query_start_index
         memory = keras.ops.arange(key_length)[None, :]
-        buckets.append(
-            layer._relative_position_bucket(
-                memory - context,
-                bidirectional=not layer.is_decoder,
-                num_buckets=layer.relative_attention_buckets,
-                max_distance=layer.relative_attention_max_distance,
-            )
-        )
+        buckets.append(_compat.t5_relative_position_bucket(layer, memory - context))
         values = tf.convert_to_tensor(values)
         return watch(tf.broadcast_to(values, tf.concat([batch, tf.shape(values)[1:]], 0)))
 
