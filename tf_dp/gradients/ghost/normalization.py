@@ -22,7 +22,8 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from tf_dp.gradients.ghost.common import batch_size, f32
+from tf_dp import _compat
+from tf_dp.gradients.ghost.common import batch_size, f32, trainable
 from tf_dp.gradients.ghost.factors import PerExample
 from tf_dp.gradients.ghost.registry import norm_rule
 
@@ -113,14 +114,12 @@ def group_norm_rule(layer, inputs, grad_output):
     return _affine_norm_factors(layer, xhat, g, [axis], rank)
 
 
-# -- channelwise parameters, by forward-mode differentiation ----------------------------------------
+# -- channelwise parameters, by forward-mode differentiation -----------------------------------
 
 
 def _channel_variables(layer) -> list:
     """The layer's own trainable variables (those the channelwise rule covers)."""
-    from tf_dp import _compat
-
-    return [v for v in (_compat.own_trainable_variables(layer) or []) if v.trainable]
+    return [v for v in (_compat.own_trainable_variables(layer) or []) if trainable(v)]
 
 
 def channelwise_supports(layer):
@@ -138,8 +137,6 @@ def channelwise_forward(layer, call, args, kwargs, watch):
     """Runs ``call`` inside one ``tf.autodiff.ForwardAccumulator`` per variable (tangent: all
     ones), so that each variable's Jacobian-vector product with the output comes out of the same
     forward pass, in the layer's own autocast scope; the output is watched."""
-    from tf_dp import _compat
-
     variables = [_compat.tf_variable(v) for v in _channel_variables(layer)]
     accumulators = [
         tf.autodiff.ForwardAccumulator([v], [tf.ones_like(v)]) for v in variables
@@ -148,13 +145,13 @@ def channelwise_forward(layer, call, args, kwargs, watch):
         for acc in accumulators:
             stack.enter_context(acc)
         out = call(*args, **kwargs)
-    tangents = []
-    for acc in accumulators:
-        t = acc.jvp(out, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        tangents.append(t)
-    return watch(out), tangents
+    zero = tf.UnconnectedGradients.ZERO
+    return watch(out), [acc.jvp(out, unconnected_gradients=zero) for acc in accumulators]
 
 
+@norm_rule(
+    _compat.keras_layer_scale(), supports=channelwise_supports, forward=channelwise_forward
+)
 def channelwise_rule(layer, tangents, grads):
     """Exact per-example gradients of a layer whose every variable ``v`` is a vector acting
     channelwise on the output's last axis: output channel ``h`` depends on ``v`` through ``v[h]``
@@ -163,8 +160,8 @@ def channelwise_rule(layer, tangents, grads):
     with an all-ones tangent is the diagonal ``dy[..., h] / dv[h]`` itself (whatever the formula),
     and example ``b``'s gradient is ``sum_t g[b, t, h] * jvp[b, t, h]`` (:class:`PerExample`,
     ``[B, H]``). Registered (with :func:`channelwise_forward`) for keras-hub's norms and layer
-    scales without a closed-form rule and for ``keras.applications``' ``LayerScale``; a user's
-    layer of this kind::
+    scales without a closed-form rule and, by its decorator, for ``keras.applications``'
+    ``LayerScale``; a user's layer of this kind::
 
         from tf_dp.gradients.ghost import register_layer_norm_rule
         from tf_dp.gradients.ghost.normalization import (
@@ -186,15 +183,3 @@ def channelwise_rule(layer, tangents, grads):
         out.append((v, PerExample(tf.reshape(per_ex, [batch_size(g), v.shape[0]]))))
     return out
 
-
-def _keras_layer_scale():
-    from tf_dp import _compat
-
-    return _compat.keras_layer_scale()
-
-
-@norm_rule(_keras_layer_scale(), supports=channelwise_supports, forward=channelwise_forward)
-def layer_scale_rule(layer, tangents, grads):
-    """``keras.applications``' ``LayerScale`` (ConvNeXt): ``x * gamma``, by
-    :func:`channelwise_rule`."""
-    return channelwise_rule(layer, tangents, grads)
