@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import tf_dp
-from tf_dp.dp_query import noise
+from tf_dp.dp_query import native, noise
 
 K = 5.0
 N = 200_000
@@ -249,11 +249,23 @@ def _stateless_words(key, counter, plane, count):
         shape=[count], key=tf.constant([key], tf.uint64), counter=c, alg=1, dtype=tf.uint32)
 
 
-def test_float32_sampler_uses_the_documented_counter_planes():
+@pytest.mark.parametrize("sampler", ["tf_ops", "native"])
+def test_float32_sampler_uses_the_documented_counter_planes(sampler):
     # Recompute one multi-chunk call from Philox words read at the documented counters (chunk j:
     # high words on plane j, angles on plane J + j, low words on plane 2J + j, from the counter
-    # the generator had before the call) with the dense transform: the values must match bit
-    # for bit, and the generator's next draw must start past every block the call used.
+    # the generator had before the call) with the transform of the sampler in use (the TF ops'
+    # dense one, or the native op's on the given words): the values must match bit for bit
+    # (for the native op, whose fused kernel computes its own Philox words, this checks them
+    # against TensorFlow's), and the generator's next draw must start past every block the call
+    # used.
+    native.set_enabled(sampler == "native")
+    try:
+        _check_documented_counter_planes(sampler)
+    finally:
+        native.set_enabled(None)
+
+
+def _check_documented_counter_planes(sampler):
     gen = noise.make_generator(seed=17)
     state = gen.state.numpy().view(np.uint64)
     counter, key = [int(state[0]), int(state[1])], int(state[2])
@@ -269,8 +281,12 @@ def test_float32_sampler_uses_the_documented_counter_planes():
         tail = np.flatnonzero(hi < 2**24)
         low = np.zeros(h, np.uint32)
         low[tail] = _stateless_words(key, counter, 2 * chunks + j, len(tail)).numpy()
-        words = tf.constant(np.stack([hi, low, angle.numpy()]))
-        expect.append(noise.box_muller(words, tf.float32, 1.3).numpy())
+        if sampler == "native":
+            scale = noise._radius_scale(tf.float32, 1.3)
+            expect.append(native.box_muller_op(hi, low, angle, scale).numpy())
+        else:
+            words = tf.constant(np.stack([hi, low, angle.numpy()]))
+            expect.append(noise.box_muller(words, tf.float32, 1.3).numpy())
     np.testing.assert_array_equal(z, np.concatenate(expect))
     # the call reserved 256 blocks per word (2 words per pair) on plane 0, where only chunk 0's
     # high words are read (h / 4 blocks); the next call starts past them

@@ -107,6 +107,7 @@ from typing import Any, Optional
 import tensorflow as tf
 
 from tf_dp import _compat
+from tf_dp.dp_query import native
 
 
 def make_generator(seed: Optional[int] = None) -> tf.random.Generator:
@@ -265,8 +266,14 @@ class _ReservedWords:
 
 
 def _lazy_chunk(words: _ReservedWords, chunk: int, n: Any, stddev: Any) -> tf.Tensor:
-    """``n`` float32 normals (chunk ``chunk`` of a call) by :func:`box_muller_lazy`."""
+    """``n`` float32 normals (chunk ``chunk`` of a call) by :func:`box_muller_lazy`: the native
+    op on the same words where it is available (:mod:`tf_dp.dp_query.native`)."""
     half = (tf.cast(n, tf.int64) + 1) // 2
+    if not words._direct and native.available():
+        planes = tf.constant([slot * words._chunks + chunk for slot in (0, 1, 2)], tf.uint64)
+        scale = _radius_scale(tf.float32, stddev)
+        z = native.gaussian_noise_op(words._key, words._counter, planes, half, scale)
+        return _first(z, n)
     hi = words.draw(chunk, 0, half)
     angle = words.draw(chunk, 1, half)
     z = box_muller_lazy(hi, angle, lambda idx: words.draw(chunk, 2, tf.shape(idx)[0]), stddev)
@@ -342,7 +349,7 @@ def _polar(u1: tf.Tensor, angle: tf.Tensor, dtype: tf.DType, stddev: Any) -> tf.
     ``sin`` is exactly 0); see "Exact zeros" in the module docstring.
     """
     u1 = tf.minimum(u1, _BELOW_ONE[dtype])
-    scale = -2.0 if stddev is None else -2.0 * tf.square(tf.cast(stddev, dtype))
+    scale = _radius_scale(dtype, stddev)
     r = tf.sqrt(tf.math.log(u1) * scale)  # stddev folded into the radius: one pass fewer
     if dtype == tf.float32:
         # 23 angle bits: the cell centres (2k + 1) pi 2^-23, with 2k + 1 < 2^24 exact in float32
@@ -352,6 +359,13 @@ def _polar(u1: tf.Tensor, angle: tf.Tensor, dtype: tf.DType, stddev: Any) -> tf.
     else:
         theta = (tf.cast(angle, dtype) + 0.5) * (2.0 * math.pi * _TWO32)
     return tf.concat([r * tf.cos(theta), r * tf.sin(theta)], axis=0)
+
+
+def _radius_scale(dtype: tf.DType, stddev: Any) -> Any:
+    """``-2 stddev^2`` in ``dtype`` (``r = sqrt(scale ln u1)``: stddev folded into the radius)."""
+    if stddev is None:
+        return tf.constant(-2.0, dtype)
+    return -2.0 * tf.square(tf.cast(stddev, dtype))
 
 
 #: The largest value below 1 of each dtype: the cap on ``u1`` in :func:`_polar`.
