@@ -4,7 +4,8 @@
 
 For the MLP's 670k parameters, the CPU and wall time of Philox words from TF's kernel, of the
 Box-Muller transform as TF graph ops and under XLA (``jit_compile=True``), of
-``tf.random.Generator.normal`` and of ``tf_dp``'s sampler (``add_gaussian_noise_structure``).
+``tf.random.Generator.normal`` and of ``tf_dp``'s sampler (``add_gaussian_noise_structure``) with
+TensorFlow ops and with its native op (``tf_dp/dp_query/native``).
 Every function returns its full output, so XLA cannot drop work. The measured figures and the
 step-level measurements (ghost step with and without noise) are in ``research/ghost/README.md``.
 """
@@ -38,7 +39,7 @@ def _time(fn, reps: int = 60) -> tuple[float, float]:
 
 
 def part_ops() -> None:
-    from tf_dp.dp_query import noise
+    from tf_dp.dp_query import native, noise
 
     n = sum(math.prod(s) for s in SHAPES)
     h = n // 2
@@ -50,16 +51,23 @@ def part_ops() -> None:
     def transform():
         return noise.box_muller(words, tf.float32, sd)
 
+    def sampler(use_native):
+        def draw():  # the switch is read while tracing
+            native.set_enabled(use_native)
+            try:
+                return noise.add_gaussian_noise_structure(gen, [v.read_value() for v in values], sd)
+            finally:
+                native.set_enabled(None)
+        return draw
+
     cases = {
         f"Philox words ({n})": (lambda: gen.uniform_full_int([n], tf.uint32), False),
         "Philox words, XLA": (lambda: gen.uniform_full_int([n], tf.uint32), True),
         f"Box-Muller transform ({h} pairs)": (transform, False),
         "Box-Muller transform, XLA": (transform, True),
         "tf.random.Generator.normal": (lambda: gen.normal([n]), False),
-        "tf_dp add_gaussian_noise_structure": (
-            lambda: noise.add_gaussian_noise_structure(gen, [v.read_value() for v in values], sd),
-            False,
-        ),
+        "tf_dp add_gaussian_noise_structure, TF ops": (sampler(False), False),
+        "tf_dp add_gaussian_noise_structure, native": (sampler(True), False),
     }
     for name, (fn, xla) in cases.items():
         cpu, wall = _time(tf.function(fn, jit_compile=xla), reps=10 if xla else 60)

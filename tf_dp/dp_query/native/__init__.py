@@ -77,11 +77,13 @@ def _enabled() -> bool:
     return os.environ.get("TF_DP_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+@tf.autograph.experimental.do_not_convert
 def available() -> bool:
     """Whether the native op is enabled and loaded (compiling it on first use)."""
     return _enabled() and _load() is not None
 
 
+@tf.autograph.experimental.do_not_convert
 def status() -> str:
     """Why the native op is or is not used (compiling it on first use if enabled)."""
     if not _enabled():
@@ -142,6 +144,7 @@ def _build(cxx: str) -> pathlib.Path:
     return target
 
 
+@tf.autograph.experimental.do_not_convert
 def _load() -> Any:
     global _module, _status, _tried
     if _tried:
@@ -168,6 +171,7 @@ def _load() -> Any:
     return _module
 
 
+@tf.autograph.experimental.do_not_convert
 def gaussian_noise_op(key: Any, counter: Any, planes: Any, num_pairs: Any, scale: Any) -> Any:
     """``2 num_pairs`` float32 normals from the Philox words at ``key`` (uint64 ``[1]``) and
     ``counter`` (uint64 ``[2]``) plus ``[0, planes[p]]`` for the high words, the angles and the
@@ -181,6 +185,7 @@ def gaussian_noise_op(key: Any, counter: Any, planes: Any, num_pairs: Any, scale
     )
 
 
+@tf.autograph.experimental.do_not_convert
 def box_muller_op(hi: Any, lo: Any, angle: Any, scale: Any = -2.0) -> Any:
     """The native transform on given words (uint32 ``[h]`` each; ``lo`` is read where
     ``hi < 2^24``): ``[2 h]`` float32, as :func:`tf_dp.dp_query.noise.box_muller` on
