@@ -64,6 +64,23 @@ def test_more_families_conform_on_rules_alone():
     assert groupnorm, records[1]["fast_rule_variables"]  # the BatchNormalization replacements
 
 
+#: keras-hub Gemma 4 (its feed-forward kernels used through ``ops.matmul``, rerouted to their
+#: layers' calls by a forward-only rule) and PaliGemma (a ``[1, P]`` position lookup broadcast
+#: over the batch): both fell back to per-example gradients before their rules
+SUBSET3 = ["hub:Gemma4CausalLM", "hub:PaliGemmaCausalLM"]
+
+
+def test_gemma4_and_pali_gemma_conform_on_rules_alone():
+    records = conformance.run_isolated_together(SUBSET3, timeout=600, timing_repeats=1)
+    assert [r["case"] for r in records] == SUBSET3
+    for record in records:
+        _assert_conforms(record)
+        assert record["mode"] == "ghost", (record["case"], record["fallback_reasons"])
+    ffw = [v for v in records[0]["fast_rule_variables"] if "/ffw_" in v]
+    assert len(ffw) == 3, records[0]["fast_rule_variables"]
+    assert any("position_embedding" in v for v in records[1]["fast_rule_variables"])
+
+
 def test_enumeration_is_programmatic_and_lists_reasons():
     import keras
     import keras_hub

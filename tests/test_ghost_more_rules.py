@@ -589,3 +589,37 @@ def test_tiny_t5_backbone_has_no_fallback(jit):
     layer_terms = 11 + 8 + 4 + 6 + 6 + 8 + 11 + 24
     terms = 2 * (6 * layer_terms + 11 + 6 + 8 + 3) + 36 + 2
     assert_ghost_sums(model, (x, y, None), ref, magnitude, terms, jit=jit)
+
+
+# -- keras-hub PaliGemma's ViT embeddings (a [1, P] position lookup broadcast over the batch) -----
+
+
+@pytest.mark.parametrize("jit", [None, False, True], ids=["eager", "graph", "xla"])
+def test_pali_gemma_vit_embeddings(jit):
+    from keras_hub.src.models.pali_gemma.pali_gemma_vit import PaliGemmaVitEmbeddings
+
+    keras.utils.set_random_seed(49)
+    inp = keras.Input((8, 8, 3))
+    emb = PaliGemmaVitEmbeddings(image_size=8, patch_size=4, hidden_dim=6)
+    h = L.Dense(4, activation="tanh")(emb(inp))
+    model = _compile(keras.Model(inp, L.Dense(3)(L.Flatten()(h))))
+    r = rng(50)
+    x = r.normal(size=(5, 8, 8, 3)).astype("float32")
+    y = r.integers(0, 3, 5)
+    ref, magnitude = loop_sums(model, (x, y, None))
+    # per example: the 4 x 4 x 3 patch convolution + bias, the position add, the Dense's 6, the
+    # head's 16 flattened features, log-softmax 3; doubled for the backward pass; the kernel's
+    # sum over 4 patches; casts
+    terms = 2 * (49 + 1 + 6 + 16 + 3) + 4 + 2
+    assert_ghost_sums(model, (x, y, None), ref, magnitude, terms, jit=jit)
+
+
+def test_pali_gemma_vit_embeddings_with_other_ids_fall_back():
+    from keras_hub.src.models.pali_gemma.pali_gemma_vit import PaliGemmaVitEmbeddings
+
+    from tf_dp.gradients.ghost.embeddings import pali_gemma_vit_embeddings_supports
+
+    emb = PaliGemmaVitEmbeddings(image_size=8, patch_size=4, hidden_dim=6)
+    assert pali_gemma_vit_embeddings_supports(emb) is None
+    emb.position_ids = keras.ops.convert_to_tensor([[1, 0, 2, 3]])
+    assert "position ids other than 0 .. 3" in pali_gemma_vit_embeddings_supports(emb)

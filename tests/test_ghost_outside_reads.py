@@ -54,6 +54,40 @@ class GatedBlock(L.Layer):
         return x + ops.matmul(h, self.proj.kernel)
 
 
+class RoutedBlock(L.Layer):
+    # no variables of its own: calls its Dense `gate` and multiplies by `proj`'s kernel, as
+    # keras-hub's Gemma 4 decoder block does; registered below with a forward-only rule that
+    # computes that product as `proj`'s own call
+    def build(self, shape):
+        d = shape[-1]
+        self.gate = L.Dense(8, name="gate")
+        self.gate.build(shape)
+        self.proj = L.Dense(d, use_bias=False, name="proj")
+        self.proj.build(tuple(shape[:-1]) + (8,))
+
+    def call(self, x):
+        h = keras.activations.gelu(self.gate(x))
+        return x + ops.matmul(h, self.proj.kernel)
+
+
+def _routed_forward(layer, call, args, kwargs, watch):
+    from tf_dp.gradients.ghost.dense import call_with_matmuls_through_layers
+
+    return call_with_matmuls_through_layers(layer, call, args, kwargs, ["proj"]), None
+
+
+def routed_model():
+    import tf_dp.gradients.ghost as ghost_rules
+
+    ghost_rules.register_layer_norm_rule(
+        RoutedBlock, lambda layer, context, grads: [], forward=_routed_forward,
+        variables=lambda layer: [])
+    return keras.Sequential(
+        [keras.Input((4, 6)), L.Dense(6), RoutedBlock(name="block"), L.GlobalAveragePooling1D(),
+         L.Dense(3)]
+    )
+
+
 def block_model():
     return keras.Sequential(
         [keras.Input((4, 6)), L.Dense(6), GatedBlock(name="block"), L.GlobalAveragePooling1D(),
@@ -128,7 +162,8 @@ SCENARIOS = {
         ghost = clipped_vs_loop({build}(), x, y, {mode!r})
         print(ghost.description)
     """
-    for name, build, data in (("block", "block_model", "float_data"), ("tied", "TiedLM", "id_data"))
+    for name, build, data in (("block", "block_model", "float_data"), ("tied", "TiedLM", "id_data"),
+                              ("routed", "routed_model", "float_data"))
     for mode in ("eager", "graph", "xla")
 }
 
@@ -157,3 +192,12 @@ def test_table_looked_up_and_reused_as_output_projection(results, mode):
     out = _ok(results, f"tied_{mode}")
     assert "embed/embeddings read outside the layer's call" in out, out
     assert "per-example gradients through the model" in out, out
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+def test_forward_only_rule_routes_the_kernel_use_through_its_layer(results, mode):
+    """The same block with a forward-only rule (no variables; its forward computes the product as
+    ``proj``'s call, :func:`tf_dp.gradients.ghost.dense.call_with_matmuls_through_layers`): every
+    variable on a rule, nothing read outside, and the clipped sum still equals the loop's."""
+    out = _ok(results, f"routed_{mode}")
+    assert out.strip() == "ghost (calls rerouted to sublayer rules: block)", out

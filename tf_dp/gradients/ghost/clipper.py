@@ -105,8 +105,12 @@ class Plan:
 
     @property
     def description(self) -> str:
-        recurrent = [layer.name for layer, entry in self.ghost if entry.variables is not None]
-        suffix = f" (recurrent rule: {', '.join(recurrent)})" if recurrent else ""
+        covering = [(layer, entry) for layer, entry in self.ghost if entry.variables is not None]
+        recurrent = [layer.name for layer, entry in covering if entry.variables(layer)]
+        routed = [layer.name for layer, entry in covering if not entry.variables(layer)]
+        notes = [f"recurrent rule: {', '.join(recurrent)}"] if recurrent else []
+        notes += [f"calls rerouted to sublayer rules: {', '.join(routed)}"] if routed else []
+        suffix = f" ({'; '.join(notes)})" if notes else ""
         if self.mode == "ghost":
             return "ghost" + suffix
         parts = [layer.name for layer, _, _ in self.local]
@@ -198,6 +202,11 @@ def make_plan(model, variables) -> Plan:
         if entry is None or entry.variables is None:
             continue
         vs = [v for v in _rule_variables(layer, entry) if _key(v) in var_keys]
+        if not vs and entry.forward is not None and not entry.variables(layer):
+            # a forward-only rule: it covers no variable but reroutes its layer's calls so that
+            # its sublayers' rules see them (keras-hub Gemma 4's feed-forward matmuls)
+            ghost.append((layer, entry))
+            continue
         if not vs or any(_key(v) in covered for v in vs):
             continue
         if any(len(owners.get(_key(v), [])) > 1 for v in vs):

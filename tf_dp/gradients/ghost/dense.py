@@ -3,7 +3,8 @@ per example; LoRA factors when LoRA is enabled)."""
 
 from __future__ import annotations
 
-from typing import Optional
+import sys
+from typing import Any, Optional
 
 import keras
 import tensorflow as tf
@@ -142,3 +143,87 @@ def masked_lm_head_rule(layer, x, grads):
             )
         )
     return out
+
+
+# -- keras-hub Gemma 4's decoder block: feed-forward matmuls on its EinsumDense kernels --------------
+
+#: Gemma 4's feed-forward layers: attribute -> the equation its ``ops.matmul(x, kernel)`` computes
+GEMMA4_FEED_FORWARD = {
+    "gating_ffw": "btd,df->btf",
+    "gating_ffw_2": "btd,df->btf",
+    "ffw_linear": "btf,fd->btd",
+}
+
+
+class _MatmulThroughLayers:
+    """``keras.ops`` with ``matmul(x, w)`` for the kernels ``w`` in ``kernels`` (``id(w)`` ->
+    layer) computed as ``layer(x)``: the same product, as a call the layer's rule records."""
+
+    def __init__(self, ops, kernels: dict):
+        self._ops, self._kernels = ops, kernels
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+    def matmul(self, x1, x2):
+        layer = self._kernels.get(id(x2))
+        return layer(x1) if layer is not None else self._ops.matmul(x1, x2)
+
+
+def gemma4_decoder_supports(layer) -> Optional[str]:
+    for name, equation in GEMMA4_FEED_FORWARD.items():
+        sub = getattr(layer, name, None)
+        if not isinstance(sub, keras.layers.EinsumDense):
+            return f"{layer.name}: this Gemma 4 decoder block has no EinsumDense {name}"
+        if sub.equation != equation or sub.bias is not None or sub.activation not in (
+            None, keras.activations.linear
+        ):
+            return (f"{layer.name}: {name} is not a bias-free {equation} projection (its "
+                    "matmul would not equal the layer's call)")
+        if getattr(sub, "lora_enabled", False) or getattr(sub, "quantization_mode", None):
+            return f"{layer.name}: {name} has LoRA or quantisation (kernel read as a new tensor)"
+    if not hasattr(sys.modules.get(type(layer).__module__), "ops"):
+        return f"{layer.name}: its module has no `ops` to route matmuls through"
+    return None
+
+
+def call_with_matmuls_through_layers(layer, call, args, kwargs, names) -> Any:
+    """``call(*args, **kwargs)`` with the ``ops.matmul(x, sub.kernel)`` of ``layer``'s module
+    computed as ``sub(x)`` for the sublayers ``sub = getattr(layer, name)`` (``names``): for a
+    forward-only rule (``variables`` listing nothing) whose layer multiplies by a sublayer's
+    kernel instead of calling it, so that the sublayer's rule records the use. The module's
+    ``ops`` (``from keras import ops``) is replaced for the duration of the call; each ``sub``
+    must be a bias-free ``Dense``/``EinsumDense`` whose call equals that matmul (the caller's
+    ``supports`` checks it)."""
+    module = sys.modules[type(layer).__module__]
+    kernels = {id(getattr(layer, name).kernel): getattr(layer, name) for name in names}
+    ops = module.ops
+    module.ops = _MatmulThroughLayers(ops, kernels)
+    try:
+        return call(*args, **kwargs)
+    finally:
+        module.ops = ops
+
+
+def gemma4_decoder_forward(layer, call, args, kwargs, watch):
+    """keras-hub Gemma 4's ``Gemma4TextDecoderBlock`` computes its feed-forward network with
+    ``ops.matmul(x, self.gating_ffw.kernel)`` (and ``gating_ffw_2``, ``ffw_linear``) instead of
+    calling those ``EinsumDense`` layers, so their rules never see a call (the clipper would
+    move their kernels to per-example gradients). For the block's call those three products are
+    computed as the layers' own calls (the same bias-free products,
+    :func:`gemma4_decoder_supports` checks the equations; :func:`call_with_matmuls_through_layers`),
+    which their rule records; everything else runs as written."""
+    del watch
+    return call_with_matmuls_through_layers(layer, call, args, kwargs, GEMMA4_FEED_FORWARD), None
+
+
+def gemma4_decoder_rule(layer, context, grads):
+    """The block has no variables of its own: its sublayers' rules cover them."""
+    del layer, context, grads
+    return []
+
+
+def no_own_variables(layer) -> list:
+    """For a rule that only reroutes its layer's forward pass (:func:`gemma4_decoder_forward`)."""
+    del layer
+    return []

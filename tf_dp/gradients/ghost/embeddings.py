@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Optional
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_dp import _compat
@@ -185,6 +186,30 @@ def vit_patching_rule(layer, inputs, grad_output):
     if getattr(layer, "use_class_token", False):
         out.append((layer.class_token, PerExample(g[:, :1, None, :])))
     return out
+
+
+def pali_gemma_vit_embeddings_variables(layer) -> list:
+    """keras-hub PaliGemma ``PaliGemmaVitEmbeddings``' position table (its patch convolution keeps
+    the convolution rule)."""
+    return [layer.position_embedding.embeddings]
+
+
+def pali_gemma_vit_embeddings_supports(layer) -> Optional[str]:
+    ids = getattr(layer, "position_ids", None)
+    num = getattr(layer, "num_positions", None)
+    if ids is None or num is None or not hasattr(layer, "position_embedding"):
+        return f"{layer.name}: this PaliGemmaVitEmbeddings has no position table and ids"
+    if not np.array_equal(np.asarray(keras.ops.convert_to_numpy(ids)).reshape(-1), np.arange(num)):
+        return f"{layer.name}: position ids other than 0 .. {num - 1} have no built-in norm rule"
+    return None
+
+
+def pali_gemma_vit_embeddings_rule(layer, inputs, grad_output):
+    """keras-hub PaliGemma ``PaliGemmaVitEmbeddings``: ``patches + table[arange(P)]``, the
+    ``[1, P, D]`` lookup broadcast over the batch, so example ``b``'s gradient of the ``[P, D]``
+    table is its output gradient ``g[b]`` (:class:`PerExample`, one example's output)."""
+    del inputs
+    return [(layer.position_embedding.embeddings, PerExample(f32(grad_output)))]
 
 
 def deit_supports(layer) -> Optional[str]:

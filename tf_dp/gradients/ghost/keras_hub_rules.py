@@ -11,14 +11,21 @@ from keras_hub.layers import MaskedLMHead, PositionEmbedding, TokenAndPositionEm
 from keras_hub.src.models.gemma.rms_normalization import RMSNormalization
 
 from tf_dp.gradients.ghost.dense import (
+    gemma4_decoder_forward,
+    gemma4_decoder_rule,
+    gemma4_decoder_supports,
     masked_lm_head_forward,
     masked_lm_head_rule,
     masked_lm_head_supports,
+    no_own_variables,
 )
 from tf_dp.gradients.ghost.embeddings import (
     deit_forward,
     deit_rule,
     deit_supports,
+    pali_gemma_vit_embeddings_rule,
+    pali_gemma_vit_embeddings_supports,
+    pali_gemma_vit_embeddings_variables,
     t5_attention_forward,
     t5_attention_rule,
     t5_attention_supports,
@@ -122,6 +129,27 @@ def register(registry: LayerRuleRegistry) -> None:
     vit = _optional_class("keras_hub.src.models.vit.vit_layers", "ViTPatchingAndEmbedding")
     if vit is not None:
         registry.register(vit, vit_patching_rule, variables=vit_patching_variables)
+    gemma4 = _optional_class(
+        "keras_hub.src.models.gemma4.gemma4_decoder_block", "Gemma4TextDecoderBlock"
+    )
+    if gemma4 is not None:
+        registry.register(
+            gemma4,
+            gemma4_decoder_rule,
+            forward=gemma4_decoder_forward,
+            supports=gemma4_decoder_supports,
+            variables=no_own_variables,
+        )
+    pali_vit = _optional_class(
+        "keras_hub.src.models.pali_gemma.pali_gemma_vit", "PaliGemmaVitEmbeddings"
+    )
+    if pali_vit is not None:
+        registry.register(
+            pali_vit,
+            pali_gemma_vit_embeddings_rule,
+            variables=pali_gemma_vit_embeddings_variables,
+            supports=pali_gemma_vit_embeddings_supports,
+        )
     deit = _optional_class("keras_hub.src.models.deit.deit_layers", "DeiTEmbeddings")
     if deit is not None:
         registry.register(deit, deit_rule, forward=deit_forward, supports=deit_supports)
