@@ -45,13 +45,9 @@ using tensorflow::TensorShape;
 constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
 constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
 
-// One Philox-4x32-10 block: 4 words at 128-bit counter (c_lo, c_hi) + block under key (k0, k1).
-static inline void PhiloxBlock(uint64_t c_lo, uint64_t c_hi, uint64_t block, uint32_t k0,
-                               uint32_t k1, uint32_t out[4]) {
-  const uint64_t lo = c_lo + block;
-  const uint64_t hi = c_hi + (lo < c_lo ? 1 : 0);
-  uint32_t x0 = static_cast<uint32_t>(lo), x1 = static_cast<uint32_t>(lo >> 32);
-  uint32_t x2 = static_cast<uint32_t>(hi), x3 = static_cast<uint32_t>(hi >> 32);
+// Philox-4x32-10 on the counter words (x0, x1, x2, x3) under key (k0, k1), in place.
+static inline void Philox10(uint32_t& x0, uint32_t& x1, uint32_t& x2, uint32_t& x3, uint32_t k0,
+                            uint32_t k1) {
   for (int round = 0; round < 10; ++round) {
     const uint64_t p0 = static_cast<uint64_t>(kM0) * x0;
     const uint64_t p1 = static_cast<uint64_t>(kM1) * x2;
@@ -62,6 +58,17 @@ static inline void PhiloxBlock(uint64_t c_lo, uint64_t c_hi, uint64_t block, uin
     x0 = y0; x1 = y1; x2 = y2; x3 = y3;
     k0 += kW0; k1 += kW1;
   }
+}
+
+// The 4 words of block `block` of the plane at 128-bit counter (c_lo, c_hi) (the counter plus
+// `block`, carried into the high word), written to out[0..3].
+static inline void PhiloxBlock(uint64_t c_lo, uint64_t c_hi, uint64_t block, uint32_t k0,
+                               uint32_t k1, uint32_t* out) {
+  const uint64_t lo = c_lo + block;
+  const uint64_t hi = c_hi + (lo < c_lo ? 1 : 0);
+  uint32_t x0 = static_cast<uint32_t>(lo), x1 = static_cast<uint32_t>(lo >> 32);
+  uint32_t x2 = static_cast<uint32_t>(hi), x3 = static_cast<uint32_t>(hi >> 32);
+  Philox10(x0, x1, x2, x3, k0, k1);
   out[0] = x0; out[1] = x1; out[2] = x2; out[3] = x3;
 }
 
@@ -77,25 +84,9 @@ static void PhiloxWords(uint64_t c_lo, uint64_t c_hi, uint32_t k0, uint32_t k1, 
   const int64_t full_end = stop - stop % 4;
   const int64_t b0 = w / 4, b1 = full_end > w ? full_end / 4 : b0;
   uint32_t* dst = out + (w - start);
-  // The loop GCC vectorises: blocks are independent, the counter addition carries per block.
+  // The loop GCC vectorises: blocks are independent.
   for (int64_t b = b0; b < b1; ++b) {
-    const uint64_t lo = c_lo + static_cast<uint64_t>(b);
-    const uint64_t hi = c_hi + (lo < c_lo ? 1 : 0);
-    uint32_t x0 = static_cast<uint32_t>(lo), x1 = static_cast<uint32_t>(lo >> 32);
-    uint32_t x2 = static_cast<uint32_t>(hi), x3 = static_cast<uint32_t>(hi >> 32);
-    uint32_t q0 = k0, q1 = k1;
-    for (int round = 0; round < 10; ++round) {
-      const uint64_t p0 = static_cast<uint64_t>(kM0) * x0;
-      const uint64_t p1 = static_cast<uint64_t>(kM1) * x2;
-      const uint32_t y0 = static_cast<uint32_t>(p1 >> 32) ^ x1 ^ q0;
-      const uint32_t y1 = static_cast<uint32_t>(p1);
-      const uint32_t y2 = static_cast<uint32_t>(p0 >> 32) ^ x3 ^ q1;
-      const uint32_t y3 = static_cast<uint32_t>(p0);
-      x0 = y0; x1 = y1; x2 = y2; x3 = y3;
-      q0 += kW0; q1 += kW1;
-    }
-    const int64_t o = 4 * (b - b0);
-    dst[o] = x0; dst[o + 1] = x1; dst[o + 2] = x2; dst[o + 3] = x3;
+    PhiloxBlock(c_lo, c_hi, static_cast<uint64_t>(b), k0, k1, dst + 4 * (b - b0));
   }
   w = b1 > b0 ? 4 * b1 : w;
   if (w < stop) {  // trailing partial block
