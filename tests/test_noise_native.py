@@ -188,3 +188,16 @@ def test_without_a_compiler_the_tensorflow_ops_are_used(tmp_path):
 def test_set_enabled_rejects_non_bool():
     with pytest.raises(TypeError, match="enabled must be"):
         native.set_enabled(1)
+
+
+def test_not_used_where_a_gpu_is_present(monkeypatch):
+    # the op is a CPU kernel: with a GPU the noise is drawn there by TensorFlow's kernels
+    monkeypatch.setattr(native, "_accelerators", [])
+    real = tf.config.list_logical_devices
+    monkeypatch.setattr(tf.config, "list_logical_devices",
+                        lambda kind=None: ["/GPU:0"] if kind == "GPU" else real(kind))
+    assert not native.available()
+    assert "a GPU is present" in native.status()
+    monkeypatch.setattr(native, "_accelerators", [])
+    monkeypatch.setattr(tf.config, "list_logical_devices", real)
+    assert native.available()

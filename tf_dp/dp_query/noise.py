@@ -52,8 +52,8 @@ tails:
   call from the documented counters).
 - Computed in float32 (float64 for float64 values, with a 32-bit angle); the vectorised
   transcendentals are cheaper than ``Generator.normal``'s scalar ones.
-- Native op. Where a C++ compiler is installed, the float32 lazy transform (outside XLA and
-  ``tf.distribute``) runs as one fused TensorFlow kernel, ``TfDpGaussianNoise``
+- Native op. Where a C++ compiler is installed and TensorFlow sees no GPU or TPU, the float32
+  lazy transform (outside XLA and ``tf.distribute``) runs as one fused TensorFlow kernel, ``TfDpGaussianNoise``
   (:mod:`tf_dp.dp_query.native`, compiled on first use): the same Philox words from the same
   counter planes (a test checks them against TensorFlow's bit for bit), the same ``u1`` and
   angle cells, one vectorised pass instead of about fifteen kernels (0.7 ms instead of 4.1 ms

@@ -15,8 +15,9 @@ The op is compiled from ``gaussian_noise_op.cc`` (shipped with the package) by t
 ``CXX`` (default ``g++``) the first time it is needed, against the installed TensorFlow's headers,
 for the CPU it runs on (``-march=native``), and cached in ``TF_DP_NATIVE_CACHE`` (default
 ``~/.cache/tf_dp/native``) under a name that hashes the source, the TensorFlow version, the
-compiler, the flags and the CPU's feature flags. Without a compiler (or with ``TF_DP_NATIVE=0``)
-the TensorFlow ops are used and :func:`status` says why.
+compiler, the flags and the CPU's feature flags. Without a compiler, with ``TF_DP_NATIVE=0``, or
+where TensorFlow sees a GPU or TPU (the op is a CPU kernel; TensorFlow's own kernels draw the
+noise on the device), the TensorFlow ops are used and :func:`status` says why.
 
 Example::
 
@@ -77,17 +78,32 @@ def _enabled() -> bool:
     return os.environ.get("TF_DP_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+_accelerators: list = []  # [None] or ["GPU"] / ["TPU"], once known
+
+
+def _accelerator() -> Optional[str]:
+    """"GPU" or "TPU" if TensorFlow sees one: the noise is then drawn there by TensorFlow's own
+    kernels (the native op is a CPU kernel; its output would be copied to the device)."""
+    if not _accelerators:
+        found = [k for k in ("GPU", "TPU") if tf.config.list_logical_devices(k)]
+        _accelerators.append(found[0] if found else None)
+    return _accelerators[0]
+
+
 @tf.autograph.experimental.do_not_convert
 def available() -> bool:
-    """Whether the native op is enabled and loaded (compiling it on first use)."""
-    return _enabled() and _load() is not None
+    """Whether the native op is used: enabled, no GPU or TPU, and loaded (compiling it on first
+    use)."""
+    return _enabled() and _accelerator() is None and _load() is not None
 
 
 @tf.autograph.experimental.do_not_convert
 def status() -> str:
-    """Why the native op is or is not used (compiling it on first use if enabled)."""
+    """Why the native op is or is not used (compiling it on first use if it would be)."""
     if not _enabled():
         return "disabled (TF_DP_NATIVE=0 or set_enabled(False))"
+    if _accelerator() is not None:
+        return f"not used: a {_accelerator()} is present (TensorFlow's kernels draw the noise there)"
     _load()
     return _status
 
