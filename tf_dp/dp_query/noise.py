@@ -55,9 +55,8 @@ tails:
 - Native op. Where a C++ compiler is installed and TensorFlow sees no GPU or TPU, the float32
   lazy transform (outside XLA and ``tf.distribute``) runs as one fused TensorFlow kernel,
   ``TfDpGaussianNoise`` (:mod:`tf_dp.dp_query.native`, compiled on first use): the same Philox
-  words from the same
-  counter planes (a test checks them against TensorFlow's bit for bit), the same ``u1`` and
-  angle cells, one vectorised pass instead of about fifteen kernels (0.7 ms instead of 4.1 ms
+  words from the same counter planes (a test checks them against TensorFlow's bit for bit), the
+  same ``u1`` and angle cells, one vectorised pass instead of about fifteen kernels (0.7 ms instead of 4.1 ms
   for the MLP's 670k normals on 2 cores). Its log, sin and cos are its own, with the angle
   reduced exactly from the angle word's bits, so its values are within 6 float32 units of a
   float64 computation (TensorFlow's ops: about 24, from rounding the angle to float32 before
