@@ -105,11 +105,21 @@ class Plan:
 
     @property
     def description(self) -> str:
+        import keras
+
+        # rules that list their variables: recurrent layers (their cell's), other layers over
+        # their sublayers' variables, and forward-only rules (no variable: calls rerouted)
         covering = [(layer, entry) for layer, entry in self.ghost if entry.variables is not None]
-        recurrent = [layer.name for layer, entry in covering if entry.variables(layer)]
-        routed = [layer.name for layer, entry in covering if not entry.variables(layer)]
-        notes = [f"recurrent rule: {', '.join(recurrent)}"] if recurrent else []
-        notes += [f"calls rerouted to sublayer rules: {', '.join(routed)}"] if routed else []
+        kinds = {"recurrent rule": [], "rule over sublayer variables": [],
+                 "calls rerouted to sublayer rules": []}
+        for layer, entry in covering:
+            if not entry.variables(layer):
+                kinds["calls rerouted to sublayer rules"].append(layer.name)
+            elif isinstance(layer, keras.layers.RNN):
+                kinds["recurrent rule"].append(layer.name)
+            else:
+                kinds["rule over sublayer variables"].append(layer.name)
+        notes = [f"{kind}: {', '.join(names)}" for kind, names in kinds.items() if names]
         suffix = f" ({'; '.join(notes)})" if notes else ""
         if self.mode == "ghost":
             return "ghost" + suffix
