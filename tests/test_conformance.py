@@ -28,6 +28,15 @@ def _assert_conforms(record):
     assert record["exact"], (record["max_error"], record["tolerance"])
 
 
+def _assert_image_conforms(record):
+    """An image model's float32 bound grows with the squared number of input positions (loose):
+    the check still has power when the step moves the weights by more than the bound."""
+    assert record["status"] == "checked" and record["error"] is None, record
+    assert record["trains"] and record["ledger_ok"] and record["ledger_steps"] == 3, record
+    assert record["step_size"] > record["tolerance"], record
+    assert record["exact"], (record["max_error"], record["tolerance"])
+
+
 def test_representative_cases_conform():
     # one subprocess for the three (one TensorFlow import): a crash fails the test
     records = conformance.run_isolated_together(SUBSET, timeout=600, timing_repeats=1)
@@ -51,13 +60,7 @@ def test_more_families_conform_on_rules_alone():
     records = conformance.run_isolated_together(SUBSET2, timeout=600, timing_repeats=1)
     assert [r["case"] for r in records] == SUBSET2
     _assert_conforms(records[0])
-    # an image model's float32 bound grows with the squared number of input positions (loose):
-    # the check still has power when the step moves the weights by more than the bound
-    image = records[1]
-    assert image["status"] == "checked" and image["error"] is None, image
-    assert image["trains"] and image["ledger_ok"] and image["ledger_steps"] == 3, image
-    assert image["step_size"] > image["tolerance"], image
-    assert image["exact"], (image["max_error"], image["tolerance"])
+    _assert_image_conforms(records[1])
     for record in records:
         assert record["mode"] == "ghost", (record["case"], record["fallback_reasons"])
     groupnorm = [v for v in records[1]["fast_rule_variables"] if "gamma" in v]
@@ -74,14 +77,7 @@ def test_gemma4_and_pali_gemma_conform_on_rules_alone():
     records = conformance.run_isolated_together(SUBSET3, timeout=600, timing_repeats=1)
     assert [r["case"] for r in records] == SUBSET3
     _assert_conforms(records[0])
-    # PaliGemma's image encoder: its float32 bound grows with the squared number of patches
-    # (loose, as for the image classifier above); the check has power while the step moves the
-    # weights by more than the bound
-    image = records[1]
-    assert image["status"] == "checked" and image["error"] is None, image
-    assert image["trains"] and image["ledger_ok"] and image["ledger_steps"] == 3, image
-    assert image["step_size"] > image["tolerance"], image
-    assert image["exact"], (image["max_error"], image["tolerance"])
+    _assert_image_conforms(records[1])  # PaliGemma's image encoder: the loose image bound
     for record in records:
         assert record["mode"] == "ghost", (record["case"], record["fallback_reasons"])
     ffw = [v for v in records[0]["fast_rule_variables"] if "/ffw_" in v]
