@@ -125,6 +125,83 @@ def test_fused_op_reads_tensorflows_philox_words_across_a_counter_carry():
     np.testing.assert_array_equal(z, native.box_muller_op(hi, lo, angle).numpy())
 
 
+def _planes_reference(state, n, stddev):
+    """``n`` normals recomputed from the documented layout (noise.py): one skip reserves the
+    call's words, chunk ``j`` of ``C`` reads its high words, angles and low words from counter
+    planes ``j``, ``C + j`` and ``2C + j`` (the counter's high word plus the plane), the k-th pair
+    with a high word below 2^24 reading low word k; per chunk ``[r cos, r sin]``, the last value
+    dropped when the chunk is odd. Words from TensorFlow's Philox kernel, the transform from the
+    per-chunk native op (checked against float64 above)."""
+    counter = [int(v) for v in np.array(state[:2], np.int64).view(np.uint64)]
+    key = int(np.array(state[2:3], np.int64).view(np.uint64)[0])
+    sizes = [min(noise.CHUNK, n - k) for k in range(0, n, noise.CHUNK)]
+    scale = np.float32(-2.0) * np.float32(stddev) ** 2
+
+    def words(plane, count):
+        c = tf.constant([counter[0], (counter[1] + plane) % 2**64], tf.uint64)
+        return tf.raw_ops.StatelessRandomUniformFullIntV2(
+            shape=[count], key=tf.constant([key], tf.uint64), counter=c, alg=1,
+            dtype=tf.uint32).numpy()
+
+    out = []
+    for j, m in enumerate(sizes):
+        h = (m + 1) // 2
+        hi, angle = words(j, h), words(len(sizes) + j, h)
+        tail = np.flatnonzero(hi < 2**24)
+        lo = np.zeros(h, np.uint32)
+        lo[tail] = words(2 * len(sizes) + j, len(tail))
+        out.append(native.box_muller_op(hi, lo, angle, scale).numpy()[:m])
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("shape", [(100_001,), (784, 512), (2 * 131_072 + 16_385,), (3, 100_001)],
+                         ids=["one-chunk", "mlp-kernel", "three-chunks-odd", "2d-odd-chunks"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_noise_added_in_one_op_is_the_documented_draw_added(shape, graph):
+    """A large float32 leaf (at least noise.OWN_DRAW_SIZE) gets ``x + noise`` from one op (TfDpAddGaussianNoise: every chunk,
+    no concatenation, no separate addition): bit for bit the documented planes' normals added to
+    ``x`` in float32, and the generator moved by one skip of the same size."""
+    n = int(np.prod(shape))
+    assert n >= noise.OWN_DRAW_SIZE
+    x = np.random.default_rng(1).normal(size=shape).astype(np.float32)
+    low = np.array([2**64 - 5], np.uint64).view(np.int64)[0]  # a counter carry inside the call
+    gen = tf.random.Generator.from_state(tf.constant([low, 9, 4242], tf.int64), alg="philox")
+    state = gen.state.numpy()
+    stddev = tf.constant(1.7, tf.float32)
+
+    def noised():
+        return noise.add_gaussian_noise_structure(gen, [tf.constant(x)], stddev)[0]
+
+    fn = tf.function(noised) if graph else noised
+    y = fn().numpy()
+    assert y.shape == shape
+    want = x + _planes_reference(state, n, 1.7).reshape(shape)
+    np.testing.assert_array_equal(y, want)
+    twin = tf.random.Generator.from_state(tf.constant(state), alg="philox")
+    twin.skip(2 * ((n + 1) // 2))
+    np.testing.assert_array_equal(gen.state.numpy(), twin.state.numpy())
+    if graph:
+        ops = {op.type for op in fn.get_concrete_function().graph.get_operations()}
+        assert "TfDpAddGaussianNoise" in ops and "ConcatV2" not in ops
+
+
+def test_small_draws_use_the_native_op_on_the_documented_planes():
+    """Below the TF-ops sampler's LAZY_MIN_SIZE the native op still draws lazily (one op
+    whatever the size): the documented planes, bit for bit."""
+    for n in (1, 2, 999, noise.LAZY_MIN_SIZE - 1):
+        gen = tf.random.Generator.from_state(tf.constant([11, 0, 77], tf.int64), alg="philox")
+        state = gen.state.numpy()
+        z = noise.gaussian_noise(gen, n, stddev=0.5).numpy()
+        np.testing.assert_array_equal(z, _planes_reference(state, n, 0.5))
+
+
+def test_the_added_noise_op_rejects_a_chunk_it_cannot_shard():
+    with pytest.raises(tf.errors.InvalidArgumentError, match="chunk must be a positive multiple"):
+        native.add_gaussian_noise_op(tf.zeros([10]), tf.constant([1], tf.uint64),
+                                     tf.constant([0, 0], tf.uint64),
+                                     tf.constant(1000, tf.int64), tf.constant(-2.0))
+
+
 def test_native_and_tensorflow_samplers_read_the_same_words_and_agree_to_the_bound():
     out = {}
     for use_native in (True, False):

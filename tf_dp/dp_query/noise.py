@@ -61,8 +61,12 @@ tails:
   reduced exactly from the angle word's bits, so its values are within 6 float32 units of a
   float64 computation (TensorFlow's ops: about 24, from rounding the angle to float32 before
   ``cos``); the tail bound and the absence of exact zeros are the same (every angle cell is
-  tested). Otherwise (no compiler, a GPU or TPU, or ``TF_DP_NATIVE=0``) the TensorFlow ops are
-  used.
+  tested). A large float32 leaf's noise is drawn and added to it by one op,
+  ``TfDpAddGaussianNoise`` (every chunk's planes, no concatenation, no separate addition; bit for
+  bit the values of the draw plus the addition), and with the native op the lazy transform is
+  used for draws of every size (one op whatever the size; the TF ops keep the dense three-word
+  draw below :data:`LAZY_MIN_SIZE`). Otherwise (no compiler, a GPU or TPU, or
+  ``TF_DP_NATIVE=0``) the TensorFlow ops are used.
 
 The noise does not depend on the clipped sum, so the TF executor may run it at any time in the
 step (it has no data dependency until the final addition): on a free core, alongside the forward
@@ -151,8 +155,8 @@ def gaussian_noise(
     ``dtype`` is float32 or float64. Counts above :data:`CHUNK` (known while tracing) are drawn in
     chunks of ``CHUNK``. Draws ``2 * ceil(n / 2)`` Philox words plus one per pair whose
     high word is below ``2^24`` in float32 (``3 * ceil(n / 2)`` in float64, under XLA, and for
-    ``n <`` :data:`LAZY_MIN_SIZE`); see the module docstring for the bits used and the tail bound
-    :data:`TAIL_BOUND`.
+    ``n <`` :data:`LAZY_MIN_SIZE` where the native op is not used); see the module docstring for
+    the bits used and the tail bound :data:`TAIL_BOUND`.
 
     Example::
 
@@ -164,7 +168,11 @@ def gaussian_noise(
         raise TypeError(f"dtype must be float32 or float64, got {dtype.name}")
     n_static = tf.get_static_value(n)
     n_static = int(n_static) if n_static is not None else None
-    small = n_static is not None and n_static < LAZY_MIN_SIZE
+    # the lazy transform's extra ops outweigh its saved words on small draws, unless it is the
+    # native op (one op whatever the size)
+    small = (n_static is not None and n_static < LAZY_MIN_SIZE
+             and (n_static == 0 or not native.available()
+                  or _ReservedWords.is_direct(generator)))
     if dtype != tf.float32 or small or _in_xla_context():
         n = tf.cast(n, tf.int64)
         half = (n + 1) // 2
@@ -242,12 +250,18 @@ class _ReservedWords:
     def __init__(self, generator: tf.random.Generator, words: Any, chunks: int):
         self._generator = generator
         self._chunks = chunks
-        alg = generator.algorithm  # 1: Philox (a Python int for generators made here)
-        self._direct = tf.distribute.has_strategy() or not (isinstance(alg, int) and alg == 1)
+        self._direct = self.is_direct(generator)
         if not self._direct:
             state = generator.skip(words)
             self._counter = tf.bitcast(state[:2], tf.uint64)
             self._key = tf.bitcast(state[2:3], tf.uint64)
+
+    @staticmethod
+    def is_direct(generator: tf.random.Generator) -> bool:
+        """Whether draws come from ``generator``'s own calls (under a distribution strategy, or
+        a generator that is not Philox) instead of reserved counter planes."""
+        alg = generator.algorithm  # 1: Philox (a Python int for generators made here)
+        return tf.distribute.has_strategy() or not (isinstance(alg, int) and alg == 1)
 
     @classmethod
     def from_seed(cls, seed: Any, chunks: int) -> "_ReservedWords":
@@ -289,6 +303,24 @@ def _lazy_chunk(words: _ReservedWords, chunk: int, n: Any, stddev: Any) -> tf.Te
     angle = words.draw(chunk, 1, half)
     z = box_muller_lazy(hi, angle, lambda idx: words.draw(chunk, 2, tf.shape(idx)[0]), stddev)
     return _first(z, n)
+
+
+def _add_noise_natively(generator: tf.random.Generator, v: tf.Tensor, stddev: Any) -> Any:
+    """``v + gaussian_noise(generator, v's size, float32, stddev)`` (reshaped) in one native op,
+    the same words and values (the same reservation, chunks and planes; the addition rounded as
+    TensorFlow's), where :func:`gaussian_noise` would use the native op on every chunk: a float32
+    ``v`` of a size known while tracing, at least :data:`LAZY_MIN_SIZE`, outside XLA and
+    ``tf.distribute``. Else None."""
+    n = v.shape.num_elements()
+    if (v.dtype != tf.float32 or n is None or n < LAZY_MIN_SIZE or _in_xla_context()
+            or not native.available()):
+        return None
+    words = _ReservedWords(generator, 2 * ((n + 1) // 2), len(_chunk_sizes(n)))
+    if words._direct:
+        return None
+    return native.add_gaussian_noise_op(v, words._key, words._counter,
+                                        tf.constant(CHUNK, tf.int64),
+                                        _radius_scale(tf.float32, stddev))
 
 
 def _chunk_sizes(n: int) -> list[int]:
@@ -411,6 +443,10 @@ def add_gaussian_noise_structure(
         n = v.shape.num_elements()
         if n is not None and n < OWN_DRAW_SIZE:
             shared.setdefault((nd, id(sd)), []).append(i)
+            continue
+        fused = _add_noise_natively(generator, v, sd)
+        if fused is not None:
+            out[i] = fused
             continue
         noise = tf.reshape(gaussian_noise(generator, _size(v), nd, sd), tf.shape(v))
         out[i] = v + tf.cast(noise, v.dtype)

@@ -479,9 +479,15 @@ class QueryWithLedger(DPQuery):
         if _fixed_shape_context():  # what step_released() reads after this step
             self._released.assign(tf.cast(room, tf.int32))
         if not (isinstance(room, tf.Tensor) and tf.get_static_value(room) is True):
-            result = tf.nest.map_structure(
-                lambda t: _where(room, t), result
-            )
+            if _fixed_shape_context():
+                result = tf.nest.map_structure(lambda t: _where(room, t), result)
+            else:
+                # Outside XLA `room` is the unit check alone (the ledger grows), and `checks`
+                # assert it: a step under another unit fails before the result exists, so the
+                # result depends on them instead of being masked (a select and a zero fill over
+                # every gradient).
+                with tf.control_dependencies(checks):
+                    result = tf.nest.map_structure(tf.identity, result, expand_composites=True)
             # nor does the query's state move on a step that released nothing
             new_state = _state_unless(room, new_state, global_state)
         return result, new_state

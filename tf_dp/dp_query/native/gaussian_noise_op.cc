@@ -125,12 +125,19 @@ static inline float Log(float u) {
   return (ef * kLn2Lo + t * s2 * p) + t + ef * kLn2Hi;
 }
 
+// Pairs per shard unit of the kernels.
+constexpr int64_t kBlock = 8192;
+
 constexpr float kAngleStep = 3.74507028e-7f;  // pi 2^-23 (float32)
 
 // z[i] = r cos theta, z[h + i] = r sin theta for pairs [start, stop) from the words hi, lo (read
 // for the pairs with hi < 2^24 only) and angle.
-static void Transform(const uint32_t* hi, const uint32_t* lo, const uint32_t* angle, float scale,
-                      int64_t start, int64_t stop, int64_t h, float* z) {
+// With kAdd, z[i] = x[i] + r cos theta and z[h + i] = x[h + i] + r sin theta (one float32
+// addition, rounded as TensorFlow's AddV2 rounds it; x may be z).
+template <bool kAdd>
+static void TransformInto(const uint32_t* hi, const uint32_t* lo, const uint32_t* angle,
+                          float scale, int64_t start, int64_t stop, int64_t h, const float* x,
+                          float* z) {
   for (int64_t i = start; i < stop; ++i) {
     // u1 as the TF ops compute it: float(hi) 2^-32, or for hi < 2^24 (exact in float32)
     // (hi + (float(lo) + 0.5) 2^-32) 2^-32 in float32 arithmetic.
@@ -171,9 +178,19 @@ static void Transform(const uint32_t* hi, const uint32_t* lo, const uint32_t* an
     const uint32_t c_b = ((sa_b & swap) | (ca_b & ~swap)) ^ (((q + 1u) & 2u) << 30);
     const uint32_t s_b = ((ca_b & swap) | (sa_b & ~swap)) ^ ((q & 2u) << 30);
     const float c = AsFloat(c_b), s = AsFloat(s_b);
-    z[i] = r * c;
-    z[h + i] = r * s;
+    if (kAdd) {
+      z[i] = x[i] + r * c;
+      z[h + i] = x[h + i] + r * s;
+    } else {
+      z[i] = r * c;
+      z[h + i] = r * s;
+    }
   }
+}
+
+static void Transform(const uint32_t* hi, const uint32_t* lo, const uint32_t* angle, float scale,
+                      int64_t start, int64_t stop, int64_t h, float* z) {
+  TransformInto<false>(hi, lo, angle, scale, start, stop, h, nullptr, z);
 }
 
 class GaussianNoiseOp : public OpKernel {
@@ -212,7 +229,7 @@ class GaussianNoiseOp : public OpKernel {
     uint32_t* hi = words_t.flat<uint32_t>().data();
     uint32_t* angle = hi + h;
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-    const int64_t block = 8192;  // pairs per shard unit
+    const int64_t block = kBlock;
     const int64_t units = (h + block - 1) / block;
     // Pass 1: the high and angle words (Philox), and per unit the count of hi < 2^24.
     std::vector<int64_t> counts(units + 1, 0);
@@ -243,6 +260,125 @@ class GaussianNoiseOp : public OpKernel {
           rank += small ? 1 : 0;
         }
         Transform(hi + s, lo.data(), angle + s, scale, 0, e - s, h, z + s);
+      }
+    });
+  }
+};
+
+// x + noise for a float32 tensor x of n elements, in one call: the normals of gaussian_noise(n)
+// (noise.py) for a draw in chunks of `chunk` elements. Chunk j (m_j = min(chunk, n - j chunk)
+// elements, h_j = ceil(m_j / 2) pairs) reads planes j, C + j and 2C + j (C chunks) at the
+// counter, its normals laid out as TfDpGaussianNoise's, the last one dropped when m_j is odd;
+// they are added to x's elements [j chunk, j chunk + m_j) in x's flat (row-major) order. The
+// output reuses x's buffer when TensorFlow can forward it. All chunks' pairs are sharded over the
+// intra-op threads together.
+class AddGaussianNoiseOp : public OpKernel {
+ public:
+  explicit AddGaussianNoiseOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x_t = ctx->input(0);
+    const Tensor& key_t = ctx->input(1);
+    const Tensor& counter_t = ctx->input(2);
+    const Tensor& chunk_t = ctx->input(3);
+    const Tensor& scale_t = ctx->input(4);
+    OP_REQUIRES(ctx, key_t.NumElements() == 1,
+                tensorflow::errors::InvalidArgument("key must have 1 element"));
+    OP_REQUIRES(ctx, counter_t.NumElements() == 2,
+                tensorflow::errors::InvalidArgument("counter must have 2 elements"));
+    const int64_t chunk = chunk_t.scalar<int64_t>()();
+    OP_REQUIRES(ctx, chunk > 0 && chunk % (2 * kBlock) == 0,
+                tensorflow::errors::InvalidArgument("chunk must be a positive multiple of ",
+                                                    2 * kBlock, ", got ", chunk));
+    const int64_t n = x_t.NumElements();
+    const uint64_t key = key_t.flat<uint64_t>()(0);
+    const uint64_t c_lo = counter_t.flat<uint64_t>()(0), c_hi = counter_t.flat<uint64_t>()(1);
+    const float scale = scale_t.scalar<float>()();
+    const uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
+
+    Tensor* y_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, x_t.shape(), &y_t));
+    if (n == 0) return;
+    const float* x = x_t.flat<float>().data();
+    float* y = y_t->flat<float>().data();
+    const int64_t chunks = (n + chunk - 1) / chunk;
+    const int64_t chunk_pairs = chunk / 2;
+    // pairs of chunk j: chunk_pairs, the last one ceil(m / 2); global pair p of chunk p / chunk_pairs
+    const int64_t last_m = n - (chunks - 1) * chunk;
+    const int64_t pairs = (chunks - 1) * chunk_pairs + (last_m + 1) / 2;
+    Tensor words_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_UINT32, TensorShape({2 * pairs}),
+                                           &words_t));
+    uint32_t* hi = words_t.flat<uint32_t>().data();
+    uint32_t* angle = hi + pairs;
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    // units of kBlock pairs; chunk_pairs is a multiple of kBlock, so no unit spans two chunks
+    const int64_t units = (pairs + kBlock - 1) / kBlock;
+    const int64_t units_per_chunk = chunk_pairs / kBlock;
+    auto chunk_pairs_of = [&](int64_t j) {
+      return j + 1 < chunks ? chunk_pairs : (last_m + 1) / 2;
+    };
+    std::vector<int64_t> counts(units + 1, 0);
+    pool->ParallelFor(units, 20 * kBlock * 10, [&](int64_t u0, int64_t u1) {
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t j = u / units_per_chunk, base = j * chunk_pairs;
+        const int64_t s = u * kBlock - base;
+        const int64_t e = std::min(chunk_pairs_of(j), s + kBlock);
+        PhiloxWords(c_lo, c_hi + static_cast<uint64_t>(j), k0, k1, s, e, hi + base + s);
+        PhiloxWords(c_lo, c_hi + static_cast<uint64_t>(chunks + j), k0, k1, s, e,
+                    angle + base + s);
+        int64_t c = 0;
+        for (int64_t i = base + s; i < base + e; ++i) c += hi[i] < (1u << 24) ? 1 : 0;
+        counts[u + 1] = c;
+      }
+    });
+    // Ranks within each chunk: the k-th pair of chunk j with hi < 2^24 reads word k of plane 2C + j.
+    std::vector<int64_t> rank0(units, 0);
+    std::vector<int64_t> low_start(chunks + 1, 0);
+    for (int64_t u = 0; u < units; ++u) {
+      const bool first = u % units_per_chunk == 0;
+      rank0[u] = first ? 0 : rank0[u - 1] + counts[u];
+      if (u + 1 == units || (u + 1) % units_per_chunk == 0) {
+        const int64_t j = u / units_per_chunk;
+        low_start[j + 1] = low_start[j] + rank0[u] + counts[u + 1];
+      }
+    }
+    std::vector<uint32_t> low_words(static_cast<size_t>(low_start[chunks]) + 1);
+    for (int64_t j = 0; j < chunks; ++j) {
+      const int64_t n_low = low_start[j + 1] - low_start[j];
+      if (n_low > 0) {
+        PhiloxWords(c_lo, c_hi + static_cast<uint64_t>(2 * chunks + j), k0, k1, 0, n_low,
+                    low_words.data() + low_start[j]);
+      }
+    }
+    pool->ParallelFor(units, 60 * kBlock * 10, [&](int64_t u0, int64_t u1) {
+      std::vector<uint32_t> lo(kBlock);
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t j = u / units_per_chunk, base = j * chunk_pairs;
+        const int64_t h = chunk_pairs_of(j);
+        const int64_t m = j + 1 < chunks ? chunk : last_m;
+        const int64_t s = u * kBlock - base, e = std::min(h, s + kBlock);
+        const uint32_t* low = low_words.data() + low_start[j];
+        int64_t rank = rank0[u];
+        for (int64_t i = s; i < e; ++i) {
+          const bool small = hi[base + i] < (1u << 24);
+          lo[i - s] = small ? low[rank] : 0u;
+          rank += small ? 1 : 0;
+        }
+        const float* xc = x + j * chunk;
+        float* yc = y + j * chunk;
+        // pairs whose second normal is kept (h + i < m); an odd chunk drops the last pair's
+        const int64_t full = std::min(e, m - h);
+        if (full > s) {
+          TransformInto<true>(hi + base + s, lo.data(), angle + base + s, scale, 0, full - s, h,
+                              xc + s, yc + s);
+        }
+        for (int64_t i = std::max(s, full); i < e; ++i) {
+          float z[2];
+          TransformInto<false>(hi + base + i, lo.data() + (i - s), angle + base + i, scale, 0,
+                               1, 1, nullptr, z);
+          yc[i] = xc[i] + z[0];
+        }
       }
     });
   }
@@ -289,6 +425,22 @@ REGISTER_OP("TfDpGaussianNoise")
          "transform on Philox words; see tf_dp/dp_query/native.");
 
 REGISTER_KERNEL_BUILDER(Name("TfDpGaussianNoise").Device(DEVICE_CPU), GaussianNoiseOp);
+
+REGISTER_OP("TfDpAddGaussianNoise")
+    .Input("x: float")
+    .Input("key: uint64")
+    .Input("counter: uint64")
+    .Input("chunk: int64")
+    .Input("scale: float")
+    .Output("y: float")
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      return absl::OkStatus();
+    })
+    .Doc("tf_dp: x + the float32 normals of a chunked lazy Box-Muller draw of x's size "
+         "(scale = -2 stddev^2); see tf_dp/dp_query/native.");
+
+REGISTER_KERNEL_BUILDER(Name("TfDpAddGaussianNoise").Device(DEVICE_CPU), AddGaussianNoiseOp);
 
 REGISTER_OP("TfDpBoxMuller")
     .Input("hi: uint32")
