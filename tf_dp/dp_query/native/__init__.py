@@ -1,17 +1,23 @@
-"""tf_dp's native noise kernel: the float32 Box-Muller sampler fused into one TensorFlow op.
+"""tf_dp's native kernels: the float32 Box-Muller sampler fused into one TensorFlow op, and the
+ghost convolution rule's patch extraction.
 
 :func:`tf_dp.dp_query.noise.gaussian_noise` draws float32 noise (outside XLA and
 ``tf.distribute``) with the op ``TfDpGaussianNoise`` when it is available, and with TensorFlow
-ops otherwise. Both read the same Philox words from the same counters (the counter discipline of
+ops otherwise; :func:`tf_dp.dp_query.noise.add_gaussian_noise_structure` adds a large float32
+leaf's noise with ``TfDpAddGaussianNoise`` (every chunk of the draw added to the leaf in one
+op: no concatenation, no separate addition, the same values bit for bit). Both read the same Philox words from the same counters (the counter discipline of
 :mod:`tf_dp.dp_query.noise` is unchanged) and compute the same formula; the native op does it in
 one vectorised pass over memory, sharded over TensorFlow's intra-op threads, instead of about
 fifteen TensorFlow kernels: about 4x less time for the reference MLP's 670k normals
 (``bench/README.md``, "Noise floor"). Its logarithm, sine and cosine are its own (no libm; see
 ``gaussian_noise_op.cc``), so a value can differ from the TensorFlow ops' in the last bits; the
 tail bound (:data:`tf_dp.dp_query.noise.TAIL_BOUND`) and the absence of exact zeros are the same,
-and the tests check every angle cell and the extreme words.
+and the tests check every angle cell and the extreme words. ``TfDpExtractPatches``
+(``patches_op.cc``) is ``tf.image.extract_patches`` for ``[B, H, W, C]`` inputs as one copy pass,
+the same values bit for bit; the ghost convolution rule unfolds its inputs with it outside XLA
+(:func:`extract_patches_op`).
 
-The op is compiled from ``gaussian_noise_op.cc`` (shipped with the package) by the C++ compiler
+The ops are compiled from ``gaussian_noise_op.cc`` and ``patches_op.cc`` (shipped with the package) by the C++ compiler
 ``CXX`` (default ``g++``) the first time it is needed, against the installed TensorFlow's headers,
 for the CPU it runs on (``-march=native``), and cached in ``TF_DP_NATIVE_CACHE`` (default
 ``~/.cache/tf_dp/native``) under a name that hashes the source, the TensorFlow version, the
@@ -42,9 +48,14 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
-__all__ = ["available", "status", "set_enabled", "gaussian_noise_op", "box_muller_op"]
+__all__ = [
+    "available", "status", "set_enabled", "gaussian_noise_op", "add_gaussian_noise_op",
+    "box_muller_op", "extract_patches_op",
+]
 
-_SOURCE = pathlib.Path(__file__).with_name("gaussian_noise_op.cc")
+#: compiled together into one library
+_SOURCES = [pathlib.Path(__file__).with_name(name)
+            for name in ("gaussian_noise_op.cc", "patches_op.cc")]
 _FLAGS = [
     "-std=c++17", "-shared", "-fPIC", "-O3", "-march=native",
     # IEEE float32 as written: no fused multiply-add (the values do not depend on whether the CPU
@@ -136,7 +147,7 @@ def _build(cxx: str) -> pathlib.Path:
     compile_flags = list(tf.sysconfig.get_compile_flags())
     link_flags = list(tf.sysconfig.get_link_flags())
     digest = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), tf.__version__.encode(), sys.version.encode(),
+    for part in (*(src.read_bytes() for src in _SOURCES), tf.__version__.encode(), sys.version.encode(),
                  _compiler_version(cxx).encode(), " ".join(_FLAGS + compile_flags + link_flags)
                  .encode(), _cpu_flags().encode()):
         digest.update(part)
@@ -149,7 +160,8 @@ def _build(cxx: str) -> pathlib.Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        cmd = [cxx, *_FLAGS, str(_SOURCE), "-o", tmp, *compile_flags, *link_flags]
+        cmd = [cxx, *_FLAGS, *(str(src) for src in _SOURCES), "-o", tmp, *compile_flags,
+               *link_flags]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
         if out.returncode != 0:
             raise RuntimeError(f"{cxx} failed ({out.returncode}): {out.stderr.strip()[-2000:]}")
@@ -202,6 +214,40 @@ def gaussian_noise_op(key: Any, counter: Any, planes: Any, num_pairs: Any, scale
 
 
 @tf.autograph.experimental.do_not_convert
+def add_gaussian_noise_op(x: Any, key: Any, counter: Any, chunk: Any, scale: Any) -> Any:
+    """``x`` (float32, any shape) plus the normals of a lazy float32 draw of ``x``'s size in
+    chunks of ``chunk`` elements (a multiple of 16384) at ``key`` and ``counter``: chunk ``j`` of
+    ``C`` reads planes ``j``, ``C + j``, ``2C + j``, as :func:`gaussian_noise_op` called chunk by
+    chunk and the chunks concatenated (:func:`tf_dp.dp_query.noise.gaussian_noise`), added in
+    ``x``'s flat order. One op instead of a draw per chunk, a concatenation and an addition;
+    the output may reuse ``x``'s buffer. Requires :func:`available`."""
+    module = _load()
+    if module is None:
+        raise RuntimeError(f"the native noise op is {status()}")
+    return module.tf_dp_add_gaussian_noise(
+        x=x, key=key, counter=counter, chunk=chunk, scale=scale
+    )
+
+
+@tf.RegisterGradient("TfDpAddGaussianNoise")
+def _add_gaussian_noise_grad(op: Any, dy: Any) -> list:
+    """The noise does not depend on ``x``: ``dy/dx`` is the identity (as through ``x + z``)."""
+    return [dy, None, None, None, None]
+
+
+@tf.RegisterGradient("TfDpExtractPatches")
+def _extract_patches_grad(op: Any, dy: Any) -> Any:
+    """The gradient of the same ``tf.image.extract_patches`` (a sum of each patch value back
+    into its pixel)."""
+    x = op.inputs[0]
+    attrs = [[1, *op.get_attr(k), 1] for k in ("ksizes", "strides", "rates")]
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = tf.image.extract_patches(x, *attrs, padding=op.get_attr("padding").decode())
+    return tape.gradient(y, x, output_gradients=dy)
+
+
+@tf.autograph.experimental.do_not_convert
 def box_muller_op(hi: Any, lo: Any, angle: Any, scale: Any = -2.0) -> Any:
     """The native transform on given words (uint32 ``[h]`` each; ``lo`` is read where
     ``hi < 2^24``): ``[2 h]`` float32, as :func:`tf_dp.dp_query.noise.box_muller` on
@@ -211,3 +257,31 @@ def box_muller_op(hi: Any, lo: Any, angle: Any, scale: Any = -2.0) -> Any:
     if module is None:
         raise RuntimeError(f"the native noise op is {status()}")
     return module.tf_dp_box_muller(hi=hi, lo=lo, angle=angle, scale=scale)
+
+
+@tf.autograph.experimental.do_not_convert
+def extract_patches_op(x: Any, sizes: Any, strides: Any, rates: Any, padding: str) -> Any:
+    """``tf.image.extract_patches(x, [1, *sizes, 1], [1, *strides, 1], [1, *rates, 1],
+    padding)`` for ``x [B, H, W, C]`` (float16/32/64, bfloat16) as one copy pass (``TfDpExtractPatches``,
+    ``patches_op.cc``): the same values bit for bit, much faster for few channels (the ghost
+    convolution rule's unfold). Static output sizes when ``x``'s are static; the gradient is
+    ``tf.image.extract_patches``'s. Requires :func:`available`."""
+    module = _load()
+    if module is None:
+        raise RuntimeError(f"the native ops are {status()}")
+    padding = padding.upper()
+    out = module.tf_dp_extract_patches(x=x, ksizes=list(sizes), strides=list(strides),
+                                       rates=list(rates), padding=padding)
+    shape = [x.shape[0]]
+    for n, k, s, d in zip(x.shape[1:3], sizes, strides, rates):
+        span = (k - 1) * d + 1
+        if n is None:
+            shape.append(None)
+        elif padding == "SAME":
+            shape.append(-(-n // s))
+        else:
+            shape.append(max((n - span) // s + 1, 0))
+    c = x.shape[3]
+    shape.append(None if c is None else sizes[0] * sizes[1] * c)
+    out.set_shape(shape)
+    return out

@@ -29,7 +29,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_dp import _compat
 from tf_dp._compat import build_input_shape
+from tf_dp.dp_query import native
 from tf_dp.gradients.ghost.common import batch_size, bias_per_example, f32, plain
 from tf_dp.gradients.ghost.factors import Outer, PerExample
 from tf_dp.gradients.ghost.registry import norm_rule
@@ -113,6 +115,10 @@ def _unfold3d(x, ks, st, padding):
 def _unfold(x, ks, st, dr, padding):
     """Patches ``[B, oh, ow, kh*kw*C]`` in (kh, kw, C) order, like ``tf.image.extract_patches``.
 
+    - Where tf_dp's native ops are available (a C++ compiler, no GPU or TPU) and outside XLA:
+      ``TfDpExtractPatches`` (:func:`tf_dp.dp_query.native.extract_patches_op`), one copy pass,
+      the same values bit for bit: on the reference CNN 1.6 ms instead of the one-hot
+      convolution's 2.9 ms (first layer) and 0.37 instead of the gather's 0.67 ms (second).
     - Static sizes and ``C >= 8``: a gather along the pixel axis of ``[B, H*W, C]`` with
       precomputed indices (rows of ``C`` floats; a pure memory pass, no arithmetic). On the
       reference CNN's second convolution this is 7x cheaper than a one-hot convolution, whose
@@ -122,6 +128,8 @@ def _unfold(x, ks, st, dr, padding):
     - Otherwise ``tf.image.extract_patches``.
     See ``research/ghost/conv_bench.py`` for the measurements.
     """
+    if native.available() and not _compat.graph_in_xla_context():
+        return native.extract_patches_op(x, ks, st, dr, padding)
     h, w, cin = x.shape[1], x.shape[2], x.shape[3]
     k = ks[0] * ks[1] * cin if cin is not None else None
     if h is not None and w is not None and cin is not None and cin >= 8:
