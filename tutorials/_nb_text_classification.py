@@ -56,7 +56,8 @@ DELTA = 1e-5
 # data set was used, and the plots are titled with it: **results on the fallback are not IMDb
 # results**. Nothing is made up: with neither available the notebook stops with an error.
 # `TF_DP_TUTORIAL_TEXT_DATA_DIR` skips the IMDb attempt and reads the fortunes from that
-# directory.
+# directory. The loader is `tf_dp.data.load_imdb_or_fortunes` (the fallback's vocabulary: index 0
+# padding, 1 unknown words, then the most frequent words of the training split).
 #
 # A privacy note on vocabularies: a vocabulary chosen from the training texts (Keras's IMDb index
 # counts the words of the whole data set; the fallback counts its training texts) is itself a
@@ -64,86 +65,13 @@ DELTA = 1e-5
 # vocabulary or tokenizer from public data.
 
 # %%
-import re
-
 import numpy as np
 
-FORTUNE_TOPICS = ("computers", "politics", "science", "men-women")
-FORTUNES_DIR = "/usr/share/games/fortunes"
+import tf_dp
 
-
-def read_fortunes(directory, topics=FORTUNE_TOPICS):
-    """Texts and topic labels of the fortune files ``topics`` in ``directory``."""
-    texts, labels = [], []
-    for label, topic in enumerate(topics):
-        with open(os.path.join(directory, topic), encoding="utf-8", errors="replace") as f:
-            entries = f.read().split("\n%\n")
-        for entry in entries:
-            entry = entry.strip().strip("%").strip()
-            if entry:
-                texts.append(entry)
-                labels.append(label)
-    return texts, np.array(labels, dtype=np.int32)
-
-
-def tokenize(text):
-    return re.findall(r"[a-z0-9']+", text.lower())
-
-
-def encode_fortunes(directory, num_words, maxlen, test_fraction=0.2, seed=0):
-    """Fortunes as padded word-index arrays. The vocabulary (index 0: padding, 1: unknown word)
-    is counted on the training split only."""
-    texts, labels = read_fortunes(directory)
-    order = np.random.default_rng(seed).permutation(len(texts))
-    n_test = int(round(test_fraction * len(texts)))
-    test_idx, train_idx = order[:n_test], order[n_test:]
-    counts = {}
-    for i in train_idx:
-        for word in tokenize(texts[i]):
-            counts[word] = counts.get(word, 0) + 1
-    vocabulary = sorted(counts, key=lambda w: (-counts[w], w))[: num_words - 2]
-    index = {word: i + 2 for i, word in enumerate(vocabulary)}
-
-    def encode(ids):
-        out = np.zeros((len(ids), maxlen), dtype=np.int32)
-        for row, i in enumerate(ids):
-            seq = [index.get(word, 1) for word in tokenize(texts[i])][:maxlen]
-            out[row, : len(seq)] = seq
-        return out
-
-    return (encode(train_idx), labels[train_idx]), (encode(test_idx), labels[test_idx])
-
-
-def load_imdb(num_words, maxlen):
-    import keras
-
-    (x_tr, y_tr), (x_te, y_te) = keras.datasets.imdb.load_data(num_words=num_words)
-    pad = dict(maxlen=maxlen, padding="post", truncating="post", dtype="int32")
-    return ((keras.utils.pad_sequences(x_tr, **pad), y_tr.astype(np.int32)),
-            (keras.utils.pad_sequences(x_te, **pad), y_te.astype(np.int32)))
-
-
-def load_text_data(num_words, maxlen):
-    """IMDb through keras.datasets; without it, Debian's fortunes (labelled as the fallback)."""
-    fortunes_dir = os.environ.get("TF_DP_TUTORIAL_TEXT_DATA_DIR")
-    if fortunes_dir is None:
-        try:
-            return load_imdb(num_words, maxlen) + ("imdb", ("negative", "positive"))
-        except Exception as error:  # no network: fall back to the machine's real corpus
-            print(f"IMDb could not be downloaded ({type(error).__name__}); "
-                  f"trying the fortunes in {FORTUNES_DIR}")
-            fortunes_dir = FORTUNES_DIR
-    if not os.path.isfile(os.path.join(fortunes_dir, FORTUNE_TOPICS[0])):
-        raise FileNotFoundError(
-            "no text data: IMDb could not be downloaded and there are no fortune files in "
-            f"{fortunes_dir} (on Debian/Ubuntu: apt-get install fortunes)"
-        )
-    return encode_fortunes(fortunes_dir, num_words, maxlen) + (
-        "fortunes (FALLBACK, not IMDb)", FORTUNE_TOPICS
-    )
-
-
-(x_train, y_train), (x_test, y_test), data_name, class_names = load_text_data(NUM_WORDS, MAXLEN)
+(x_train, y_train), (x_test, y_test), data_name, class_names = tf_dp.data.load_imdb_or_fortunes(
+    NUM_WORDS, MAXLEN, fortunes_dir=os.environ.get("TF_DP_TUTORIAL_TEXT_DATA_DIR")
+)
 x_train, y_train = x_train[:TRAIN_SIZE], y_train[:TRAIN_SIZE]
 x_test, y_test = x_test[:TEST_SIZE], y_test[:TEST_SIZE]
 n, num_classes = len(x_train), len(class_names)
@@ -187,8 +115,6 @@ build_model().summary()
 
 # %%
 import time
-
-import tf_dp
 
 q = BATCH_SIZE / n
 loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

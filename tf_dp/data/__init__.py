@@ -19,7 +19,8 @@
 - :class:`Sampling`: the sampling claim every sampler hands over (population, rate, policy,
   whether tf_dp drew the batches, example- or user-level).
 - :func:`load_mnist_or_fashion_mnist`: MNIST when it can be fetched, else Fashion-MNIST IDX files
-  from a local directory (never synthetic data).
+  from a local directory (never synthetic data); :func:`load_imdb_or_fortunes`: IMDb when it
+  can be fetched, else Debian's fortunes (four topics, labelled as the fallback).
 
 Example::
 
@@ -53,6 +54,13 @@ from tf_dp.data.source_samplers import balls_in_bins_sample, truncated_poisson_s
 from tf_dp.data.sampling import ORIGINS, POLICIES, UNITS, Sampling
 from tf_dp.data.shuffled import ShuffledPasses, shuffled_passes
 from tf_dp.data.source import ArraySource, RandomAccessSource, hdf5_source
+from tf_dp.data.text_datasets import (
+    DEBIAN_FORTUNES_DIR,
+    FORTUNE_TOPICS,
+    encode_fortunes,
+    load_imdb_or_fortunes,
+    read_fortunes,
+)
 from tf_dp.data.tfrecord import TFRecordSource
 from tf_dp.data.truncated_poisson import (
     TruncatedPoissonBatches,
@@ -70,6 +78,8 @@ __all__ = [
     "ArraySource",
     "BallsInBinsBatches",
     "DEBIAN_FASHION_MNIST_DIR",
+    "DEBIAN_FORTUNES_DIR",
+    "FORTUNE_TOPICS",
     "DataNotFoundError",
     "PoissonBatches",
     "RandomAccessSource",
@@ -86,10 +96,13 @@ __all__ = [
     "default_max_batch_size",
     "default_truncation_size",
     "hdf5_source",
+    "encode_fortunes",
     "load_fashion_mnist_idx",
+    "load_imdb_or_fortunes",
     "load_mnist_or_fashion_mnist",
     "poisson_batches",
     "poisson_sample",
+    "read_fortunes",
     "read_idx",
     "shuffled_passes",
     "truncated_poisson_batches",
