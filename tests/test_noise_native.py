@@ -185,14 +185,15 @@ def test_noise_added_in_one_op_is_the_documented_draw_added(shape, graph):
         assert "TfDpAddGaussianNoise" in ops and "ConcatV2" not in ops
 
 
-def test_small_draws_use_the_native_op_on_the_documented_planes():
-    """Below the TF-ops sampler's LAZY_MIN_SIZE the native op still draws lazily (one op
-    whatever the size): the documented planes, bit for bit."""
-    for n in (1, 2, 999, noise.LAZY_MIN_SIZE - 1):
-        gen = tf.random.Generator.from_state(tf.constant([11, 0, 77], tf.int64), alg="philox")
-        state = gen.state.numpy()
-        z = noise.gaussian_noise(gen, n, stddev=0.5).numpy()
-        np.testing.assert_array_equal(z, _planes_reference(state, n, 0.5))
+@pytest.mark.parametrize("n", [noise.CHUNK + 1, 3 * noise.CHUNK + 5])
+def test_draws_of_several_chunks_come_from_one_op_on_the_documented_planes(n):
+    state = tf.constant([np.array([2**64 - 2], np.uint64).view(np.int64)[0], 3, 99], tf.int64)
+    gen = tf.random.Generator.from_state(state, alg="philox")
+    fn = tf.function(lambda: noise.gaussian_noise(gen, n, stddev=2.0))
+    z = fn().numpy()
+    np.testing.assert_array_equal(z, _planes_reference(state.numpy(), n, 2.0))
+    ops = [op.type for op in fn.get_concrete_function().graph.get_operations()]
+    assert ops.count("TfDpChunkedGaussianNoise") == 1 and "ConcatV2" not in ops
 
 
 def test_the_added_noise_op_rejects_a_chunk_it_cannot_shard():

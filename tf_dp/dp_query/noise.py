@@ -63,9 +63,8 @@ tails:
   ``cos``); the tail bound and the absence of exact zeros are the same (every angle cell is
   tested). A large float32 leaf's noise is drawn and added to it by one op,
   ``TfDpAddGaussianNoise`` (every chunk's planes, no concatenation, no separate addition; bit for
-  bit the values of the draw plus the addition), and with the native op the lazy transform is
-  used for draws of every size (one op whatever the size; the TF ops keep the dense three-word
-  draw below :data:`LAZY_MIN_SIZE`). Otherwise (no compiler, a GPU or TPU, or
+  bit the values of the draw plus the addition), and a draw of several chunks is one op
+  (``TfDpChunkedGaussianNoise``, no concatenation). Otherwise (no compiler, a GPU or TPU, or
   ``TF_DP_NATIVE=0``) the TensorFlow ops are used.
 
 The noise does not depend on the clipped sum, so the TF executor may run it at any time in the
@@ -155,8 +154,8 @@ def gaussian_noise(
     ``dtype`` is float32 or float64. Counts above :data:`CHUNK` (known while tracing) are drawn in
     chunks of ``CHUNK``. Draws ``2 * ceil(n / 2)`` Philox words plus one per pair whose
     high word is below ``2^24`` in float32 (``3 * ceil(n / 2)`` in float64, under XLA, and for
-    ``n <`` :data:`LAZY_MIN_SIZE` where the native op is not used); see the module docstring for
-    the bits used and the tail bound :data:`TAIL_BOUND`.
+    ``n <`` :data:`LAZY_MIN_SIZE`); see the module docstring for the bits used and the tail
+    bound :data:`TAIL_BOUND`.
 
     Example::
 
@@ -168,11 +167,9 @@ def gaussian_noise(
         raise TypeError(f"dtype must be float32 or float64, got {dtype.name}")
     n_static = tf.get_static_value(n)
     n_static = int(n_static) if n_static is not None else None
-    # the lazy transform's extra ops outweigh its saved words on small draws, unless it is the
-    # native op (one op whatever the size)
-    small = (n_static is not None and n_static < LAZY_MIN_SIZE
-             and (n_static == 0 or not native.available()
-                  or _ReservedWords.is_direct(generator)))
+    # small draws: the dense three-word transform (the lazy one's extra ops outweigh its saved
+    # words), the same words as under XLA
+    small = n_static is not None and n_static < LAZY_MIN_SIZE
     if dtype != tf.float32 or small or _in_xla_context():
         n = tf.cast(n, tf.int64)
         half = (n + 1) // 2
@@ -187,6 +184,11 @@ def gaussian_noise(
     if n_static is not None:
         sizes = _chunk_sizes(n_static)
         words = _ReservedWords(generator, 2 * ((n_static + 1) // 2), len(sizes))
+        if len(sizes) > 1 and not words._direct and native.available():
+            # every chunk from one op, written in place (no concatenation)
+            return native.chunked_gaussian_noise_op(
+                tf.constant(n_static, tf.int64), words._key, words._counter,
+                tf.constant(CHUNK, tf.int64), _radius_scale(tf.float32, stddev))
         parts = [_lazy_chunk(words, j, m, stddev) for j, m in enumerate(sizes)]
         return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
     n = tf.cast(n, tf.int64)

@@ -50,6 +50,7 @@ import tensorflow as tf
 
 __all__ = [
     "available", "status", "set_enabled", "gaussian_noise_op", "add_gaussian_noise_op",
+    "chunked_gaussian_noise_op",
     "box_muller_op", "extract_patches_op",
 ]
 
@@ -188,6 +189,7 @@ def _load() -> Any:
             module = tf.load_op_library(str(path))
             tf.no_gradient("TfDpGaussianNoise")
             tf.no_gradient("TfDpBoxMuller")
+            tf.no_gradient("TfDpChunkedGaussianNoise")
             _module, _status = module, f"loaded {path}"
         except Exception as e:  # noqa: BLE001 - any failure falls back to the TF ops
             _module, _status = None, f"unavailable: {e}"
@@ -226,6 +228,19 @@ def add_gaussian_noise_op(x: Any, key: Any, counter: Any, chunk: Any, scale: Any
         raise RuntimeError(f"the native noise op is {status()}")
     return module.tf_dp_add_gaussian_noise(
         x=x, key=key, counter=counter, chunk=chunk, scale=scale
+    )
+
+
+@tf.autograph.experimental.do_not_convert
+def chunked_gaussian_noise_op(n: Any, key: Any, counter: Any, chunk: Any, scale: Any) -> Any:
+    """The ``n`` float32 normals that :func:`add_gaussian_noise_op` adds (the same chunks and
+    planes), as one ``[n]`` output: no per-chunk calls, no concatenation. Requires
+    :func:`available`."""
+    module = _load()
+    if module is None:
+        raise RuntimeError(f"the native noise op is {status()}")
+    return module.tf_dp_chunked_gaussian_noise(
+        n=n, key=key, counter=counter, chunk=chunk, scale=scale
     )
 
 

@@ -265,16 +265,19 @@ class GaussianNoiseOp : public OpKernel {
   }
 };
 
-// x + noise for a float32 tensor x of n elements, in one call: the normals of gaussian_noise(n)
+// x + noise for a float32 tensor x of n elements (TfDpAddGaussianNoise), in one call: the normals of gaussian_noise(n)
 // (noise.py) for a draw in chunks of `chunk` elements. Chunk j (m_j = min(chunk, n - j chunk)
 // elements, h_j = ceil(m_j / 2) pairs) reads planes j, C + j and 2C + j (C chunks) at the
 // counter, its normals laid out as TfDpGaussianNoise's, the last one dropped when m_j is odd;
 // they are added to x's elements [j chunk, j chunk + m_j) in x's flat (row-major) order. The
 // output reuses x's buffer when TensorFlow can forward it. All chunks' pairs are sharded over the
 // intra-op threads together.
-class AddGaussianNoiseOp : public OpKernel {
+// Without kAdd (TfDpChunkedGaussianNoise), input 0 is the count n and the output the [n]
+// normals themselves: the chunks written in place, no concatenation.
+template <bool kAdd>
+class ChunkedGaussianNoiseOp : public OpKernel {
  public:
-  explicit AddGaussianNoiseOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  explicit ChunkedGaussianNoiseOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x_t = ctx->input(0);
@@ -290,16 +293,27 @@ class AddGaussianNoiseOp : public OpKernel {
     OP_REQUIRES(ctx, chunk > 0 && chunk % (2 * kBlock) == 0,
                 tensorflow::errors::InvalidArgument("chunk must be a positive multiple of ",
                                                     2 * kBlock, ", got ", chunk));
-    const int64_t n = x_t.NumElements();
+    int64_t n = x_t.NumElements();
+    if (!kAdd) {
+      OP_REQUIRES(ctx, x_t.NumElements() == 1,
+                  tensorflow::errors::InvalidArgument("n must be a scalar"));
+      n = x_t.flat<int64_t>()(0);
+      OP_REQUIRES(ctx, n >= 0 && n <= (int64_t{1} << 41),
+                  tensorflow::errors::InvalidArgument("n must be in [0, 2^41], got ", n));
+    }
     const uint64_t key = key_t.flat<uint64_t>()(0);
     const uint64_t c_lo = counter_t.flat<uint64_t>()(0), c_hi = counter_t.flat<uint64_t>()(1);
     const float scale = scale_t.scalar<float>()();
     const uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
 
     Tensor* y_t = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, x_t.shape(), &y_t));
+    if (kAdd) {
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, x_t.shape(), &y_t));
+    } else {
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &y_t));
+    }
     if (n == 0) return;
-    const float* x = x_t.flat<float>().data();
+    const float* x = kAdd ? x_t.flat<float>().data() : nullptr;
     float* y = y_t->flat<float>().data();
     const int64_t chunks = (n + chunk - 1) / chunk;
     const int64_t chunk_pairs = chunk / 2;
@@ -365,19 +379,19 @@ class AddGaussianNoiseOp : public OpKernel {
           lo[i - s] = small ? low[rank] : 0u;
           rank += small ? 1 : 0;
         }
-        const float* xc = x + j * chunk;
+        const float* xc = kAdd ? x + j * chunk : nullptr;
         float* yc = y + j * chunk;
         // pairs whose second normal is kept (h + i < m); an odd chunk drops the last pair's
         const int64_t full = std::min(e, m - h);
         if (full > s) {
-          TransformInto<true>(hi + base + s, lo.data(), angle + base + s, scale, 0, full - s, h,
-                              xc + s, yc + s);
+          TransformInto<kAdd>(hi + base + s, lo.data(), angle + base + s, scale, 0, full - s, h,
+                              kAdd ? xc + s : nullptr, yc + s);
         }
         for (int64_t i = std::max(s, full); i < e; ++i) {
           float z[2];
           TransformInto<false>(hi + base + i, lo.data() + (i - s), angle + base + i, scale, 0,
                                1, 1, nullptr, z);
-          yc[i] = xc[i] + z[0];
+          yc[i] = kAdd ? xc[i] + z[0] : z[0];
         }
       }
     });
@@ -440,7 +454,27 @@ REGISTER_OP("TfDpAddGaussianNoise")
     .Doc("tf_dp: x + the float32 normals of a chunked lazy Box-Muller draw of x's size "
          "(scale = -2 stddev^2); see tf_dp/dp_query/native.");
 
-REGISTER_KERNEL_BUILDER(Name("TfDpAddGaussianNoise").Device(DEVICE_CPU), AddGaussianNoiseOp);
+REGISTER_KERNEL_BUILDER(Name("TfDpAddGaussianNoise").Device(DEVICE_CPU),
+                        ChunkedGaussianNoiseOp<true>);
+
+REGISTER_OP("TfDpChunkedGaussianNoise")
+    .Input("n: int64")
+    .Input("key: uint64")
+    .Input("counter: uint64")
+    .Input("chunk: int64")
+    .Input("scale: float")
+    .Output("z: float")
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      tensorflow::shape_inference::DimensionHandle n;
+      TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(0, &n));
+      c->set_output(0, c->Vector(n));
+      return absl::OkStatus();
+    })
+    .Doc("tf_dp: the n float32 normals of a chunked lazy Box-Muller draw (scale = -2 "
+         "stddev^2), every chunk in one output; see tf_dp/dp_query/native.");
+
+REGISTER_KERNEL_BUILDER(Name("TfDpChunkedGaussianNoise").Device(DEVICE_CPU).HostMemory("n"),
+                        ChunkedGaussianNoiseOp<false>);
 
 REGISTER_OP("TfDpBoxMuller")
     .Input("hi: uint32")
