@@ -58,3 +58,12 @@ def test_tree_sensitivity_is_sqrt_of_epochs_times_tree_depth(parts, epochs):
     c = np.kron(np.eye(epochs), TreeStrategy(parts).matrix())
     want = math.sqrt(epochs * (math.floor(math.log2(parts)) + 1))
     assert compare.sensitivity(c, parts) == pytest.approx(want, rel=1e-12)
+
+
+def test_text_task_bag_of_words_features():
+    """Each row: the words present (repeats and padding ignored), scaled to unit norm."""
+    ids = np.array([[2, 3, 3, 0], [4, 0, 0, 0], [0, 0, 0, 0]], dtype=np.int32)
+    f = compare.bag_of_words(ids, 6)
+    np.testing.assert_allclose(f[0], [0, 0, 1 / math.sqrt(2), 1 / math.sqrt(2), 0, 0])
+    np.testing.assert_allclose(f[1], [0, 0, 0, 0, 1, 0])
+    np.testing.assert_allclose(f[2], 0.0)  # an empty text: no features, no division by zero

@@ -1,8 +1,16 @@
-"""DP-SGD, BandMF and BLT noise at equal certified epsilon on Fashion-MNIST (scattering features).
+"""DP-SGD, BandMF, BLT and the DP-FTRL tree at equal certified epsilon, on two tasks.
 
-The setting of ``research/utility_fashion_mnist`` (scattering features with group normalisation, a
-linear classifier, clip 0.1, momentum 0.9), trained with four noise mechanisms at the same
-epsilon (delta = 1e-5):
+Two tasks (``--task``), each a linear classifier from zero on fixed features, trained with six
+noise mechanisms at the same epsilon (delta = 1e-5) by one engine (``train``):
+
+* ``fashion_mnist`` (default): the setting of ``research/utility_fashion_mnist`` (scattering
+  features with group normalisation, clip 0.1, momentum 0.9, learning rate 16);
+* ``text``: text classification through ``tf_dp.data.load_imdb_or_fortunes``: IMDb where it can
+  be downloaded, else (offline, as here) Debian's fortunes, four topics, labelled as the fallback.
+  Features: a bag of words (which of the ``num_words`` most frequent words occur), scaled to unit
+  L2 norm; the vocabulary is counted on the training texts (see the loader's privacy note).
+
+Mechanisms:
 
 * ``dpsgd_poisson``: DP-SGD on Poisson batches (expected size n / b), amplification by
   subsampling, noise calibrated by tf_dp's PLD accountant (certified);
@@ -32,10 +40,17 @@ one record is ``Delta = clip * max_p ||C u_p||``, ``u_p`` the indicator of the s
 ``mu = Delta / (sigma clip)`` (Balle & Wang 2018: ``delta(eps) = Phi(-eps/mu + mu/2) -
 e^eps Phi(-eps/mu - mu/2)``), and ``sigma`` is calibrated to the target epsilon. ``bandmf_amplified`` is accounted from its ledger instead, with amplification.
 
+A seventh run, ``nonprivate`` (in ``--mechanisms``; by default for ``--task text``), trains the
+same model on the same fixed batches with Keras's SGD (same momentum, no clipping, no noise,
+learning rate ``--nonprivate_learning_rate``: text 3, tuned on the validation split; Fashion-MNIST
+1.6, learning rate x clip, not tuned): the ceiling.
+
     python research/correlated_noise/compare.py                      # the table in README.md
+    python research/correlated_noise/compare.py --task text          # the text table
     python research/correlated_noise/compare.py --quick              # smoke run, no files
 
-Writes ``results.csv`` beside this file (one row per training).
+Writes ``results.csv`` and ``accuracy.png`` (``--task text``: ``results_text.csv`` and
+``accuracy_text.png``) beside this file (one row per training).
 """
 
 from __future__ import annotations
@@ -57,6 +72,20 @@ import numpy as np  # noqa: E402
 from scipy import optimize, special, stats  # noqa: E402
 
 MECHANISMS = ("dpsgd_poisson", "dpsgd_cyclic", "bandmf", "blt", "dpftrl_tree", "bandmf_amplified")
+
+#: Per-task defaults (command-line options left unset take these) and output files.
+TASKS = {
+    "fashion_mnist": dict(
+        parts=8, epochs=40, bands=8, amp_bands=4, learning_rate=16.0, l2_norm_clip=0.1,
+        nonprivate_learning_rate=1.6, mechanisms=",".join(MECHANISMS), holdout=1 / 6, csv="results.csv", png="accuracy.png",
+        title="Fashion-MNIST, scattering features + linear"),
+    "text": dict(
+        parts=8, epochs=40, bands=8, amp_bands=4, learning_rate=8.0, l2_norm_clip=0.1,
+        nonprivate_learning_rate=3.0, mechanisms=",".join(MECHANISMS + ("nonprivate",)),
+        holdout=0.2,
+        csv="results_text.csv", png="accuracy_text.png", title="{data}: bag of words + linear"),
+}
+TEXT_NUM_WORDS, TEXT_MAXLEN = 2000, 400
 
 
 def _scatternet():
@@ -148,7 +177,72 @@ def mu_for(epsilon: float, delta: float) -> float:
     return mu * (1 - 1e-9)
 
 
+# -- tasks ---------------------------------------------------------------------------------------
+
+
+def load_fashion_mnist(quick):
+    """``((x, y), (xt, yt), name)``: scattering features of Fashion-MNIST (3000 / 1000 images if
+    ``quick``)."""
+    sn = _scatternet()
+    (x, y), (xt, yt) = sn.load(3000, 1000) if quick else sn.load()
+    return (sn.features(x, True), y), (sn.features(xt, True), yt), "fashion_mnist"
+
+
+def bag_of_words(ids: np.ndarray, num_words: int) -> np.ndarray:
+    """``[N, num_words]``: 1 for each word index that occurs in the row (padding 0 left out),
+    rows scaled to unit L2 norm."""
+    f = np.zeros((len(ids), num_words), np.float32)
+    f[np.repeat(np.arange(len(ids)), ids.shape[1]), ids.ravel()] = 1.0
+    f[:, 0] = 0.0
+    return f / np.maximum(np.linalg.norm(f, axis=1, keepdims=True), 1e-12)
+
+
+def load_text(quick):
+    """``((x, y), (xt, yt), name)``: bag-of-words features of IMDb, or of the fortunes (the
+    fallback, named so)."""
+    import tf_dp
+
+    (x, y), (xt, yt), name, _ = tf_dp.data.load_imdb_or_fortunes(TEXT_NUM_WORDS, TEXT_MAXLEN)
+    print(f"DATA: {name}: {len(x)} training and {len(xt)} test texts", flush=True)
+    return (bag_of_words(x, TEXT_NUM_WORDS), y), (bag_of_words(xt, TEXT_NUM_WORDS), yt), name
+
+
+LOADERS = {"fashion_mnist": load_fashion_mnist, "text": load_text}
+
+
 # -- training ------------------------------------------------------------------------------------
+
+
+def _linear(labels):
+    import keras
+
+    return keras.layers.Dense(int(labels.max()) + 1, kernel_initializer="zeros")
+
+
+def train_nonprivate(feats, labels, args, seed):
+    """The ceiling: the same model, data order and batches, Keras's SGD (no clipping, no noise)."""
+    import keras
+
+    (x, xt), (y, yt) = feats, labels
+    batch = len(x) // args.parts
+    n = batch * args.parts
+    order = np.random.default_rng(seed).permutation(n)
+    x, y = x[:n][order], y[:n][order]
+    keras.utils.set_random_seed(seed)
+    lr = args.nonprivate_learning_rate
+    model = keras.Sequential([keras.Input((x.shape[1],)), _linear(yt)])
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=lr, momentum=args.momentum),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    start = time.time()
+    model.fit(x, y, batch_size=batch, epochs=args.epochs, shuffle=False, verbose=0)
+    _, acc = model.evaluate(xt, yt, batch_size=2000, verbose=0)
+    print(f"nonprivate seed {seed}: acc {acc:.4f}", flush=True)
+    return {"mechanism": "nonprivate", "target_epsilon": math.inf, "epsilon": math.inf,
+            "seed": seed, "accuracy": float(acc), "noise_multiplier": 0.0, "sensitivity": None,
+            "parts": args.parts, "batch": batch, "steps": args.parts * args.epochs,
+            "bands": None, "buffers": None, "learning_rate": lr,
+            "seconds": round(time.time() - start, 1), "data": args.data_name}
 
 
 def train(mechanism, feats, labels, args, seed, target):
@@ -207,8 +301,7 @@ def train(mechanism, feats, labels, args, seed, target):
         else:
             opt = tf_dp.keras.DPKerasMFOptimizer(noise_multiplier=sigma, strategy=strategy,
                                                  **common)
-    model = tf_dp.keras.DPSequential(
-        [keras.Input((x.shape[1],)), keras.layers.Dense(10, kernel_initializer="zeros")])
+    model = tf_dp.keras.DPSequential([keras.Input((x.shape[1],)), _linear(yt)])
     model.compile(optimizer=opt,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
@@ -231,21 +324,23 @@ def train(mechanism, feats, labels, args, seed, target):
            "sensitivity": delta_sens, "parts": parts, "batch": batch, "steps": steps,
            "bands": {"bandmf": args.bands, "bandmf_amplified": args.amp_bands}.get(mechanism),
            "buffers": args.buffers if mechanism == "blt" else None,
-           "learning_rate": args.learning_rate, "seconds": round(time.time() - start, 1)}
+           "learning_rate": args.learning_rate, "seconds": round(time.time() - start, 1),
+           "data": args.data_name}
     print(f"{mechanism} eps {eps:.3f} (target {target}) seed {seed}: acc {acc:.4f}, "
           f"sigma {sigma:.3f}", flush=True)
     return row
 
 
-def plot(csv_path=os.path.join(HERE, "results.csv"), png=os.path.join(HERE, "accuracy.png")):
-    """Test accuracy against epsilon, one line per mechanism (mean over seeds, seeds as dots)."""
+def plot(task="fashion_mnist"):
+    """Test accuracy against epsilon, one line per mechanism (mean over seeds, seeds as dots), the
+    non-private ceiling (if run) as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker  # noqa: F401  (matplotlib.ticker.NullFormatter)
 
-    with open(csv_path) as f:
+    with open(os.path.join(HERE, TASKS[task]["csv"])) as f:
         rows = list(csv.DictReader(f))
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for mechanism in MECHANISMS:
@@ -258,68 +353,83 @@ def plot(csv_path=os.path.join(HERE, "results.csv"), png=os.path.join(HERE, "acc
         line, = ax.plot(eps, [100 * m for m in means], marker="o", label=mechanism)
         ax.scatter([float(r["target_epsilon"]) for r in mine],
                    [100 * float(r["accuracy"]) for r in mine], s=8, color=line.get_color())
+    ceiling = [float(r["accuracy"]) for r in rows if r["mechanism"] == "nonprivate"]
+    if ceiling:
+        ax.axhline(100 * np.mean(ceiling), color="gray", linestyle="--", label="non-private")
     ax.set_xscale("log")
     ax.set_xticks([1, 3, 8], ["1", "3", "8"])
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("epsilon (delta = 1e-5)")
     ax.set_ylabel("test accuracy (%)")
-    ax.set_title("Fashion-MNIST, scattering features + linear")
-    ax.legend()
+    data = ", ".join(sorted({r.get("data") for r in rows} - {None, ""}))
+    ax.set_title(TASKS[task]["title"].format(data=data), fontsize=10)
+    ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
+    fig.savefig(os.path.join(HERE, TASKS[task]["png"]), dpi=120)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--mechanisms", default=",".join(MECHANISMS))
+    p.add_argument("--task", default="fashion_mnist", choices=tuple(TASKS),
+                   help="options left unset take this task's values (TASKS)")
+    p.add_argument("--mechanisms", help="comma-separated, of MECHANISMS and nonprivate")
     p.add_argument("--epsilons", default="1,3,8")
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--delta", type=float, default=1e-5)
-    p.add_argument("--parts", type=int, default=8, help="b: batches per epoch (n / b each)")
-    p.add_argument("--epochs", type=int, default=40)
-    p.add_argument("--bands", type=int, default=8)
+    p.add_argument("--parts", type=int, help="b: batches per epoch (n / b each)")
+    p.add_argument("--epochs", type=int)
+    p.add_argument("--bands", type=int)
     p.add_argument("--buffers", type=int, default=4)
     p.add_argument("--workload", default="prefix", choices=("prefix", "momentum"),
                    help="bandmf_amplified: the workload its strategy is optimised for")
-    p.add_argument("--amp_bands", type=int, default=4,
+    p.add_argument("--amp_bands", type=int,
                    help="bandmf_amplified: bands = cyclic Poisson parts (rate batch * b / n)")
-    p.add_argument("--learning_rate", type=float, default=16.0)
+    p.add_argument("--learning_rate", type=float)
+    p.add_argument("--nonprivate_learning_rate", type=float,
+                   help="nonprivate: Keras SGD's learning rate")
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--l2_norm_clip", type=float, default=0.1)
+    p.add_argument("--l2_norm_clip", type=float)
     p.add_argument("--validation", action="store_true",
-                   help="train on the first 50,000 training images, evaluate on the last 10,000")
-    p.add_argument("--quick", action="store_true", help="3000 / 1000 images, 3 epochs, no files")
-    p.add_argument("--plot", action="store_true", help="only draw accuracy.png from results.csv")
+                   help="train on the first part of the training set, evaluate on the rest "
+                   "(Fashion-MNIST: the last 10,000 images; text: the last 20%%)")
+    p.add_argument("--quick", action="store_true",
+                   help="3 epochs, one seed, no files (Fashion-MNIST: 3000 / 1000 images)")
+    p.add_argument("--plot", action="store_true", help="only redraw the task's figure")
     p.add_argument("--append", action="store_true",
-                   help="keep results.csv's rows of the other mechanisms (replace these ones)")
+                   help="keep the CSV's rows of the other mechanisms (replace these ones)")
     args = p.parse_args(argv)
+    task = TASKS[args.task]
+    for key in ("mechanisms", "parts", "epochs", "bands", "amp_bands", "learning_rate",
+                "l2_norm_clip", "nonprivate_learning_rate"):
+        if getattr(args, key) is None:
+            setattr(args, key, task[key])
     if args.plot:
-        return plot()
-    sn = _scatternet()
+        return plot(args.task)
     if args.quick:
-        (x, y), (xt, yt) = sn.load(3000, 1000)
         args.epochs, args.seeds = 3, 1
-    else:
-        (x, y), (xt, yt) = sn.load()
+    (x, y), (xt, yt), args.data_name = LOADERS[args.task](args.quick)
     if args.validation:
-        (x, y), (xt, yt) = (x[:50000], y[:50000]), (x[50000:], y[50000:])
-    feats = tuple(sn.features(a, True) for a in (x, xt))
-    rows = []
+        cut = len(x) - int(round(task["holdout"] * len(x)))
+        (x, y), (xt, yt) = (x[:cut], y[:cut]), (x[cut:], y[cut:])
+    feats, labels = (x, xt), (y, yt)
+    mechanisms = args.mechanisms.split(",")
+    rows = [train_nonprivate(feats, labels, args, seed)
+            for seed in range(args.seeds) if "nonprivate" in mechanisms]
     for target in [float(e) for e in args.epsilons.split(",")]:
-        for mechanism in args.mechanisms.split(","):
-            for seed in range(args.seeds):
-                rows.append(train(mechanism, feats, (y, yt), args, seed, target))
+        for mechanism in mechanisms:
+            for seed in range(args.seeds if mechanism != "nonprivate" else 0):
+                rows.append(train(mechanism, feats, labels, args, seed, target))
     if not (args.quick or args.validation):
-        if args.append and os.path.exists(os.path.join(HERE, "results.csv")):
-            ran = set(args.mechanisms.split(","))
-            with open(os.path.join(HERE, "results.csv"), newline="") as f:
-                kept = [r for r in csv.DictReader(f) if r["mechanism"] not in ran]
+        path = os.path.join(HERE, task["csv"])
+        if args.append and os.path.exists(path):
+            with open(path, newline="") as f:
+                kept = [r for r in csv.DictReader(f) if r["mechanism"] not in mechanisms]
             rows = kept + rows
-        with open(os.path.join(HERE, "results.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[-1]))
             w.writeheader()
             w.writerows(rows)
-        plot()
+        plot(args.task)
     return rows
 
 
