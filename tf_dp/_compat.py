@@ -43,6 +43,8 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("keras_hub MaskedLMHead", "_kernel"),
     ("keras_hub MaskedLMHead", "_bias"),
     ("keras_hub T5MultiHeadAttention", "_relative_position_bucket"),
+    ("keras_hub.src.models.qwen3_5.qwen3_5_gated_delta_net", "_causal_conv1d"),
+    ("keras_hub.src.models.qwen3_5.qwen3_5_gated_delta_net", "_chunk_gated_delta_rule"),
     ("keras.src.backend", "rnn"),
     ("keras.src.backend.tensorflow.trainer", "reduce_per_replica"),
     ("keras.src.backend.tensorflow.trainer", "_collective_all_reduce_multi_worker"),
@@ -240,3 +242,29 @@ def pfor_module() -> Any:
     from tensorflow.python.ops.parallel_for import pfor
 
     return pfor
+
+
+class Qwen3_5DeltaNetHooks:
+    """Context manager: keras-hub Qwen3.5's module-level ``_causal_conv1d(x, weight, bias)`` and
+    ``_chunk_gated_delta_rule(query, key, value, g, beta, ...)`` (what
+    ``Qwen3_5GatedDeltaNet.call`` computes its convolution and recurrence with) replaced by
+    ``conv1d(original, *args, **kwargs)`` and ``chunk_rule(original, *args, **kwargs)`` while
+    active."""
+
+    def __init__(self, conv1d: Any, chunk_rule: Any):
+        from keras_hub.src.models.qwen3_5 import qwen3_5_gated_delta_net as module
+
+        self._module = module
+        self._originals = (module._causal_conv1d, module._chunk_gated_delta_rule)
+        self._hooks = (conv1d, chunk_rule)
+
+    def __enter__(self):
+        conv1d, chunk_rule = self._hooks
+        conv_orig, chunk_orig = self._originals
+        self._module._causal_conv1d = lambda *a, **k: conv1d(conv_orig, *a, **k)
+        self._module._chunk_gated_delta_rule = lambda *a, **k: chunk_rule(chunk_orig, *a, **k)
+        return self
+
+    def __exit__(self, *exc):
+        self._module._causal_conv1d, self._module._chunk_gated_delta_rule = self._originals
+        return False

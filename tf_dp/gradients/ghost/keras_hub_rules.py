@@ -1,7 +1,7 @@
 """Norm rules for keras-hub layers. This module imports keras-hub, so the default registry loads
 it only when it first meets a layer class from a ``keras_hub`` module (importing tf_dp never
 imports keras-hub). The rules themselves live with their layer family (``embeddings.py``,
-``normalization.py``)."""
+``normalization.py``, ``moe.py``, ``window_attention.py``, ``delta_net.py``)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ from tf_dp.gradients.ghost.normalization import (
     gemma_rms_normalization_rule,
     last_axis_rms_norm_rule,
 )
+from tf_dp.gradients.ghost import delta_net, moe, window_attention
 from tf_dp.gradients.ghost.registry import LayerRuleRegistry
 
 # keras-hub's RMS layer norms over the last axis (module, class, rule); a class missing from the
@@ -158,6 +159,15 @@ def register(registry: LayerRuleRegistry) -> None:
         registry.register(
             t5, t5_attention_rule, forward=t5_attention_forward, supports=t5_attention_supports
         )
+    # rules that keep the examples on axis 0 where keras-hub flattens them into it (mixture-of-
+    # experts blocks, Swin's window attention, Qwen3.5's gated delta net; see moe.py,
+    # window_attention.py and delta_net.py)
+    hub = moe.registrations() + window_attention.registrations() + delta_net.registrations()
+    for module, name, options in hub:
+        layer_class = _optional_class(module, name)
+        if layer_class is not None:
+            options = dict(options)
+            registry.register(layer_class, options.pop("rule"), **options)
     for module, name in CHANNELWISE:
         layer_class = _optional_class(module, name)
         if layer_class is not None:
