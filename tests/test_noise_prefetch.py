@@ -15,6 +15,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_dp
@@ -59,11 +60,14 @@ def _flat(ts):
     return np.concatenate([t.numpy().ravel() for t in ts])
 
 
-def test_prefetched_noise_is_the_sampler_bit_for_bit():
+@pytest.mark.parametrize("background", [False, True], ids=["between-steps", "background"])
+def test_prefetched_noise_is_the_sampler_bit_for_bit(background):
     pre = noise.PrefetchedNoise(noise.make_generator(seed=5))
+    pre.background = background
     noised = _xla_noised(pre)
     noised.get_concrete_function(*_zeros())  # traced: the buffers exist, nothing drawn yet
-    pre.refill()  # draws the first normals, then the second in a background thread
+    # draws the first normals (background: then the second in a background thread)
+    pre.refill()
     got = [t.numpy() for t in noised(*_zeros())]
     assert pre.served == 1
     z1, z2 = _reference_draws(5, 2)
@@ -71,19 +75,22 @@ def test_prefetched_noise_is_the_sampler_bit_for_bit():
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
     assert all(np.count_nonzero(g == 0.0) == 0 for g in got)  # no coordinate without noise
-    pre.refill()  # the background draw becomes the next step's
+    pre.refill()  # the second draw (background: the one drawn in the thread) is the next step's
     np.testing.assert_array_equal(_flat(noised(*_zeros())), np.float32(SIGMA) * z2)
     assert pre.served == 2
+    assert (pre._vars[3] is not None) == background  # the second buffer only where it is used
 
 
-def test_each_draw_serves_one_step_and_a_step_without_one_draws_inline():
+@pytest.mark.parametrize("background", [False, True], ids=["between-steps", "background"])
+def test_each_draw_serves_one_step_and_a_step_without_one_draws_inline(background):
     gen = noise.make_generator(seed=8)
     pre = noise.PrefetchedNoise(gen)
     noised = _xla_noised(pre)
     noised.get_concrete_function(*_zeros())
-    pre.refill(background=False)
+    pre.refill(background)
+    pre.wait()  # background: the following step's draw has finished
     ahead_state = pre._ahead.state.numpy().copy()
-    pre.refill()  # the current draw was not used: nothing is drawn, nothing moves
+    pre.refill(background)  # the current draw was not used: nothing is drawn, nothing moves
     pre.wait()
     np.testing.assert_array_equal(pre._ahead.state.numpy(), ahead_state)
     z1, z2 = _reference_draws(8, 2)
@@ -100,7 +107,7 @@ def test_each_draw_serves_one_step_and_a_step_without_one_draws_inline():
     assert abs(second.mean()) <= K * SIGMA / np.sqrt(N)
     assert abs(second.std() - SIGMA) <= K * SIGMA / np.sqrt(2 * N)
     assert np.count_nonzero(second == 0.0) == 0
-    pre.refill()
+    pre.refill(background)
     np.testing.assert_array_equal(_flat(noised(*_zeros())), np.float32(SIGMA) * z2)
     assert pre.served == 2
 
@@ -165,11 +172,14 @@ def test_fit_under_xla_reads_noise_drawn_ahead_once_per_step(tmp_path):
     assert not [n for n, _ in tf.train.list_variables(path) if "noise_ahead" in n]
 
 
-def test_a_process_that_exits_right_after_an_xla_fit_exits_cleanly():
+@pytest.mark.parametrize("background", [False, True], ids=["between-steps", "background"])
+def test_a_process_that_exits_right_after_an_xla_fit_exits_cleanly(background):
     # the last refill's background draw may still run at exit: it is joined, not killed (in a
     # subprocess, so a crash at shutdown fails this test rather than the suite)
     code = (
         "import numpy as np, keras, tf_dp.keras as dpk\n"
+        "from tf_dp.dp_query.noise import PrefetchedNoise\n"
+        f"PrefetchedNoise.background = {background}\n"
         "m = keras.Sequential([keras.Input((20,)), keras.layers.Dense(3)])\n"
         "o = dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.1)\n"
         "m = dpk.make_private(m)\n"

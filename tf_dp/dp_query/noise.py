@@ -585,11 +585,18 @@ class PrefetchedNoise:
     Draws. The normals come from :func:`gaussian_noise` (the same sampler, tails and counter
     discipline) on a generator of their own, ``generator.split(1)[0]`` (a Philox key derived
     from the query's generator, so seeded runs stay reproducible): the step's inline draws use
-    the query's generator, and the two never share a state variable. That lets :meth:`refill`
-    draw the *following* step's normals into a second buffer ``next`` in a background thread
-    while the next compiled step runs (an XLA step reads and writes back the variables it uses
-    as a whole, so the thread touches none of them). :meth:`refill` first waits for that thread,
-    then, if the step consumed ``current``, copies ``next`` into it and starts the next draw.
+    the query's generator, and the two never share a state variable. By default
+    (:attr:`background` False) :meth:`refill` draws straight into ``current`` when the last
+    step consumed it. With :attr:`background` True it draws the *following* step's normals into
+    a second buffer ``next`` in a background thread while the next compiled step runs (an XLA
+    step reads and writes back the variables it uses as a whole, so the thread touches none of
+    them), and :meth:`refill` first waits for that thread, then, if the step consumed
+    ``current``, copies ``next`` into it and starts the next draw. That only pays where cores
+    are idle during the step: on 2 CPU cores the thread competes with the step, and the MLP's
+    XLA step took 10.96 ms with it against 10.33 ms drawing between the steps and 8.99 ms with
+    no noise drawn at all (``python -m bench.step_time --model mlp --jit_compile --compare``,
+    loaded machine, 2026-11-27), so it is off by default. Either way the draws serve the steps
+    in the same order: the values do not depend on the choice.
 
     Each draw serves at most one step: ``ready`` is set when ``current`` is filled and cleared
     by the step that reads it; a step that finds it clear draws inline with the XLA sampler (the
@@ -612,15 +619,18 @@ class PrefetchedNoise:
         noised(tf.zeros([4]))   # reads the buffer (times 1.1) and clears its flag
     """
 
+    #: Default of :meth:`refill`'s ``background`` (see the class docstring).
+    background = False
+
     def __init__(self, generator: tf.random.Generator):
         self._generator = generator
         self._ahead: Optional[tf.random.Generator] = None  # the buffers' own generator
         self._size: Optional[int] = None  # the one flat size served (others draw inline)
-        self._vars: Optional[tuple] = None  # (current, ready, served, next)
+        self._vars: Optional[tuple] = None  # (current, ready, served, next or None)
         self._next_valid = False
         self._thread: Any = None
         self._error: Optional[BaseException] = None
-        self._fill = self._promote = None
+        self._fill = self._promote = self._fill_current = None
 
     @staticmethod
     def applies_to(values: Any) -> bool:
@@ -650,7 +660,7 @@ class PrefetchedNoise:
                     tf.Variable(zeros, trainable=False, name="noise_ahead"),
                     tf.Variable(0, dtype=tf.int32, trainable=False, name="noise_ahead_ready"),
                     tf.Variable(0, dtype=tf.int64, trainable=False, name="noise_ahead_served"),
-                    tf.Variable(zeros, trainable=False, name="noise_ahead_next"),
+                    None,  # next: made by the first background refill
                 )
                 self._size = n
         if n != self._size:  # another shape than the one served: inline
@@ -672,8 +682,26 @@ class PrefetchedNoise:
         return tf.nest.pack_sequence_as(values, out)
 
     def _functions(self) -> None:
-        current, ready, _, nxt = self._vars
+        current, ready, _, _ = self._vars
         ahead, n = self._ahead, self._size
+
+        @tf.function(jit_compile=False, autograph=False)
+        def fill_current():
+            def draw():
+                with tf.control_dependencies([current.assign(gaussian_noise(ahead, n))]):
+                    with tf.control_dependencies([ready.assign(1)]):
+                        return tf.constant(True)
+
+            return tf.cond(ready.read_value() > 0, lambda: tf.constant(False), draw)
+
+        self._fill_current = fill_current
+
+    def _background_functions(self) -> None:
+        """The second buffer ``next`` and the functions that fill it and promote it."""
+        current, ready, served, _ = self._vars
+        ahead, n = self._ahead, self._size
+        nxt = tf.Variable(tf.zeros([n], tf.float32), trainable=False, name="noise_ahead_next")
+        self._vars = (current, ready, served, nxt)
 
         @tf.function(jit_compile=False, autograph=False)
         def fill():
@@ -710,28 +738,37 @@ class PrefetchedNoise:
         _BACKGROUND_DRAWS.add(self._thread)
         self._thread.start()
 
-    def refill(self, background: bool = True) -> None:
+    def refill(self, background: Optional[bool] = None) -> None:
         """Makes ``current`` ready for the next compiled step (eager, between compiled calls).
 
-        Waits for the background draw of ``next`` (or draws it), copies it into ``current`` if
-        the last step consumed ``current``, and then draws a new ``next`` in a background thread
-        (``background=False``: at once). A ``current`` still ready is kept: nothing is drawn
-        twice for one step. A no-op until a step was traced under XLA."""
+        ``background`` False (the default, :attr:`background`): draws into ``current`` if the
+        last step consumed it (a draw already waiting in ``next`` is used first). True: waits for
+        the background draw of ``next`` (or draws it), copies it into ``current`` if the last
+        step consumed ``current``, and then draws a new ``next`` in a background thread. A
+        ``current`` still ready is kept: nothing is drawn twice for one step. A no-op until a
+        step was traced under XLA."""
         if self._size is None:
             return
-        if self._fill is None:
+        if self._fill_current is None:
             self._functions()
+        if background is None:
+            background = self.background
         self._wait()
+        if background and self._fill is None:
+            self._background_functions()
+        if not background:
+            if self._next_valid:  # drawn ahead by an earlier background refill: its turn first
+                if bool(self._promote()):
+                    self._next_valid = False
+            else:
+                self._fill_current()
+            return
         if not self._next_valid:
             self._fill()
             self._next_valid = True
         if bool(self._promote()):
             self._next_valid = False
-            if background:
-                self._draw_next_in_background()
-            else:
-                self._fill()
-                self._next_valid = True
+            self._draw_next_in_background()
 
     def wait(self) -> None:
         """Waits for a background draw (e.g. before reading the generators' states)."""
