@@ -277,3 +277,41 @@ def test_gpt_oss_and_delta_net_refuse_what_their_forward_does_not_reproduce():
     object.__setattr__(net, "norm", L.LayerNormalization())
     entry, reason = find_rule(net)
     assert entry is None and "Qwen3_5RMSNormGated" in reason, reason
+
+
+def test_add_loss_of_a_block_on_the_per_layer_fallback_is_refused_not_dropped():
+    """Mixtral's router adds a load-balancing loss with ``add_loss``, which DP training refuses.
+    With the MoE rule removed, the block is clipped by the per-layer fallback, whose work after
+    the model's forward pass left ``model.losses`` without that term: the step used to train
+    without it. The count is taken right after the forward pass (``PerExampleLoss``), so the
+    step is refused and nothing is applied or recorded."""
+    import tf_dp.keras as dpk
+    from keras_hub.src.models.mixtral.mixtral_decoder import MixtralSparseMoeBlock
+
+    from tf_dp.gradients.ghost import moe
+    from tf_dp.gradients.ghost.rules import default_registry
+
+    model, (x, y) = mixtral()
+    model(x, training=True)
+    assert len(model.losses) == 1  # the router's auxiliary loss
+    registry = default_registry()
+    block = next(layer for layer in model._flatten_layers()
+                 if isinstance(layer, MixtralSparseMoeBlock))
+    assert registry.find(block)[0] is not None  # (loads keras-hub's rules)
+    options = next(o for _, name, o in moe.registrations() if name == "MixtralSparseMoeBlock")
+    registry.unregister(MixtralSparseMoeBlock)
+    try:
+        private = dpk.make_private(model)
+        private.compile(
+            optimizer=dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                              gradient_mode="auto"),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        w0 = [v.numpy() for v in private.trainable_variables]
+        with pytest.raises(NotImplementedError, match="add_loss"):
+            private.fit(x, y, batch_size=2, epochs=1, verbose=0)
+        for a, b in zip(private.trainable_variables, w0):
+            np.testing.assert_array_equal(a.numpy(), b)
+        assert private.optimizer.ledger.num_samples == 0
+    finally:
+        registry.register(MixtralSparseMoeBlock, options.pop("rule"), **options)
+    assert registry.find(block)[0] is not None

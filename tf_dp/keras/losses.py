@@ -53,6 +53,13 @@ def _weights_like(sample_weight: Any, values: tf.Tensor) -> tf.Tensor:
     return w
 
 
+def add_loss_terms(model: keras.Model) -> int:
+    """How many ``add_loss`` terms the model's last call added: ``model.losses`` holds them plus
+    one term per regularised weight."""
+    regularized = sum(1 for v in model.trainable_weights if getattr(v, "regularizer", None))
+    return max(len(model.losses) - regularized, 0)
+
+
 class PerExampleLoss:
     """``loss_fn(x, y, sample_weight) -> (per_example_losses [B], y_pred)`` for a compiled model.
 
@@ -104,6 +111,9 @@ class PerExampleLoss:
     def __call__(self, x: Any, y: Any, sample_weight: Any = None):
         model = self.model
         y_pred = model(x, training=True) if self._call_has_training else model(x)
+        # read now: a gradient clipper may call layers again afterwards (a per-layer fallback),
+        # which resets their add_loss terms in model.losses
+        self.add_loss_terms = max(getattr(self, "add_loss_terms", 0), add_loss_terms(model))
         batch = tf.shape(tf.nest.flatten(y_pred)[0])[0]
         total = None
         for loss_fn, weight, y_t, y_p, sw in self._terms(y, y_pred, sample_weight):

@@ -54,7 +54,7 @@ from tf_dp.keras.fit_sampling import (
     private_train_function,
     private_train_on_batch,
 )
-from tf_dp.keras.losses import PerExampleLoss
+from tf_dp.keras.losses import PerExampleLoss, add_loss_terms
 from tf_dp.keras.optimizers import DPOptimizerMixin
 
 Functional = _compat.functional_class()
@@ -71,16 +71,17 @@ def _regularization_gradients(model: keras.Model, variables: list[Any]) -> list[
     return tape.gradient(penalty, tf_vars, unconnected_gradients="zero"), penalty
 
 
-def _refuse_add_loss_terms(model: keras.Model) -> None:
+def _refuse_add_loss_terms(model: keras.Model, loss_fn: Any = None) -> None:
     """Raises if the forward pass added loss terms with ``add_loss``.
 
     ``model.losses`` holds the ``add_loss`` terms of the last call plus one term per regularised
-    weight. ``add_loss`` terms may depend on the batch, so they can be neither clipped per example
+    weight; ``loss_fn`` (a :class:`PerExampleLoss`) counted them right after its forward pass,
+    before a clipper's per-layer fallback called layers again (which resets their terms).
+    ``add_loss`` terms may depend on the batch, so they can be neither clipped per example
     nor added after the noise without breaking the guarantee; the DP step refuses them instead of
     silently dropping them. Weight regularisers (``kernel_regularizer`` ...) are supported.
     """
-    regularized = sum(1 for v in model.trainable_weights if getattr(v, "regularizer", None))
-    extra = len(model.losses) - regularized
+    extra = max(add_loss_terms(model), getattr(loss_fn, "add_loss_terms", 0))
     if extra > 0:
         raise NotImplementedError(
             f"the model adds {extra} loss term(s) with add_loss() during its forward pass; DP "
@@ -129,7 +130,8 @@ def private_step(
 
     clipped = optimizer.dp_step(
         loss_fn, (x, y, sample_weight), variables, model,
-        check=lambda _: _refuse_add_loss_terms(model), extra_gradients=regularizer_gradients,
+        check=lambda _: _refuse_add_loss_terms(model, loss_fn),
+        extra_gradients=regularizer_gradients,
     )
     losses = tf.cast(clipped.losses, tf.float32)
     if sample_weight is None:
