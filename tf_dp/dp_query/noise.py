@@ -593,9 +593,9 @@ class PrefetchedNoise:
     them), and :meth:`refill` first waits for that thread, then, if the step consumed
     ``current``, copies ``next`` into it and starts the next draw. That only pays where cores
     are idle during the step: on 2 CPU cores the thread competes with the step, and the MLP's
-    XLA step took 10.96 ms with it against 10.33 ms drawing between the steps and 8.99 ms with
-    no noise drawn at all (``python -m bench.step_time --model mlp --jit_compile --compare``,
-    loaded machine, 2026-11-27), so it is off by default. Either way the draws serve the steps
+    XLA step took 10.96 ms with it against 9.64 ms drawing into ``current`` between the steps
+    and 8.99 ms with no noise drawn at all (``python -m bench.step_time --model mlp
+    --jit_compile --compare``, loaded machine, 2026-11-27), so it is off by default. Either way the draws serve the steps
     in the same order: the values do not depend on the choice.
 
     Each draw serves at most one step: ``ready`` is set when ``current`` is filled and cleared
