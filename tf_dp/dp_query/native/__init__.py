@@ -5,8 +5,10 @@ ghost convolution rule's patch extraction.
 ``tf.distribute``) with the op ``TfDpGaussianNoise`` when it is available, and with TensorFlow
 ops otherwise; :func:`tf_dp.dp_query.noise.add_gaussian_noise_structure` adds a large float32
 leaf's noise with ``TfDpAddGaussianNoise`` (every chunk of the draw added to the leaf in one
-op: no concatenation, no separate addition, the same values bit for bit). Both read the same Philox words from the same counters (the counter discipline of
-:mod:`tf_dp.dp_query.noise` is unchanged) and compute the same formula; the native op does it in
+op: no concatenation, no separate addition, the same values bit for bit), and a draw of several
+chunks is one ``TfDpChunkedGaussianNoise``. Both read the same Philox words from the same
+counters (the counter discipline of :mod:`tf_dp.dp_query.noise` is unchanged) and compute the
+same formula; the native op does it in
 one vectorised pass over memory, sharded over TensorFlow's intra-op threads, instead of about
 fifteen TensorFlow kernels: about 4x less time for the reference MLP's 670k normals
 (``bench/README.md``, "Noise floor"). Its logarithm, sine and cosine are its own (no libm; see
@@ -17,8 +19,9 @@ and the tests check every angle cell and the extreme words. ``TfDpExtractPatches
 the same values bit for bit; the ghost convolution rule unfolds its inputs with it outside XLA
 (:func:`extract_patches_op`).
 
-The ops are compiled from ``gaussian_noise_op.cc`` and ``patches_op.cc`` (shipped with the package) by the C++ compiler
-``CXX`` (default ``g++``) the first time it is needed, against the installed TensorFlow's headers,
+The ops are compiled from ``gaussian_noise_op.cc`` and ``patches_op.cc`` (shipped with the
+package) into one library by the C++ compiler ``CXX`` (default ``g++``) the first time it is
+needed, against the installed TensorFlow's headers,
 for the CPU it runs on (``-march=native``), and cached in ``TF_DP_NATIVE_CACHE`` (default
 ``~/.cache/tf_dp/native``) under a name that hashes the source, the TensorFlow version, the
 compiler, the flags and the CPU's feature flags. Without a compiler, with ``TF_DP_NATIVE=0``, or
@@ -50,8 +53,7 @@ import tensorflow as tf
 
 __all__ = [
     "available", "status", "set_enabled", "gaussian_noise_op", "add_gaussian_noise_op",
-    "chunked_gaussian_noise_op",
-    "box_muller_op", "extract_patches_op",
+    "chunked_gaussian_noise_op", "box_muller_op", "extract_patches_op",
 ]
 
 #: compiled together into one library
@@ -148,8 +150,8 @@ def _build(cxx: str) -> pathlib.Path:
     compile_flags = list(tf.sysconfig.get_compile_flags())
     link_flags = list(tf.sysconfig.get_link_flags())
     digest = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in _SOURCES), tf.__version__.encode(), sys.version.encode(),
-                 _compiler_version(cxx).encode(), " ".join(_FLAGS + compile_flags + link_flags)
+    for part in (*(src.read_bytes() for src in _SOURCES), tf.__version__.encode(),
+                 sys.version.encode(), _compiler_version(cxx).encode(), " ".join(_FLAGS + compile_flags + link_flags)
                  .encode(), _cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")
@@ -277,10 +279,17 @@ def box_muller_op(hi: Any, lo: Any, angle: Any, scale: Any = -2.0) -> Any:
 @tf.autograph.experimental.do_not_convert
 def extract_patches_op(x: Any, sizes: Any, strides: Any, rates: Any, padding: str) -> Any:
     """``tf.image.extract_patches(x, [1, *sizes, 1], [1, *strides, 1], [1, *rates, 1],
-    padding)`` for ``x [B, H, W, C]`` (float16/32/64, bfloat16) as one copy pass (``TfDpExtractPatches``,
-    ``patches_op.cc``): the same values bit for bit, much faster for few channels (the ghost
-    convolution rule's unfold). Static output sizes when ``x``'s are static; the gradient is
-    ``tf.image.extract_patches``'s. Requires :func:`available`."""
+    padding)`` for ``x [B, H, W, C]`` (float16/32/64, bfloat16) as one copy pass
+    (``TfDpExtractPatches``, ``patches_op.cc``): the same values bit for bit, faster than
+    TensorFlow's kernel and than a one-hot convolution or a gather (the ghost convolution rule's
+    unfold; ``bench/README.md``). Static output sizes when ``x``'s are static; the gradient is
+    ``tf.image.extract_patches``'s. Requires :func:`available`.
+
+    Example::
+
+        x = tf.random.normal([2, 28, 28, 1])
+        p = extract_patches_op(x, (8, 8), (2, 2), (1, 1), "SAME")   # [2, 14, 14, 64]
+    """
     module = _load()
     if module is None:
         raise RuntimeError(f"the native ops are {status()}")
