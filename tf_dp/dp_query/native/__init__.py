@@ -203,16 +203,21 @@ def _load() -> Any:
     return _module
 
 
+def _required() -> Any:
+    """The loaded library; raises (saying why) where it is not available."""
+    module = _load()
+    if module is None:
+        raise RuntimeError(f"the native ops are {status()}")
+    return module
+
+
 @tf.autograph.experimental.do_not_convert
 def gaussian_noise_op(key: Any, counter: Any, planes: Any, num_pairs: Any, scale: Any) -> Any:
     """``2 num_pairs`` float32 normals from the Philox words at ``key`` (uint64 ``[1]``) and
     ``counter`` (uint64 ``[2]``) plus ``[0, planes[p]]`` for the high words, the angles and the
     low words (uint64 ``[3]``), radius scale ``scale = -2 stddev^2``; the layout of
     :func:`tf_dp.dp_query.noise.box_muller_lazy`'s output. Requires :func:`available`."""
-    module = _load()
-    if module is None:
-        raise RuntimeError(f"the native noise op is {status()}")
-    return module.tf_dp_gaussian_noise(
+    return _required().tf_dp_gaussian_noise(
         key=key, counter=counter, planes=planes, num_pairs=num_pairs, scale=scale
     )
 
@@ -225,10 +230,7 @@ def add_gaussian_noise_op(x: Any, key: Any, counter: Any, chunk: Any, scale: Any
     chunk and the chunks concatenated (:func:`tf_dp.dp_query.noise.gaussian_noise`), added in
     ``x``'s flat order. One op instead of a draw per chunk, a concatenation and an addition;
     the output may reuse ``x``'s buffer. Requires :func:`available`."""
-    module = _load()
-    if module is None:
-        raise RuntimeError(f"the native noise op is {status()}")
-    return module.tf_dp_add_gaussian_noise(
+    return _required().tf_dp_add_gaussian_noise(
         x=x, key=key, counter=counter, chunk=chunk, scale=scale
     )
 
@@ -238,10 +240,7 @@ def chunked_gaussian_noise_op(n: Any, key: Any, counter: Any, chunk: Any, scale:
     """The ``n`` float32 normals that :func:`add_gaussian_noise_op` adds (the same chunks and
     planes), as one ``[n]`` output: no per-chunk calls, no concatenation. Requires
     :func:`available`."""
-    module = _load()
-    if module is None:
-        raise RuntimeError(f"the native noise op is {status()}")
-    return module.tf_dp_chunked_gaussian_noise(
+    return _required().tf_dp_chunked_gaussian_noise(
         n=n, key=key, counter=counter, chunk=chunk, scale=scale
     )
 
@@ -270,10 +269,7 @@ def box_muller_op(hi: Any, lo: Any, angle: Any, scale: Any = -2.0) -> Any:
     ``hi < 2^24``): ``[2 h]`` float32, as :func:`tf_dp.dp_query.noise.box_muller` on
     ``[hi, lo, angle]`` up to the last bits. For tests of the transform. Requires
     :func:`available`."""
-    module = _load()
-    if module is None:
-        raise RuntimeError(f"the native noise op is {status()}")
-    return module.tf_dp_box_muller(hi=hi, lo=lo, angle=angle, scale=scale)
+    return _required().tf_dp_box_muller(hi=hi, lo=lo, angle=angle, scale=scale)
 
 
 @tf.autograph.experimental.do_not_convert
@@ -290,11 +286,8 @@ def extract_patches_op(x: Any, sizes: Any, strides: Any, rates: Any, padding: st
         x = tf.random.normal([2, 28, 28, 1])
         p = extract_patches_op(x, (8, 8), (2, 2), (1, 1), "SAME")   # [2, 14, 14, 64]
     """
-    module = _load()
-    if module is None:
-        raise RuntimeError(f"the native ops are {status()}")
     padding = padding.upper()
-    out = module.tf_dp_extract_patches(x=x, ksizes=list(sizes), strides=list(strides),
+    out = _required().tf_dp_extract_patches(x=x, ksizes=list(sizes), strides=list(strides),
                                        rates=list(rates), padding=padding)
     shape = [x.shape[0]]
     for n, k, s, d in zip(x.shape[1:3], sizes, strides, rates):
