@@ -171,7 +171,9 @@ def _gradient_terms(model: keras.Model, x: Any) -> int:
 
 
 def _per_example_gradients(model, x, y, loss) -> list:
-    """Each example's gradient of its loss (a batch of one), by a GradientTape loop, float64."""
+    """Each example's gradient of its loss (a batch of one), by a GradientTape loop, as numpy
+    arrays in the variables' own float type (a float64 copy of every example's gradient would
+    double what the largest models need: ConvNeXtXLarge's 350M parameters)."""
     out = []
     for i in range(_batch_size(x)):
         with tf.GradientTape() as tape:
@@ -179,13 +181,46 @@ def _per_example_gradients(model, x, y, loss) -> list:
         grads = tape.gradient(value, model.trainable_variables)
         out.append(
             [
-                np.zeros(v.shape)
+                np.zeros(v.shape, v.dtype)
                 if g is None
-                else np.array(tf.convert_to_tensor(g), np.float64)
+                else np.asarray(tf.convert_to_tensor(g))
                 for g, v in zip(grads, model.trainable_variables)
             ]
         )
     return out
+
+
+def _reference_step(model, x, y, loss, learning_rate: float) -> tuple:
+    """The reference DP-SGD step of :func:`check_model` (noise 0): ``(clip, expected, scale,
+    weight_max, step_size)``, with ``expected`` the weights after the step (float64),
+    ``scale`` the largest sum of one entry's clipped absolute values and ``step_size`` the
+    largest change of one weight. Sums are float64, one variable at a time, so the memory is
+    the per-example gradients plus one float64 copy of the weights."""
+    batch = _batch_size(x)
+    records = _per_example_gradients(model, x, y, loss)
+    norms = [
+        math.sqrt(sum(float(np.sum(np.square(g, dtype=np.float64))) for g in r))
+        for r in records
+    ]
+    clip = float(np.median(norms)) or 1.0
+    factors = [min(1.0, clip / n) if n > 0 else 1.0 for n in norms]
+    expected, scale, weight_max, step_size = [], 0.0, 0.0, 0.0
+    for j, v in enumerate(model.trainable_variables):
+        w = np.array(v.numpy(), np.float64)
+        total = np.zeros_like(w)
+        magnitude = np.zeros_like(w)
+        for r, f in zip(records, factors):
+            g = r[j].astype(np.float64)
+            total += f * g
+            magnitude += f * np.abs(g)
+            r[j] = None  # each example's gradient is read once
+        e = w - learning_rate * total / batch
+        if w.size:
+            scale = max(scale, learning_rate * float(magnitude.max()))
+            weight_max = max(weight_max, float(np.abs(w).max()))
+            step_size = max(step_size, float(np.abs(e - w).max()))
+        expected.append(e)
+    return clip, expected, scale, weight_max, step_size
 
 
 def _plan(model, clipper) -> tuple[str, list, list, dict]:
@@ -274,20 +309,11 @@ def check_model(
         private(x)
 
         # (a) one step against the per-example reference
-        weights0 = [
-            np.array(v.numpy(), np.float64) for v in private.trainable_variables
-        ]
-        records = _per_example_gradients(private, x, y, loss_fn)
-        norms = [math.sqrt(sum(float(np.sum(g * g)) for g in r)) for r in records]
-        clip = float(np.median(norms)) or 1.0
+        params = sum(int(np.prod(v.shape)) for v in private.trainable_variables)
+        clip, expected, scale, weight_max, step_size = _reference_step(
+            private, x, y, loss_fn, learning_rate
+        )
         record.clip = clip
-        total = [np.zeros_like(w) for w in weights0]
-        magnitude = [np.zeros_like(w) for w in weights0]
-        for r, n in zip(records, norms):
-            f = min(1.0, clip / n) if n > 0 else 1.0
-            total = [t + f * g for t, g in zip(total, r)]
-            magnitude = [m + f * np.abs(g) for m, g in zip(magnitude, r)]
-        expected = [w - learning_rate * t / batch for w, t in zip(weights0, total)]
         optimizer = DPKerasSGDOptimizer(
             l2_norm_clip=clip,
             noise_multiplier=0.0,
@@ -306,22 +332,15 @@ def check_model(
             callbacks=[counter],
         )
         record.trains = bool(np.isfinite(history.history["loss"][0]))
-        params = sum(w.size for w in weights0)
         terms = _gradient_terms(private, x) + params + 1 + batch
-        scale = learning_rate * max(
-            (float(m.max()) for m in magnitude if m.size), default=0.0
-        )
-        record.tolerance = terms * _EPS32 * scale / batch + _EPS32 * max(
-            (float(np.abs(w).max()) for w in weights0 if w.size), default=0.0
-        )
+        record.tolerance = terms * _EPS32 * scale / batch + _EPS32 * weight_max
         record.max_error = max(
             float(np.abs(np.array(v.numpy(), np.float64) - e).max())
             for v, e in zip(private.trainable_variables, expected)
             if e.size
         )
-        record.step_size = max(
-            float(np.abs(e - w).max()) for e, w in zip(expected, weights0) if w.size
-        )
+        record.step_size = step_size
+        del expected
         record.exact = record.max_error <= record.tolerance
 
         # (c) the plan
