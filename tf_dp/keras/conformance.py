@@ -170,15 +170,28 @@ def _gradient_terms(model: keras.Model, x: Any) -> int:
     return 2 * total + positions * positions + 2
 
 
-def _per_example_gradients(model, x, y, loss) -> list:
+def _per_example_gradients(model, x, y, loss) -> tuple[list, list]:
     """Each example's gradient of its loss (a batch of one), by a GradientTape loop, as numpy
     arrays in the variables' own float type (a float64 copy of every example's gradient would
-    double what the largest models need: ConvNeXtXLarge's 350M parameters)."""
-    out = []
+    double what the largest models need: ConvNeXtXLarge's 350M parameters), and the trainable
+    weights the gradients were taken at.
+
+    Every example starts from the same variable values, restored after each (a layer may write
+    variables in its forward pass: ``SpectralNormalization`` updates its power-iteration vector
+    and writes the normalised kernel into the kernel it wraps), and the model is left as it was.
+    The weights returned are those after one forward pass from that state: the weights a DP step
+    from it updates."""
+    state = [v.numpy() for v in model.variables]
+    out, at = [], None
     for i in range(_batch_size(x)):
+        if i:
+            for v, value in zip(model.variables, state):
+                v.assign(value)
         with tf.GradientTape() as tape:
             value = loss(_take(y, i), model(_take(x, i), training=True))
         grads = tape.gradient(value, model.trainable_variables)
+        if at is None:
+            at = [np.array(v.numpy(), np.float64) for v in model.trainable_variables]
         out.append(
             [
                 np.zeros(v.shape, v.dtype)
@@ -187,7 +200,9 @@ def _per_example_gradients(model, x, y, loss) -> list:
                 for g, v in zip(grads, model.trainable_variables)
             ]
         )
-    return out
+    for v, value in zip(model.variables, state):
+        v.assign(value)
+    return out, at
 
 
 def _reference_step(model, x, y, loss, learning_rate: float) -> tuple:
@@ -197,7 +212,7 @@ def _reference_step(model, x, y, loss, learning_rate: float) -> tuple:
     largest change of one weight. Sums are float64, one variable at a time, so the memory is
     the per-example gradients plus one float64 copy of the weights."""
     batch = _batch_size(x)
-    records = _per_example_gradients(model, x, y, loss)
+    records, start = _per_example_gradients(model, x, y, loss)
     norms = [
         math.sqrt(sum(float(np.sum(np.square(g, dtype=np.float64))) for g in r))
         for r in records
@@ -205,8 +220,7 @@ def _reference_step(model, x, y, loss, learning_rate: float) -> tuple:
     clip = float(np.median(norms)) or 1.0
     factors = [min(1.0, clip / n) if n > 0 else 1.0 for n in norms]
     expected, scale, weight_max, step_size = [], 0.0, 0.0, 0.0
-    for j, v in enumerate(model.trainable_variables):
-        w = np.array(v.numpy(), np.float64)
+    for j, w in enumerate(start):
         total = np.zeros_like(w)
         magnitude = np.zeros_like(w)
         for r, f in zip(records, factors):
@@ -220,6 +234,7 @@ def _reference_step(model, x, y, loss, learning_rate: float) -> tuple:
             weight_max = max(weight_max, float(np.abs(w).max()))
             step_size = max(step_size, float(np.abs(e - w).max()))
         expected.append(e)
+        start[j] = None
     return clip, expected, scale, weight_max, step_size
 
 

@@ -55,6 +55,16 @@ def _key(v: Any) -> int:
     return id(base.as_tf_variables([v])[0])
 
 
+def _writes_trainable_in_forward(layer) -> bool:
+    """Keras's ``SpectralNormalization``: in a training call it writes the normalised kernel into
+    the kernel of the layer it wraps (and its power-iteration vector), then calls that layer.
+    The step's gradients are those at the written kernel only if the forward pass runs once."""
+    import keras
+
+    cls = getattr(keras.layers, "SpectralNormalization", None)
+    return cls is not None and isinstance(layer, cls) and type(layer).call is cls.call
+
+
 def _own_trainable(layer) -> list:
     own = _compat.own_trainable_variables(layer)
     if own is None:
@@ -251,6 +261,12 @@ def make_plan(model, variables) -> Plan:
         if _key(v) not in owners and _key(v) not in model_level:
             model_level.append(_key(v))
             names.append(getattr(v, "path", None) or v.name)
+    if any(_writes_trainable_in_forward(layer) for layer in layers):
+        # a second forward pass (a per-layer or whole-model fallback beside the rules' pass)
+        # would write the variables again: the whole-model route alone runs the model once
+        ghost, local = [], []
+        model_level = [_key(v) for v in variables]
+        names = [getattr(v, "path", None) or v.name for v in variables]
     local_loop = {}
     for unit, _, _ in local:
         blocker = base.vectorized_map_blocker(unit)
@@ -688,6 +704,14 @@ class GhostClipper(base.GradientClipper):
             return "the ghost clipper needs the model"
         if not getattr(model, "built", True) or not model.trainable_variables:
             return "the model is not built (or has no trainable variables)"
+        writers = [layer.name for layer in _all_layers(model) if _writes_trainable_in_forward(layer)]
+        if writers:
+            return (
+                f"layer(s) {', '.join(writers)} (SpectralNormalization) write their wrapped "
+                "layer's kernel in the forward pass, which the ghost clipper's per-layer and "
+                "whole-model fallbacks would run a second time; gradient_mode='vectorized' (what "
+                "'auto' picks) runs it once"
+            )
         self._plan_for(model, list(model.trainable_variables))
         return None
 
