@@ -54,3 +54,7 @@ __all__ = [
     "many_run_epsilon_lower_bound", "membership_inference", "mislabeled_canaries", "mu_estimate",
     "mu_lower_bound", "one_run", "one_run_epsilon_lower_bound", "profile",
 ]
+
+from tf_dp._autograph import exclude_from_autograph as _exclude_from_autograph  # noqa: E402
+
+_exclude_from_autograph()  # tf_dp's code is traced as written (tf_dp/_autograph.py)

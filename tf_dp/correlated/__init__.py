@@ -4,3 +4,7 @@ Toeplitz (BLT) and the tree as one family.
 ``strategies`` (numpy) holds the strategy matrices ``C`` and their noise recurrences;
 ``noise_tf`` runs a recurrence in TensorFlow (:class:`CorrelatedNoiseSumQuery`).
 """
+
+from tf_dp._autograph import exclude_from_autograph as _exclude_from_autograph  # noqa: E402
+
+_exclude_from_autograph()  # tf_dp's code is traced as written (tf_dp/_autograph.py)

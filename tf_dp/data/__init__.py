@@ -109,3 +109,7 @@ __all__ = [
     "truncated_poisson_sample",
     "sample_user_rows",
 ]
+
+from tf_dp._autograph import exclude_from_autograph as _exclude_from_autograph  # noqa: E402
+
+_exclude_from_autograph()  # tf_dp's code is traced as written (tf_dp/_autograph.py)

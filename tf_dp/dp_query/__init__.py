@@ -47,3 +47,7 @@ __all__ = [
     "proportional_noise_allocation",
     "dimension_adjusted_noise_allocation",
 ]
+
+from tf_dp._autograph import exclude_from_autograph as _exclude_from_autograph  # noqa: E402
+
+_exclude_from_autograph()  # tf_dp's code is traced as written (tf_dp/_autograph.py)

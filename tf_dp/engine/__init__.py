@@ -21,3 +21,7 @@ __all__ = [
     "UNITS",
     "Sampling",
 ]
+
+from tf_dp._autograph import exclude_from_autograph as _exclude_from_autograph  # noqa: E402
+
+_exclude_from_autograph()  # tf_dp's code is traced as written (tf_dp/_autograph.py)

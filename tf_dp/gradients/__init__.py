@@ -64,3 +64,7 @@ def __getattr__(name):
         )
         return globals()[DEPRECATED[name]]
     raise AttributeError(f"module 'tf_dp.gradients' has no attribute {name!r}")
+
+from tf_dp._autograph import exclude_from_autograph as _exclude_from_autograph  # noqa: E402
+
+_exclude_from_autograph()  # tf_dp's code is traced as written (tf_dp/_autograph.py)

@@ -55,3 +55,7 @@ __all__ = [
     "make_private",
     "validate_for_dp",
 ]
+
+from tf_dp._autograph import exclude_from_autograph as _exclude_from_autograph  # noqa: E402
+
+_exclude_from_autograph()  # tf_dp's code is traced as written (tf_dp/_autograph.py)
