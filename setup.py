@@ -34,9 +34,6 @@ setup(
         "data": ["h5py>=3.8", "array-record>=0.5", "google-crc32c>=1.5"],
         "test": [
             "pytest>=7.4",
-            # README's test command runs the suite in two worker processes (-n 2: tracing and
-            # Python-side work are single-threaded, so one process leaves a core idle)
-            "pytest-xdist>=3.5",
             # tests/test_data_sources.py (the "data" extra)
             "h5py>=3.8",
             "array-record>=0.5",
