@@ -48,6 +48,7 @@ UNIT = {
     "test_doctests",
     "test_ghost_registry",
     "test_bench_step_time",
+    "test_autograph",
 }
 
 E2E = {

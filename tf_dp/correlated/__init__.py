@@ -5,6 +5,6 @@ Toeplitz (BLT) and the tree as one family.
 ``noise_tf`` runs a recurrence in TensorFlow (:class:`CorrelatedNoiseSumQuery`).
 """
 
-from tf_dp._autograph import exclude_from_autograph as _exclude_from_autograph  # noqa: E402
+from tf_dp import _compat as _ag_compat  # noqa: E402
 
-_exclude_from_autograph()  # tf_dp's code is traced as written (tf_dp/_autograph.py)
+_ag_compat.exclude_from_autograph()  # tf_dp's code is traced as written, not by AutoGraph
