@@ -278,8 +278,9 @@ AUTOGRAPH_EXCLUDED = "tf_dp"
 
 def exclude_from_autograph() -> bool:
     """Adds a do-not-convert rule for the ``tf_dp`` package to AutoGraph's conversion rules (once;
-    idempotent), when TensorFlow is loaded: each TensorFlow-using subpackage of tf_dp calls it at
-    the end of its import. Returns False when TensorFlow is not loaded yet, or has no such rules
+    idempotent), when TensorFlow is loaded: ``tf_dp.dp_query`` and ``tf_dp.data`` call it at the
+    end of their import, and every tf_dp module that uses TensorFlow imports one of them
+    (``tests/test_import_isolation.py`` checks each module alone). Returns False when TensorFlow is not loaded yet, or has no such rules
     (then tf_dp still works, converted, with slower first traces).
 
     Why: a ``tf.function`` with ``autograph=True`` (the default, and the one tf_dp's own training

@@ -54,7 +54,3 @@ __all__ = [
     "many_run_epsilon_lower_bound", "membership_inference", "mislabeled_canaries", "mu_estimate",
     "mu_lower_bound", "one_run", "one_run_epsilon_lower_bound", "profile",
 ]
-
-from tf_dp import _compat as _ag_compat  # noqa: E402
-
-_ag_compat.exclude_from_autograph()  # tf_dp's code is traced as written, not by AutoGraph

@@ -112,4 +112,6 @@ __all__ = [
 
 from tf_dp import _compat as _ag_compat  # noqa: E402
 
-_ag_compat.exclude_from_autograph()  # tf_dp's code is traced as written, not by AutoGraph
+# tf_dp's code is traced as written, not rewritten by AutoGraph (every tf_dp module that uses
+# TensorFlow imports tf_dp.dp_query or tf_dp.data: tests/test_import_isolation.py)
+_ag_compat.exclude_from_autograph()

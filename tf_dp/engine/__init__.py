@@ -21,7 +21,3 @@ __all__ = [
     "UNITS",
     "Sampling",
 ]
-
-from tf_dp import _compat as _ag_compat  # noqa: E402
-
-_ag_compat.exclude_from_autograph()  # tf_dp's code is traced as written, not by AutoGraph

@@ -64,7 +64,3 @@ def __getattr__(name):
         )
         return globals()[DEPRECATED[name]]
     raise AttributeError(f"module 'tf_dp.gradients' has no attribute {name!r}")
-
-from tf_dp import _compat as _ag_compat  # noqa: E402
-
-_ag_compat.exclude_from_autograph()  # tf_dp's code is traced as written, not by AutoGraph

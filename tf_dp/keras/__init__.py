@@ -55,7 +55,3 @@ __all__ = [
     "make_private",
     "validate_for_dp",
 ]
-
-from tf_dp import _compat as _ag_compat  # noqa: E402
-
-_ag_compat.exclude_from_autograph()  # tf_dp's code is traced as written, not by AutoGraph

@@ -261,12 +261,6 @@ def make_plan(model, variables) -> Plan:
         if _key(v) not in owners and _key(v) not in model_level:
             model_level.append(_key(v))
             names.append(getattr(v, "path", None) or v.name)
-    if any(_writes_trainable_in_forward(layer) for layer in layers):
-        # a second forward pass (a per-layer or whole-model fallback beside the rules' pass)
-        # would write the variables again: the whole-model route alone runs the model once
-        ghost, local = [], []
-        model_level = [_key(v) for v in variables]
-        names = [getattr(v, "path", None) or v.name for v in variables]
     local_loop = {}
     for unit, _, _ in local:
         blocker = base.vectorized_map_blocker(unit)
