@@ -264,6 +264,8 @@ def train(mechanism, feats, labels, args, seed, target):
     keras.utils.set_random_seed(seed)
     common = dict(l2_norm_clip=args.l2_norm_clip, learning_rate=args.learning_rate,
                   momentum=args.momentum)
+    if args.ema:
+        common.update(use_ema=True, ema_momentum=args.ema)
     mu = mu_for(target, args.delta)
     strategy, delta_sens = None, None
     q = None
@@ -390,6 +392,9 @@ def main(argv=None):
                    help="nonprivate: Keras SGD's learning rate")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--l2_norm_clip", type=float)
+    p.add_argument("--ema", type=float,
+                   help="evaluate an exponential moving average of the iterates with this "
+                   "momentum (Keras's use_ema; post-processing, no privacy cost)")
     p.add_argument("--validation", action="store_true",
                    help="train on the first part of the training set, evaluate on the rest "
                    "(Fashion-MNIST: the last 10,000 images; text: the last 20%%)")
