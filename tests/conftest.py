@@ -113,12 +113,6 @@ def pytest_collection_modifyitems(config, items):
                 for item in items
                 if not item.get_closest_marker("conformance_full")
             ]
-    # The longest tier first (a stable sort: each file's tests stay together and in order). With
-    # two workers (`-n 2 --dist loadfile`) a file is handed to whichever worker is free, so the
-    # long end-to-end files start early instead of leaving one worker running them alone at the
-    # end.
-    first = {"e2e": 0, "integration": 1, "unit": 2}
-    items.sort(key=lambda item: first[tier_of(item.path)])
 
 
 @pytest.fixture(autouse=True, scope="module")
