@@ -77,7 +77,9 @@ def test_the_blocks_are_found():
 _OWN_PROCESS = re.compile(r"\btf\.config\.(set_|experimental\.set_)")
 
 
-def _run_blocks(blocks: list[dict], workdir: pathlib.Path) -> tuple[dict, subprocess.CompletedProcess]:
+def _run_in_one_process(
+    blocks: list[dict], workdir: pathlib.Path
+) -> tuple[dict, subprocess.CompletedProcess]:
     """Runs ``blocks`` in one process (tests/helpers/run_blocks.py); their results by index."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec, results = workdir / "blocks.json", workdir / "results.jsonl"
@@ -119,7 +121,7 @@ def run_blocks(blocks: list[dict], workdir: str) -> dict:
                     break
                 batch.append(block)
         run += 1
-        done, p = _run_blocks(batch, pathlib.Path(workdir) / f"run{run}")
+        done, p = _run_in_one_process(batch, pathlib.Path(workdir) / f"run{run}")
         results.update(done)
         ran = [b for b in batch if b["index"] in done]
         if len(ran) < len(batch):  # the process died (or timed out) in the next block

@@ -280,8 +280,9 @@ def exclude_from_autograph() -> bool:
     """Adds a do-not-convert rule for the ``tf_dp`` package to AutoGraph's conversion rules (once;
     idempotent), when TensorFlow is loaded: ``tf_dp.dp_query`` and ``tf_dp.data`` call it at the
     end of their import, and every tf_dp module that uses TensorFlow imports one of them
-    (``tests/test_import_isolation.py`` checks each module alone). Returns False when TensorFlow is not loaded yet, or has no such rules
-    (then tf_dp still works, converted, with slower first traces).
+    (``tests/test_import_isolation.py`` checks each module alone). Returns False when TensorFlow
+    is not loaded yet, or has no such rules (then tf_dp still works, converted, with slower first
+    traces).
 
     Why: a ``tf.function`` with ``autograph=True`` (the default, and the one tf_dp's own training
     loops use) rewrites every Python function it reaches unless AutoGraph's rules exclude its

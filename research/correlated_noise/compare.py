@@ -327,8 +327,8 @@ def train(mechanism, feats, labels, args, seed, target):
            "sensitivity": delta_sens, "parts": parts, "batch": batch, "steps": steps,
            "bands": {"bandmf": args.bands, "bandmf_amplified": args.amp_bands}.get(mechanism),
            "buffers": args.buffers if mechanism == "blt" else None,
-           "learning_rate": args.learning_rate, "seconds": round(time.time() - start, 1),
-           "data": args.data_name}
+           "learning_rate": args.learning_rate, "ema": args.ema,
+           "seconds": round(time.time() - start, 1), "data": args.data_name}
     print(f"{mechanism} eps {eps:.3f} (target {target}) seed {seed}: acc {acc:.4f}, "
           f"sigma {sigma:.3f}", flush=True)
     return row
