@@ -571,15 +571,31 @@ def run_isolated_together(
     cases: list, timeout: float = 900.0, timing_repeats: int = 3
 ) -> list:
     """Runs :func:`run_case` for ``cases`` one after the other in one subprocess (one import of
-    TensorFlow; the sweep uses one per case): after a crash or timeout, the case that was running
-    and those after it are recorded as failures."""
-    case = ",".join(cases)
+    TensorFlow; the sweep uses one per case). After a crash or timeout, the case that was running
+    is recorded as the failure and the cases after it run in a new subprocess (``timeout`` per
+    subprocess), so one crash fails one case."""
+    records, pending = {}, list(cases)
+    while pending:
+        found, status, error = _run_in_one_process(pending, timeout, timing_repeats)
+        records.update(found)
+        missing = [c for c in pending if c not in found]
+        if not missing:
+            break
+        # the cases run in order: the first without a record is the one the process died in
+        records[missing[0]] = {"case": missing[0], "status": status, "error": error}
+        pending = pending[pending.index(missing[0]) + 1:]
+    return [records[c] for c in cases]
+
+
+def _run_in_one_process(cases: list, timeout: float, timing_repeats: int):
+    """One subprocess running ``cases`` in order: ``({case: record}, status, error)`` where the
+    status and error describe how the process ended if it ended early."""
     cmd = [
         sys.executable,
         "-m",
         "bench.conformance",
         "--case",
-        case,
+        ",".join(cases),
         "--timing_repeats",
         str(timing_repeats),
     ]
@@ -602,9 +618,7 @@ def run_isolated_together(
             out = json.loads(line)
             out["seconds"] = round(time.time() - start, 1)
             found[out["case"]] = out
-    return [
-        found.get(c) or {"case": c, "status": status, "error": error} for c in cases
-    ]
+    return found, status, error
 
 
 # ---------------------------------------------------------------- the table

@@ -1,8 +1,9 @@
 """Issue 35: the conformance harness (tf_dp.keras.conformance.check_model, bench/conformance.py).
 
 Default run: one case per architecture family at its smallest config (a Keras layer model, a
-keras-hub encoder classifier, a keras-hub decoder with LoRA), each in its own subprocess, so a
-crash is a failure. The reference inside check_model is a per-example GradientTape loop (clip,
+keras-hub encoder classifier, a keras-hub decoder with LoRA, and the families below), run one after
+the other in a subprocess (``run_isolated_together``: a crash fails the case it happened in, and
+the cases after it run in a new process). The reference inside check_model is a per-example GradientTape loop (clip,
 sum, divide), independent of the DP step; the step count comes from a callback, not the ledger.
 The full sweep: ``pytest tests/test_conformance.py --conformance-full`` (hours on 2 cores) or
 ``python -m bench.conformance --out docs/coverage.md``.
@@ -10,12 +11,28 @@ The full sweep: ``pytest tests/test_conformance.py --conformance-full`` (hours o
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
 from bench import conformance
 
 SUBSET = ["layer:Conv2D", "hub:BertTextClassifier", "hub:GPT2CausalLM+lora"]
+
+
+def _records(cases):
+    """The records of ``cases``, from one subprocess shared by this file's subsets."""
+    every = _every_record()
+    return [every[c] for c in cases]
+
+
+@functools.lru_cache(maxsize=1)
+def _every_record():
+    cases = SUBSET + SUBSET2 + SUBSET3
+    records = conformance.run_isolated_together(cases, timeout=900, timing_repeats=1)
+    assert [r["case"] for r in records] == cases
+    return {r["case"]: r for r in records}
 
 
 def _assert_conforms(record):
@@ -38,8 +55,7 @@ def _assert_image_conforms(record):
 
 
 def test_representative_cases_conform():
-    # one subprocess for the three (one TensorFlow import): a crash fails the test
-    records = conformance.run_isolated_together(SUBSET, timeout=600, timing_repeats=1)
+    records = _records(SUBSET)
     assert [r["case"] for r in records] == SUBSET
     for record in records:
         _assert_conforms(record)
@@ -57,7 +73,7 @@ SUBSET2 = ["hub:RoformerV2MaskedLM", "hub:ResNetImageClassifier"]
 
 
 def test_more_families_conform_on_rules_alone():
-    records = conformance.run_isolated_together(SUBSET2, timeout=600, timing_repeats=1)
+    records = _records(SUBSET2)
     assert [r["case"] for r in records] == SUBSET2
     _assert_conforms(records[0])
     _assert_image_conforms(records[1])
@@ -74,7 +90,7 @@ SUBSET3 = ["hub:Gemma4CausalLM", "hub:PaliGemmaCausalLM"]
 
 
 def test_gemma4_and_pali_gemma_conform_on_rules_alone():
-    records = conformance.run_isolated_together(SUBSET3, timeout=600, timing_repeats=1)
+    records = _records(SUBSET3)
     assert [r["case"] for r in records] == SUBSET3
     _assert_conforms(records[0])
     _assert_image_conforms(records[1])  # PaliGemma's image encoder: the loose image bound
@@ -208,6 +224,27 @@ def test_results_of_several_files_last_record_wins(tmp_path):
     )
     assert len(merged.read_text().splitlines()) == 2
     assert "z" in (tmp_path / "t.md").read_text().split("Not yet run")[1]
+
+
+def test_cases_together_one_crash_fails_one_case(monkeypatch):
+    # a process that dies in case "b" (and, started again, in "d"): "b" and "d" are the failures,
+    # every other case still runs, each in the process after the crash
+    calls = []
+
+    def one_process(cases, timeout, timing_repeats):
+        calls.append(list(cases))
+        found = {}
+        for case in cases:
+            if case in ("b", "d"):
+                return found, "crashed", f"exit code -11 in {case}"
+            found[case] = {"case": case, "status": "checked"}
+        return found, "crashed", "not used"
+
+    monkeypatch.setattr(conformance, "_run_in_one_process", one_process)
+    records = conformance.run_isolated_together(["a", "b", "c", "d", "e"], timeout=5)
+    assert calls == [["a", "b", "c", "d", "e"], ["c", "d", "e"], ["e"]]
+    assert [r["status"] for r in records] == ["checked", "crashed", "checked", "crashed", "checked"]
+    assert records[1]["error"] == "exit code -11 in b" and records[3]["error"].endswith("in d")
 
 
 def pytest_generate_tests(metafunc):
