@@ -24,6 +24,7 @@ from tf_dp.ledger.ledger_file import (
     read_ledger_runs,
     write_ledger_file,
 )
+from tests.helpers import warm_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -186,7 +187,7 @@ def test_mirrored_strategy_trains_on_every_poisson_batch_size(replicas, mode):
     replicas: every step runs, records one ledger entry and moves the weights by a finite
     amount."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
-    p = subprocess.run(
+    p = warm_python.run(
         [sys.executable, os.path.join(ROOT, "tests", "helpers", "mirrored_any_batch_size.py"),
          str(replicas), mode],
         capture_output=True, text=True, timeout=600, env=env,

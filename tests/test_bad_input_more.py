@@ -23,6 +23,7 @@ import tf_dp.keras as dpk
 from bench import models as reference
 from tf_dp.keras import batch_mixing
 from tf_dp.keras import callbacks as dpcb
+from tests.helpers import warm_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MSE = "mse"
@@ -364,7 +365,7 @@ def test_probe_under_mirrored_strategy():
     )
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+    p = warm_python.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "REFUSED layer 'bm_m' (BatchMean) 0" in p.stdout, p.stdout  # nothing recorded

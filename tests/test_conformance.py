@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from bench import conformance
+from tests.helpers import warm_python
 
 SUBSET = ["layer:Conv2D", "hub:BertTextClassifier", "hub:GPT2CausalLM+lora"]
 
@@ -190,11 +191,10 @@ def test_float64_build_separates_rounding_from_the_rules():
     global); the step still equals the reference, now within the float32 norms' rounding."""
     import json
     import os
-    import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(
+    proc = warm_python.run(
         [sys.executable, "-m", "bench.conformance", "--case", "layer:Conv2D", "--floatx",
          "float64", "--timing_repeats", "1"],
         cwd=root, capture_output=True, text=True, timeout=600,

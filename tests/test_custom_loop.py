@@ -4,7 +4,6 @@ in graph mode, at the next flush under XLA); a new tf.function clips with the ne
 
 import json
 import os
-import subprocess
 import sys
 
 import keras
@@ -15,6 +14,7 @@ import tensorflow as tf
 import tf_dp
 from tests.helpers.tolerance import dense_gradient_terms, norm_terms, sgd_tolerance
 from tf_dp.engine import Sampling
+from tests.helpers import warm_python
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CLIP, LR, ROWS = 0.5, 0.5, 8
@@ -181,7 +181,7 @@ def test_mirrored_strategy_refuses_another_unit():
     and ledger as they were; a new tf.function records the user-level step and trains."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
         [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(
+    proc = warm_python.run(
         [sys.executable, os.path.join(HERE, "helpers", "custom_loop_mirrored_unit.py")],
         capture_output=True, text=True, timeout=300, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]

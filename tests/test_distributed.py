@@ -5,7 +5,6 @@ import functools
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -16,6 +15,7 @@ from tests.helpers.tolerance import (
     sgd_tolerance,
     tolerance,
 )
+from tests.helpers import warm_python
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: helpers/mirrored_run.py trains a 64-16-4 network (1108 parameters) with learning rate 1 on
@@ -27,7 +27,7 @@ MIRRORED_TERMS = dense_gradient_terms([64, 16, 4]) + norm_terms(1108) + 32 + 2 +
 def _run(script, *args):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "helpers", script), *args],
+    proc = warm_python.run([sys.executable, os.path.join(HERE, "helpers", script), *args],
                           capture_output=True, text=True, timeout=600, env=env)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("REPORT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]

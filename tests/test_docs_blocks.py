@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 import pytest
+from tests.helpers import warm_python
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 #: the documents whose ```python blocks must run
@@ -87,7 +88,7 @@ def _run_in_one_process(
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
     env.pop("TF_DP_TUTORIAL_SMALL", None)
     try:
-        p = subprocess.run(
+        p = warm_python.run(
             [sys.executable, str(ROOT / "tests" / "helpers" / "run_blocks.py"), str(spec),
              str(results), str(workdir)],
             cwd=workdir, env=env, capture_output=True, text=True,

@@ -1,7 +1,6 @@
 """Queries inside tf.function, under XLA (jit_compile=True) and in tf.distribute replica contexts."""
 
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -12,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tf_dp
+from tests.helpers import warm_python
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -231,7 +231,7 @@ def test_mirrored_strategy_two_replicas_in_subprocess():
         print("OK")
     """)
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+    proc = warm_python.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
 

@@ -11,6 +11,7 @@ import tensorflow as tf
 import tf_dp
 from tests.helpers.tolerance import dense_gradient_terms, norm_terms, sgd_tolerance
 from tf_dp.engine import Sampling
+from tests.helpers import warm_python
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 N, B, CLIP, LR = 24, 8, 0.5, 0.1
@@ -166,12 +167,11 @@ def test_custom_loop_mixed_float16_equals_fit():
 
 def test_custom_loop_mirrored_strategy_matches_the_slow_reference():
     import json
-    import subprocess
     import sys
 
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
         [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "helpers", "custom_loop_mirrored.py")],
+    proc = warm_python.run([sys.executable, os.path.join(HERE, "helpers", "custom_loop_mirrored.py")],
                           capture_output=True, text=True, timeout=300, env=env)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("REPORT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]

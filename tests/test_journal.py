@@ -17,6 +17,7 @@ from tf_dp.ledger import journal as journal_module
 from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
 from tf_dp.ledger.journal import LedgerJournal, read_journal
 from tf_dp.ledger.ledger_file import LedgerFileError
+from tests.helpers import warm_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -351,7 +352,7 @@ def test_steps_discarded_by_a_kill_are_charged_on_resume(tmp_path):
     backup, ran = str(tmp_path / "backup"), str(tmp_path / "ran.txt")
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     # 10 steps per epoch; killed after step 15 (5 steps into epoch 2; backup after step 10)
-    proc = subprocess.run(
+    proc = warm_python.run(
         [sys.executable, str(tmp_path / "journal_child.py"), backup, ran, "15"],
         env=env, capture_output=True, text=True, timeout=120,
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -25,6 +24,7 @@ from tf_dp.dp_query import GaussianSumQuery
 from tf_dp.gradients import base
 from tf_dp.gradients.ghost import GhostClipper
 from tf_dp.keras import PerExampleLoss
+from tests.helpers import warm_python
 
 pytest.importorskip("keras_hub")
 
@@ -128,7 +128,7 @@ print("RESULT" + json.dumps({"description": opt.gradient_clipper.description, "e
 
 
 def _run(script: str, *args: str) -> dict:
-    proc = subprocess.run(
+    proc = warm_python.run(
         [sys.executable, "-c", textwrap.dedent(BUILD + script), *args],
         cwd=ROOT,
         capture_output=True,

@@ -18,6 +18,7 @@ from tf_dp.accounting import compute_epsilon, rdp
 from tf_dp.accounting.dp_events import ledger_to_dp_event
 from tf_dp.ledger import LedgerFileError, ledger_file, privacy_ledger, read_ledger_runs
 from tf_dp.ledger.events import SampleEntry, SamplingEvent, SumQueryEvent
+from tests.helpers import warm_python
 
 N, Q = 60000, 256 / 60000
 
@@ -321,7 +322,6 @@ print("RESULT " + json.dumps(result))
 
 
 def test_a_ledger_claiming_1e9_steps_loads_resumes_and_analyses_in_memory_by_runs(tmp_path):
-    import subprocess
     import sys
 
     small = tf_dp.PrivacyLedger()
@@ -339,7 +339,7 @@ def test_a_ledger_claiming_1e9_steps_loads_resumes_and_analyses_in_memory_by_run
     assert path.stat().st_size < 2000
 
     n, q, clip, std, _ = _CLAIMED_RUNS[-1]
-    proc = subprocess.run(
+    proc = warm_python.run(
         [sys.executable, "-c", _RESUME_SCRIPT, str(path), str(tmp_path / "journal.jsonl"),
          str(tmp_path / "saved.json"), str(n), repr(q), repr(clip), repr(std),
          str(_EXTRA_STEPS)],

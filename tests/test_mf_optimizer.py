@@ -23,6 +23,7 @@ from tests.test_correlated_noise import BLT_PARAMS, Banded, banded_matrix, blt_i
 from tf_dp.dp_query.noise import gaussian_noise, make_generator
 from tf_dp.keras import make_private
 from tf_dp.keras.mf import DPKerasMFOptimizer
+from tests.helpers import warm_python
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 N_STEPS, BANDS, B, SIGMA = 8, 3, 8, 1.3
@@ -215,7 +216,7 @@ def test_mirrored_strategy_keeps_one_noise_state_per_global_step():
         TF_CPP_MIN_LOG_LEVEL="2",
         PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
     )
-    proc = subprocess.run(
+    proc = warm_python.run(
         [sys.executable, os.path.join(HERE, "helpers", "mirrored_mf.py")],
         capture_output=True,
         text=True,

@@ -6,8 +6,8 @@ before TensorFlow starts."""
 
 import json
 import os
-import subprocess
 import sys
+from tests.helpers import warm_python
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 N, B, EPOCHS = 96, 16, 2  # as in helpers/mirrored_one_replica.py
@@ -16,7 +16,7 @@ N, B, EPOCHS = 96, 16, 2  # as in helpers/mirrored_one_replica.py
 def _run(mode):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(
+    proc = warm_python.run(
         [sys.executable, os.path.join(HERE, "helpers", "mirrored_one_replica.py"), mode],
         capture_output=True, text=True, timeout=600, env=env)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("REPORT ")]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -23,6 +22,7 @@ import pytest
 import tensorflow as tf
 
 from tf_dp.dp_query import native, noise
+from tests.helpers import warm_python
 
 ULP = 2.0**-24
 
@@ -254,7 +254,7 @@ def test_without_a_compiler_the_tensorflow_ops_are_used(tmp_path):
     env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"),
                TF_DP_NATIVE_CACHE=str(tmp_path / "cache"), TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_DP_NATIVE", None)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+    out = warm_python.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "unavailable: no C++ compiler" in out.stdout

@@ -9,10 +9,10 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
+from tests.helpers import warm_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,7 +29,7 @@ def _load(relpath):
 def _run_json(code, timeout=240):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                TF_CPP_MIN_LOG_LEVEL="3")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+    out = warm_python.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          env=env, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

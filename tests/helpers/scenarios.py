@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+from tests.helpers import warm_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,7 +29,7 @@ def run_scenarios(prelude: str, scenarios: dict, timeout: float = 600) -> dict:
     """``{name: {"ok": bool, "out": printed text (and the traceback)}}`` of each scenario, run
     after ``prelude`` in one subprocess; fails (AssertionError) if the process dies."""
     code = prelude + "\nSCENARIOS = " + repr(scenarios) + "\n" + _RUNNER
-    proc = subprocess.run(
+    proc = warm_python.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
         env={**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )
