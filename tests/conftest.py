@@ -13,21 +13,10 @@ README's test command runs all three. A test file not listed below is ``integrat
 from __future__ import annotations
 
 import gc
-import os
 import pathlib
 import sys
 
 import pytest
-
-# Under pytest-xdist, TensorFlow's thread pools sized to this worker's share of the cores (two
-# workers on two cores: one thread each), unless set already. Every worker otherwise starts pools
-# as large as the machine, and the workers' threads compete for the same cores (about 6% more
-# CPU time for the same tests on 2 cores). Processes the tests start inherit it;
-# tests/test_seeded_runs.py gives its own processes TensorFlow's defaults back.
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    _THREADS = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
-    os.environ.setdefault("TF_NUM_INTRAOP_THREADS", _THREADS)
-    os.environ.setdefault("TF_NUM_INTEROP_THREADS", _THREADS)
 
 UNIT = {
     "test_accounting_gdp",

@@ -20,8 +20,6 @@ def _run_twice():
     """Runs ``helpers/seeded_fit.py`` in two processes at once: their output lines by tag."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    for name in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):  # TensorFlow's default
-        env.pop(name, None)  # thread pools (tests/conftest.py may set one thread per worker)
     script = os.path.join(HERE, "helpers", "seeded_fit.py")
     procs = [subprocess.Popen([sys.executable, script], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
