@@ -1,10 +1,10 @@
 """Issue 35: the conformance harness (tf_dp.keras.conformance.check_model, bench/conformance.py).
 
 Default run: one case per architecture family at its smallest config (a Keras layer model, a
-keras-hub encoder classifier, a keras-hub decoder with LoRA, and the families below), run one after
-the other in a subprocess (``run_isolated_together``: a crash fails the case it happened in, and
-the cases after it run in a new process). The reference inside check_model is a per-example GradientTape loop (clip,
-sum, divide), independent of the DP step; the step count comes from a callback, not the ledger.
+keras-hub encoder classifier, a keras-hub decoder with LoRA, and the families below), run one
+after the other in a subprocess (``run_isolated_together``: a crash fails the case it happened in,
+and the cases after it run in a new process). The reference inside check_model is a per-example
+GradientTape loop (clip, sum, divide), independent of the DP step; the step count comes from a callback, not the ledger.
 The full sweep: ``pytest tests/test_conformance.py --conformance-full`` (hours on 2 cores) or
 ``python -m bench.conformance --out docs/coverage.md``.
 """

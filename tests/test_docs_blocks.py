@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 import pytest
+
 from tests.helpers import warm_python
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

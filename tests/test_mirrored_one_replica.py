@@ -7,6 +7,7 @@ before TensorFlow starts."""
 import json
 import os
 import sys
+
 from tests.helpers import warm_python
 
 HERE = os.path.dirname(os.path.abspath(__file__))

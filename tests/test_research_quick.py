@@ -12,6 +12,7 @@ import os
 import sys
 
 import pytest
+
 from tests.helpers import warm_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

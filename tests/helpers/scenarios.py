@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+
 from tests.helpers import warm_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -46,13 +46,14 @@ _server_env: dict | None = None
 _lock = threading.Lock()
 
 
-def _import_time_changes(env: dict) -> bool:
-    keys = set(env) | set(_server_env or os.environ)
-    base = _server_env or os.environ
-    return any(k.startswith(IMPORT_TIME) and env.get(k) != base.get(k) for k in keys)
+def _import_time_changes(env: dict, server_env: dict) -> bool:
+    """Whether ``env`` differs from the server's in a variable read at import time."""
+    return any(k.startswith(IMPORT_TIME) and env.get(k) != server_env.get(k)
+               for k in set(env) | set(server_env))
 
 
-def _start() -> subprocess.Popen:
+def _start() -> dict:
+    """Starts the server unless it runs; returns its environment."""
     global _server, _server_env
     if _server is None or _server.poll() is not None:
         _server_env = dict(os.environ)
@@ -61,7 +62,7 @@ def _start() -> subprocess.Popen:
             [sys.executable, os.path.abspath(__file__), "--serve"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=_server_env, text=True)
         atexit.register(_server.kill)
-    return _server
+    return _server_env
 
 
 def run(args, *, env=None, cwd=None, timeout=None, capture_output=True, text=True, check=False,
@@ -72,17 +73,11 @@ def run(args, *, env=None, cwd=None, timeout=None, capture_output=True, text=Tru
     env = dict(os.environ if env is None else env)
     warm = (capture_output and text and not kwargs and args[0] == sys.executable
             and len(args) > 1 and (args[1] in ("-c", "-m") or not args[1].startswith("-")))
-    if warm:
-        with _lock:
-            warm = not _import_time_changes(env) if _server_env is not None else True
-    if not warm:
-        return subprocess.run(args, env=env, cwd=cwd, timeout=timeout,
-                              capture_output=capture_output, text=text, check=check, **kwargs)
     with _lock, tempfile.TemporaryDirectory(prefix="warm_python_") as tmp:
-        server = _start()
-        if _import_time_changes(env):  # the server's environment is now known
-            return subprocess.run(args, env=env, cwd=cwd, timeout=timeout, capture_output=True,
-                                  text=True, check=check)
+        if not warm or _import_time_changes(env, _start()):
+            return subprocess.run(args, env=env, cwd=cwd, timeout=timeout,
+                                  capture_output=capture_output, text=text, check=check, **kwargs)
+        server = _server
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         request = {"argv": args[1:], "env": env, "cwd": os.path.abspath(cwd or os.getcwd()),
                    "timeout": timeout, "stdout": out, "stderr": err}
