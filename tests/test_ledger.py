@@ -209,6 +209,27 @@ def test_clip_variable_set_to_bad_value_fails_before_recording():
     assert [e.queries[0].l2_sensitivity for e in ledger.samples()] == [1.0, 0.5]
 
 
+def test_a_graph_step_names_the_first_bad_value_among_several_sum_queries():
+    clip, noise = tf.Variable(1.0), tf.Variable(1.0)
+    ledger = tf_dp.PrivacyLedger()
+    query = tf_dp.QueryWithLedger(tf_dp.NestedQuery([
+        tf_dp.GaussianSumQuery(1.0, 1.0, seed=1), tf_dp.GaussianSumQuery(clip, noise, seed=2)]),
+        ledger)
+    fn = tf.function(lambda: run_step(query, [tf.zeros([2])] * 2, [[tf.ones([2])] * 2])[0])
+    fn()
+    for variable, bad, match in [
+        (noise, float("nan"), r"sum query 1: noise_stddev must be a finite number >= 0, got nan"),
+        (noise, -2.0, r"sum query 1: noise_stddev must be a finite number >= 0, got -2"),
+        (clip, float("inf"), r"sum query 1: l2_sensitivity \(the clip\) must be .*, got inf"),
+    ]:
+        variable.assign(bad)
+        with pytest.raises(tf.errors.InvalidArgumentError, match=match):
+            fn()
+        variable.assign(1.0)
+    fn()
+    assert ledger.num_samples == 2  # the failed steps recorded nothing
+
+
 def test_constructor_type_checks():
     with pytest.raises(TypeError, match="query"):
         tf_dp.QueryWithLedger("gaussian")

@@ -268,23 +268,14 @@ class _Buffer(tf.Module):
         cannot be recorded; outside XLA such a step fails before it appends)."""
         if _fixed_shape_context():
             return self._stage(row, keep)
-        if not tf.executing_eagerly():
-            self._merge_staged()
-        index = self.count.read_value()
-        # the shape alone: a read of the table would make the in-place update below copy it
-        capacity = _shape_rows(self.data)
-
-        def grow():
-            self.data.assign(tf.concat([self.data, tf.zeros_like(self.data)], axis=0))
-            return tf.constant(0)
-
         if tf.executing_eagerly():
             self.flush()
             index = self.count.read_value()
-            if int(index) >= int(capacity):
-                grow()
+            if int(index) >= int(_shape_rows(self.data)):
+                self.data.assign(tf.concat([self.data, tf.zeros_like(self.data)], axis=0))
         else:
-            tf.cond(index >= capacity, grow, lambda: tf.constant(0))
+            self._make_room()
+            index = self.count.read_value()
         self.data.scatter_nd_update(tf.reshape(index, [1, 1]), tf.reshape(row, [1, -1]))
         self.count.assign_add(1)
         return index
@@ -310,26 +301,29 @@ class _Buffer(tf.Module):
         self.overflow.assign_add(tf.where(room | ~wanted, tf.constant(0, tf.int64), 1))
         return self.count.read_value() + k
 
-    def _merge_staged(self) -> None:
-        """In a (non-XLA) graph: moves staged rows to ``data`` before a direct append."""
+    def _make_room(self) -> None:
+        """In a (non-XLA) graph, before a direct append: moves staged rows (recorded by compiled
+        steps) to ``data`` and makes room for one more row (the table doubles when full). One
+        conditional for both: each costs the step's trace and every run of the step."""
         k = self.staged_count.read_value()
+        n = self.count.read_value()
+        # the shape alone: a read of the table would make the in-place update of append copy it
+        capacity = _shape_rows(self.data)
 
-        def merge():
-            n = self.count.read_value()
-            rows = self.staged[:k]
-            needed = n + k
-            capacity = _shape_rows(self.data)
-            new_cap = tf.maximum(capacity, needed) * 2
+        def rebuild():
+            needed = n + k + 1  # the rows kept and the row about to be appended
+            new_cap = tf.where(needed > capacity, tf.maximum(capacity, needed) * 2, capacity)
+            cols = tf.shape(self.staged)[1]
             padded = tf.concat(
-                [self.data[:n], rows, tf.zeros([new_cap - needed, tf.shape(rows)[1]], tf.float64)],
+                [self.data[:n], self.staged[:k], tf.zeros([new_cap - n - k, cols], tf.float64)],
                 axis=0,
             )
             self.data.assign(padded)
-            self.count.assign(needed)
+            self.count.assign(n + k)
             self.staged_count.assign(0)
             return tf.constant(0)
 
-        tf.cond(k > 0, merge, lambda: tf.constant(0))
+        tf.cond(tf.logical_or(k > 0, n >= capacity), rebuild, lambda: tf.constant(0))
 
     def flush(self) -> None:
         """Eagerly moves staged rows to ``data``; raises if rows were dropped for lack of room."""

@@ -586,13 +586,30 @@ def _where(keep: tf.Tensor, t: Any) -> Any:
     return tf.where(keep, t, tf.zeros_like(t))
 
 
+def _ok(t: tf.Tensor) -> tf.Tensor:
+    return tf.logical_and(tf.math.is_finite(t), t >= 0)
+
+
+def _first_bad_or_any(t: tf.Tensor) -> tf.Tensor:
+    """A scalar of ``t``: its first element that is not a finite number >= 0, if any."""
+    if t.shape.rank == 0:
+        return t
+    flat = tf.reshape(t, [-1])
+    return tf.gather(flat, tf.argmin(tf.cast(_ok(flat), tf.int32)))
+
+
 def _check_specs(specs: list[SumQuerySpec]) -> list[Any]:
     """Checks the run-time clip and noise values (a tensor clip may have been set to a bad value).
 
-    Eagerly: raises ValueError naming the value. In a graph: returns assertion ops that fail the
-    step (``InvalidArgumentError``) before anything is recorded.
+    Eagerly: raises ValueError naming the value. In a graph: returns one assertion op that fails
+    the step (``InvalidArgumentError`` naming the first bad value) before anything is recorded;
+    its data are strings, so TensorFlow adds no ``tf.cond`` guard for it. Under XLA: nothing
+    (an assertion does not stop a compiled step; :meth:`QueryWithLedger.has_room` masks it).
     """
-    ops: list[Any] = []
+    if in_xla_context():
+        return []  # no assertion stops a compiled step: has_room() withholds its release
+    labels: list[str] = []
+    values: list[Any] = []
     for i, spec in enumerate(specs):
         for name, value in (
             ("l2_sensitivity (the clip)", spec.l2_sensitivity),
@@ -604,7 +621,13 @@ def _check_specs(specs: list[SumQuerySpec]) -> list[Any]:
                 if not (v >= 0 and v != float("inf")):
                     raise ValueError(f"{label}, got {v} at run time")
             else:
-                t = tf.cast(value, tf.float32)
-                ops.append(tf.debugging.assert_all_finite(t, label))
-                ops.append(tf.debugging.assert_non_negative(t, label))
-    return ops
+                labels.append(label)
+                values.append(_first_bad_or_any(tf.cast(value, tf.float32)))
+    if not values:
+        return []
+    values = tf.stack(values)
+    good = _ok(values)
+    first_bad = tf.argmin(tf.cast(good, tf.int32))  # the first False (any index if all are good)
+    message = tf.strings.join([tf.gather(tf.constant(labels), first_bad), ", got ",
+                               tf.strings.as_string(tf.gather(values, first_bad))])
+    return [tf.debugging.Assert(tf.reduce_all(good), [message])]
