@@ -586,18 +586,6 @@ def _where(keep: tf.Tensor, t: Any) -> Any:
     return tf.where(keep, t, tf.zeros_like(t))
 
 
-def _ok(t: tf.Tensor) -> tf.Tensor:
-    return tf.logical_and(tf.math.is_finite(t), t >= 0)
-
-
-def _first_bad_or_any(t: tf.Tensor) -> tf.Tensor:
-    """A scalar of ``t``: its first element that is not a finite number >= 0, if any."""
-    if t.shape.rank == 0:
-        return t
-    flat = tf.reshape(t, [-1])
-    return tf.gather(flat, tf.argmin(tf.cast(_ok(flat), tf.int32)))
-
-
 def _check_specs(specs: list[SumQuerySpec]) -> list[Any]:
     """Checks the run-time clip and noise values (a tensor clip may have been set to a bad value).
 
@@ -622,11 +610,11 @@ def _check_specs(specs: list[SumQuerySpec]) -> list[Any]:
                     raise ValueError(f"{label}, got {v} at run time")
             else:
                 labels.append(label)
-                values.append(_first_bad_or_any(tf.cast(value, tf.float32)))
+                values.append(tf.reshape(tf.cast(value, tf.float32), []))  # a scalar per value
     if not values:
         return []
     values = tf.stack(values)
-    good = _ok(values)
+    good = tf.logical_and(tf.math.is_finite(values), values >= 0)
     first_bad = tf.argmin(tf.cast(good, tf.int32))  # the first False (any index if all are good)
     message = tf.strings.join([tf.gather(tf.constant(labels), first_bad), ", got ",
                                tf.strings.as_string(tf.gather(values, first_bad))])
