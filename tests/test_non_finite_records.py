@@ -12,7 +12,9 @@ import tensorflow as tf
 
 import tf_dp
 from tf_dp.gradients import MicrobatchClipper, make_clipper
+from tf_dp.dp_query import GaussianSumQuery
 from tf_dp.gradients.jl import JLClipper
+from tf_dp.keras import PerExampleLoss
 from tests.test_gradients_exact import (
     HUGE_CLIP,
     assert_close_list,
@@ -126,3 +128,45 @@ def test_weighted_sum_selects_rows_out_instead_of_multiplying_by_zero():
     g = tf.constant([[1.0, 2.0], [np.nan, np.inf], [3.0, 4.0]])
     out = weighted_sum(tf.constant([0.5, 0.0, 1.0]), g).numpy()
     np.testing.assert_allclose(out, [3.5, 5.0])
+
+
+@pytest.mark.parametrize("value", sorted(BAD))
+def test_guarded_sums_equal_the_selected_sums_bit_for_bit(value):
+    """The fast sums (no selection) are taken only when finite; a weight-0 row holding NaN or inf
+    makes them NaN, and the guard then returns the selected sums, exactly."""
+    from tf_dp.gradients.base import guarded_sums, weighted_sum
+
+    rng = np.random.default_rng(0)
+    grads = [tf.constant(rng.normal(size=(6,) + s), tf.float32) for s in [(3,), (2, 4), (5,)]]
+    w = tf.constant([0.5, 0.0, 1.0, 0.25, 0.0, 0.75])
+    clean = guarded_sums(lambda select: [weighted_sum(w, g, select) for g in grads])
+    for got, g in zip(clean, grads):  # no bad row: the plain weighted sum
+        np.testing.assert_array_equal(got.numpy(), tf.tensordot(w, g, axes=1).numpy())
+    bad = [tf.tensor_scatter_nd_update(g, [[1]], tf.fill([1] + g.shape[1:], BAD[value]))
+           for g in grads]
+    assert not np.all(np.isfinite(weighted_sum(w, bad[0], select=False).numpy()))
+
+    @tf.function
+    def graph(ws):
+        return guarded_sums(lambda select: [weighted_sum(ws, g, select) for g in bad])
+
+    for got in [guarded_sums(lambda select: [weighted_sum(w, g, select) for g in bad]), graph(w)]:
+        for got_v, g in zip(got, grads):
+            np.testing.assert_array_equal(got_v.numpy(), tf.tensordot(w, g, axes=1).numpy())
+
+
+def test_a_ghost_step_has_one_conditional_for_all_its_sums():
+    """The selection of weight-0 rows is one conditional per step, not one per variable."""
+    model = compiled(sequential_model())
+    x, y = data(batch=8, shape=tuple(model.inputs[0].shape[1:]))
+    clipper = make_clipper("ghost", model=model)
+    query = GaussianSumQuery(1.0, 0.0)
+    params = query.derive_sample_params(query.initial_global_state())
+    loss_fn = PerExampleLoss(model)
+
+    fn = tf.function(lambda xb, yb: clipper.clipped_sum(
+        loss_fn, (xb, yb, None), model.trainable_variables, query, params).clipped_sum)
+    graph = fn.get_concrete_function(tf.constant(x), tf.constant(y)).graph
+    conds = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
+    assert len(model.trainable_variables) >= 4
+    assert len(conds) == 1, [op.name for op in conds]

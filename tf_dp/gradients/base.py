@@ -22,7 +22,8 @@ Non-finite records. Clipping bounds a record only if its gradient is finite: ``m
 of a NaN gradient is NaN, and ``0 * NaN`` is NaN, so one NaN or inf in one example would make the
 whole sum (and every weight after the update) NaN. Every clipper therefore gives a record whose
 per-example loss or gradient norm is not finite clip weight 0 (:func:`record_weights`) and
-*removes* it from the sum by selection, never by multiplying it by 0 (:func:`weighted_sum`).
+*removes* it from the sum by selection, never by multiplying it by 0 (:func:`weighted_sum`,
+:func:`guarded_sums`).
 Clippers whose sum goes through a backward pass shared by several records (a microbatch, JL's
 weighted backward pass) re-run that pass with the bad records replaced by copies of a kept record
 of weight 0 (:func:`fill_rows`): NaN activations of one record would otherwise reach every
@@ -81,33 +82,45 @@ def squared_norms_of(per_example_grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     return out
 
 
-def weighted_sum(weights: tf.Tensor, per_example_grads: tf.Tensor) -> tf.Tensor:
+def weighted_sum(weights: tf.Tensor, per_example_grads: tf.Tensor, select: bool = True) -> tf.Tensor:
     """``sum_i w_i g_i`` for ``g`` of shape ``[B, ...]``, where records of weight 0 add exactly 0.
 
     A record of weight 0 may have a NaN or inf gradient (see :func:`record_weights`); ``0 * NaN``
-    is NaN, so such rows are selected out (``tf.where``), not multiplied by 0. The selection runs
-    only in steps that have a zero weight.
+    is NaN, so such rows are selected out (``tf.where``), not multiplied by 0. ``select=False``
+    skips the selection: the fast half of :func:`guarded_sums`, which checks the result.
     """
     w = tf.cast(weights, per_example_grads.dtype)
-    return tf.tensordot(w, zero_rows(tf.not_equal(w, 0), per_example_grads), axes=1)
+    g = zero_rows(tf.not_equal(w, 0), per_example_grads) if select else per_example_grads
+    return tf.tensordot(w, g, axes=1)
 
 
 def zero_rows(keep: tf.Tensor, t: Any) -> Any:
     """``t`` (a ``[B, ...]`` tensor or a list of them) with the rows where ``keep`` (``[B]``
-    bool) is False set to exactly 0. Skips the selection (a conditional) when every row is kept.
-    """
+    bool) is False set to exactly 0."""
     ts = list(t) if isinstance(t, (list, tuple)) else [t]
-
-    def select():
-        out = []
-        for x in ts:
-            shape = tf.concat([tf.shape(keep), tf.ones([tf.rank(x) - 1], tf.int32)], 0)
-            out.append(tf.where(tf.reshape(keep, shape), x, tf.zeros_like(x)))
-        return out
-
-    out = tf.cond(tf.reduce_all(keep), lambda: [tf.identity(x) for x in ts], select)
-    out = [tf.ensure_shape(o, x.shape) for o, x in zip(out, ts)]
+    out = []
+    for x in ts:
+        shape = tf.concat([tf.shape(keep), tf.ones([tf.rank(x) - 1], tf.int32)], 0)
+        out.append(tf.where(tf.reshape(keep, shape), x, tf.zeros_like(x)))
     return out if isinstance(t, (list, tuple)) else out[0]
+
+
+def guarded_sums(sums: Callable[[bool], list]) -> list:
+    """Every variable's weighted sum, with one conditional per step instead of one per variable.
+
+    ``sums(select)`` returns the list of dense weighted sums, with (``select=True``) or without
+    the selection of weight-0 rows (:func:`zero_rows`). The sums are computed without it first.
+    A weight-0 row adds ``0 * x`` to them, which is exactly 0 when ``x`` is finite and NaN when
+    it is not (a kept row is finite: :func:`record_weights`), so if every sum is finite they equal
+    the selected sums, the same products in the same order; only if one is not (a step with a
+    non-finite record, or an overflow) are they recomputed with the selection.
+    """
+    fast = sums(False)
+    if not fast:
+        return fast
+    total = tf.add_n([tf.reduce_sum(tf.cast(x, tf.float32)) for x in fast])
+    return tf.cond(tf.math.is_finite(total), lambda: [tf.identity(x) for x in fast],
+                   lambda: sums(True))
 
 
 def finite_records(squared_norms: Any, losses: Any = None) -> tf.Tensor:

@@ -853,7 +853,7 @@ class GhostClipper(base.GradientClipper):
                 continue
             if not factors:  # the variable took no part in this forward pass
                 squared.append(tf.zeros([batch], tf.float32))
-                summers.append(lambda w, shape=shape: tf.zeros(shape, tf.float32))
+                summers.append(lambda w, select, shape=shape: tf.zeros(shape, tf.float32))
                 continue
             sq, summer = F.squared_norm_and_sum(F.group(F.combine(factors, shape), k), shape)
             squared.append(sq)
@@ -862,9 +862,15 @@ class GhostClipper(base.GradientClipper):
         group_losses = losses if k == 1 else tf.reshape(losses, [-1, k])
         weights, _ = base.record_weights(query, params, squared, group_losses)
         weights = tf.nest.flatten(weights)
-        clipped = [
-            tf.cast(summer(w), v.dtype) for summer, w, v in zip(summers, weights, variables)
-        ]
+        dense = [i for i, v in enumerate(variables) if _key(v) not in self.sparse_keys]
+        dense_sums = base.guarded_sums(lambda select: [
+            tf.cast(summers[i](weights[i], select), variables[i].dtype) for i in dense])
+        clipped = [None] * len(variables)
+        for i, total in zip(dense, dense_sums):
+            clipped[i] = total
+        for i in range(len(variables)):  # sparse tables: tf.IndexedSlices, selected in place
+            if clipped[i] is None:
+                clipped[i] = summers[i](weights[i], True)
         real = base.real_records(sw, base.batch_size_of(x))
         if k > 1:
             real = tf.reduce_any(tf.reshape(real, [-1, k]), axis=1)
@@ -891,7 +897,7 @@ def _sparse_rows(v, factors, shape, group_size, batch):
         d = int(shape[1])
         empty = tf.IndexedSlices(tf.zeros([0, d]), tf.zeros([0], tf.int64),
                                  tf.constant(shape, tf.int64))
-        return tf.zeros([batch], tf.float32), lambda w: empty
+        return tf.zeros([batch], tf.float32), lambda w, select: empty
     f = F.combine(factors, shape)
     if not isinstance(f, F.Rows):
         raise ValueError(
@@ -900,7 +906,7 @@ def _sparse_rows(v, factors, shape, group_size, batch):
             "row rule): leave it out of SparseEmbeddingConfig(layers=...)")
     sq, _ = F.squared_norm_and_sum(f, shape)
 
-    def summer(w):
+    def summer(w, select):  # always selects (IndexedSlices stay out of base.guarded_sums)
         w = tf.cast(w, f.g.dtype)
         g = tf.where(tf.not_equal(w, 0)[:, None, None], f.g, 0.0) * w[:, None, None]
         return tf.IndexedSlices(tf.reshape(g, [-1, int(shape[1])]), tf.reshape(f.ids, [-1]),

@@ -244,43 +244,44 @@ def squared_norm_and_sum(f, variable_shape):
     """``(squared norms [B], weighted_sum_fn)`` for one variable's combined factor.
 
     The caller first collects every variable's squared norms, asks the query for clip weights,
-    then calls ``weighted_sum_fn(w)`` for ``sum_b w_b grad_b`` (book-keeping: no second backward).
+    then calls ``weighted_sum_fn(w, select)`` for ``sum_b w_b grad_b`` (book-keeping: no second
+    backward); ``select`` as in :func:`tf_dp.gradients.base.weighted_sum`.
     """
     if isinstance(f, PerExample):
         grads = f.grads
         sq = tf.reduce_sum(tf.reshape(tf.square(grads), [tf.shape(grads)[0], -1]), axis=1)
-        return sq, lambda w: tf.reshape(weighted_sum(w, grads), variable_shape)
+        return sq, lambda w, select: tf.reshape(weighted_sum(w, grads, select), variable_shape)
     if isinstance(f, Outer):
         a, g = f.a, f.g
         if a.shape[1] == 1:
             sq = tf.reduce_sum(tf.square(a[:, 0]), -1) * tf.reduce_sum(tf.square(g[:, 0]), -1)
-            return sq, lambda w: _outer_weighted(f, w, variable_shape)
+            return sq, lambda w, select: _outer_weighted(f, w, variable_shape, select)
         if _use_ghost(f):
             aa = tf.matmul(a, a, transpose_b=True)
             gg = tf.matmul(g, g, transpose_b=True)
             sq = tf.reduce_sum(aa * gg, axis=[1, 2])
-            return sq, lambda w: _outer_weighted(f, w, variable_shape)
+            return sq, lambda w, select: _outer_weighted(f, w, variable_shape, select)
         m = _per_example_dc(f)  # [B, D, C]
         sq = tf.reduce_sum(tf.square(m), axis=[1, 2])
-        return sq, lambda w: _to_variable(
-            tf.transpose(weighted_sum(w, m)), f, variable_shape, batched=False
+        return sq, lambda w, select: _to_variable(
+            tf.transpose(weighted_sum(w, m, select)), f, variable_shape, batched=False
         )
     if isinstance(f, Rows):
-        return _rows_sq(f), lambda w: _rows_weighted(f, w, variable_shape)
+        return _rows_sq(f), lambda w, select: _rows_weighted(f, w, variable_shape, select)
     if isinstance(f, RowsPlus):
         sq_r, sum_r = squared_norm_and_sum(f.rows, variable_shape)
         sq_m, sum_m = squared_norm_and_sum(f.dense, variable_shape)
         # exact up to rounding; rounding must not make a squared norm negative
         sq = tf.maximum(sq_r + sq_m + 2.0 * _rows_inner(f.rows, f.dense, variable_shape), 0.0)
-        return sq, lambda w: sum_r(w) + sum_m(w)
+        return sq, lambda w, select: sum_r(w, select) + sum_m(w, select)
     raise TypeError(f"a norm rule returned {type(f).__name__}; expected Outer, Rows or PerExample")
 
 
-def _outer_weighted(f: Outer, w: tf.Tensor, variable_shape) -> tf.Tensor:
+def _outer_weighted(f: Outer, w: tf.Tensor, variable_shape, select: bool = True) -> tf.Tensor:
     w = tf.cast(w, f.g.dtype)
     # records of weight 0 may hold NaN or inf (non-finite records): select them out of both
-    # factors, since 0 * NaN is NaN
-    a, g = zero_rows(tf.not_equal(w, 0), [f.a, f.g])
+    # factors, since 0 * NaN is NaN (select=False: base.guarded_sums checks the result instead)
+    a, g = zero_rows(tf.not_equal(w, 0), [f.a, f.g]) if select else (f.a, f.g)
     if g.shape[2] is not None and a.shape[2] is not None and a.shape[2] < g.shape[2]:
         a = a * w[:, None, None]
     else:
@@ -306,9 +307,9 @@ def _rows_sq(f: Rows) -> tf.Tensor:
     return tf.math.unsorted_segment_sum(per_row, uniq // tf.cast(f.num_rows, tf.int64), batch)
 
 
-def _rows_weighted(f: Rows, w: tf.Tensor, variable_shape) -> tf.Tensor:
+def _rows_weighted(f: Rows, w: tf.Tensor, variable_shape, select: bool = True) -> tf.Tensor:
     w = tf.cast(w, f.g.dtype)
-    g = zero_rows(tf.not_equal(w, 0), f.g) * w[:, None, None]
+    g = (zero_rows(tf.not_equal(w, 0), f.g) if select else f.g) * w[:, None, None]
     d = tf.shape(g)[2]
     out = tf.math.unsorted_segment_sum(
         tf.reshape(g, [-1, d]), tf.reshape(f.ids, [-1]), tf.cast(f.num_rows, tf.int64)
