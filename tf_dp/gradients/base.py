@@ -82,7 +82,9 @@ def squared_norms_of(per_example_grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     return out
 
 
-def weighted_sum(weights: tf.Tensor, per_example_grads: tf.Tensor, select: bool = True) -> tf.Tensor:
+def weighted_sum(
+    weights: tf.Tensor, per_example_grads: tf.Tensor, select: bool = True
+) -> tf.Tensor:
     """``sum_i w_i g_i`` for ``g`` of shape ``[B, ...]``, where records of weight 0 add exactly 0.
 
     A record of weight 0 may have a NaN or inf gradient (see :func:`record_weights`); ``0 * NaN``
