@@ -222,19 +222,26 @@ def test_every_mode_gives_the_same_sample_state_as_the_slow_reference(mode):
         groups = [list(np.flatnonzero(ids == j)) for j in range(4)]
         real = sum(1 for g in groups if any(sw[i] != 0 for i in g))
     else:
-        options = {"jl_projections": JL_PROJECTIONS} if mode == "jl" else {}
+        options = {"jl_projections": JL_PROJECTIONS, "seed": 3} if mode == "jl" else {}
         strategy = make_clipper(mode, model=model, **options)
+    data = (tf.constant(x), tf.constant(y), tf.constant(sw))
     norms = _reference(model, x, y, 1.0, sw, groups)[2]
-    clip = float(np.median(norms)) * 1.01  # binds for some records, not for others
+    clip_from = norms
+    if mode == "jl":  # JL clips by its estimated norms: a twin (same seed, same directions)
+        twin = make_clipper(mode, model=model, **options)
+        q0 = tf_dp.QueryWithLedger(_query(initial_l2_norm_clip=1.0))
+        p0 = q0.derive_sample_params(q0.initial_global_state())
+        est = twin.clipped_sum(PerExampleLoss(model), data, model.trainable_variables, q0, p0)
+        clip_from = np.asarray(est.norms, np.float64)[np.flatnonzero(sw)]
+    clip = float(np.median(clip_from)) * 1.01  # binds for some records, not for others
     q = tf_dp.QueryWithLedger(_query(initial_l2_norm_clip=clip))
     params = q.derive_sample_params(q.initial_global_state())
-    out = strategy.clipped_sum(PerExampleLoss(model), (tf.constant(x), tf.constant(y),
-                                                       tf.constant(sw)),
-                               model.trainable_variables, q, params)
+    out = strategy.clipped_sum(PerExampleLoss(model), data, model.trainable_variables, q, params)
     state = q.accumulate_norms(params, out.clipped_sum, out.norms, out.record_mask)
     estimated = None
     if mode == "jl":  # JL clips by estimated norms: the reference clips each record by its own
         estimated = np.asarray(out.norms, np.float64)
+        np.testing.assert_array_equal(estimated[np.flatnonzero(sw)], clip_from)  # the twin's
         # ||g||^2 estimated from r projections is ||g||^2 chi2_r / r: within its 1e-6 quantiles
         lo, hi = (stats.chi2.ppf(p, JL_PROJECTIONS) / JL_PROJECTIONS for p in (1e-6, 1 - 1e-6))
         real_rows = np.flatnonzero(sw)
