@@ -18,7 +18,6 @@ import nbformat
 import pytest
 
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TUTORIALS = os.path.join(ROOT, "tutorials")
 DEBIAN_FASHION_MNIST = "/usr/share/datasets/fashion-mnist"

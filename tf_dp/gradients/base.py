@@ -128,6 +128,14 @@ def guarded_sums(sums: Callable[[bool], list]) -> list:
                    lambda: sums(True))
 
 
+def weighted_sums(weights: Any, per_example_grads: Sequence[tf.Tensor]) -> list:
+    """:func:`weighted_sum` of each variable's stacked per-record gradients ``[B, ...]`` with
+    its leaf of ``weights``, under one :func:`guarded_sums` conditional."""
+    ws = tf.nest.flatten(weights)
+    return guarded_sums(
+        lambda select: [weighted_sum(w, g, select) for w, g in zip(ws, per_example_grads)])
+
+
 def finite_records(squared_norms: Any, losses: Any = None) -> tf.Tensor:
     """``[B]`` bool: records whose squared norm (every leaf) and loss (if given) are finite.
 

@@ -194,8 +194,7 @@ class MicrobatchClipper(base.GradientClipper):
         )
         sq = base.squared_norms_of(per_mb)
         weights, _ = base.record_weights(query, params, sq, keep=tf.greater(counts, 0))
-        clipped = base.guarded_sums(lambda select: [
-            base.weighted_sum(w, g, select) for w, g in zip(tf.nest.flatten(weights), per_mb)])
+        clipped = base.weighted_sums(weights, per_mb)
         multiplier = 2.0
         return base.ClippedGradients(
             clipped_sum=clipped,

@@ -188,8 +188,7 @@ class _Slots(_Clipper):
         per_user = [_group_sum(g, k) for g in per_example]
         sq = base.squared_norms_of(per_user)
         weights, _ = base.record_weights(query, params, sq, tf.reshape(losses, [-1, k]))
-        clipped = base.guarded_sums(lambda select: [
-            base.weighted_sum(w, g, select) for w, g in zip(tf.nest.flatten(weights), per_user)])
+        clipped = base.weighted_sums(weights, per_user)
         real = tf.reduce_any(tf.reshape(base.real_records(sw, b), [-1, k]), axis=1)
         return base.ClippedGradients(
             clipped_sum=clipped, norms=base.global_norms(sq), num_records=b // k,
@@ -221,8 +220,7 @@ class _Slots(_Clipper):
         sq = base.squared_norms_of(per_user)
         real = tf.reduce_any(tf.not_equal(tf.reshape(weight, [-1, k]), 0), axis=1)
         weights, _ = base.record_weights(query, params, sq, losses, keep=real)
-        clipped = base.guarded_sums(lambda select: [
-            base.weighted_sum(w, g, select) for w, g in zip(tf.nest.flatten(weights), per_user)])
+        clipped = base.weighted_sums(weights, per_user)
         return base.ClippedGradients(
             clipped_sum=clipped, norms=base.global_norms(sq), num_records=b // k,
             record_mask=real, y_pred=_unslot(y_pred), losses=_unslot(losses),

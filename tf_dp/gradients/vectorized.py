@@ -340,8 +340,7 @@ class VectorizedClipper(base.GradientClipper):
         # padding examples of a chunk contribute nothing; nor do non-finite records
         keep = None if real is None else tf.greater(real, 0)
         weights, _ = base.record_weights(query, params, sq, losses, keep)
-        clipped = base.guarded_sums(lambda select: [
-            base.weighted_sum(w, g, select) for w, g in zip(tf.nest.flatten(weights), per_example)])
+        clipped = base.weighted_sums(weights, per_example)
         return clipped, sq
 
     def clipped_sum(self, loss_fn, data, variables, query, params) -> base.ClippedGradients:
