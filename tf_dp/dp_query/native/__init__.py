@@ -17,10 +17,12 @@ tail bound (:data:`tf_dp.dp_query.noise.TAIL_BOUND`) and the absence of exact ze
 and the tests check every angle cell and the extreme words. ``TfDpExtractPatches``
 (``patches_op.cc``) is ``tf.image.extract_patches`` for ``[B, H, W, C]`` inputs as one copy pass,
 the same values bit for bit; the ghost convolution rule unfolds its inputs with it outside XLA
-(:func:`extract_patches_op`).
+(:func:`extract_patches_op`). ``TfDpConvKernelGrads`` (``conv_grads_op.cc``) gives a 2-D
+convolution kernel's per-example gradients without writing the patches to memory; the rule
+uses it outside XLA where it materialises per-example gradients (:func:`conv_kernel_grads_op`).
 
-The ops are compiled from ``gaussian_noise_op.cc`` and ``patches_op.cc`` (shipped with the
-package) into one library by the C++ compiler ``CXX`` (default ``g++``) the first time it is
+The ops are compiled from ``gaussian_noise_op.cc``, ``patches_op.cc`` and ``conv_grads_op.cc``
+(shipped with the package) into one library by the C++ compiler ``CXX`` (default ``g++``) the first time it is
 needed, against the installed TensorFlow's headers,
 for the CPU it runs on (``-march=native``), and cached in ``TF_DP_NATIVE_CACHE`` (default
 ``~/.cache/tf_dp/native``) under a name that hashes the source, the TensorFlow version, the
@@ -54,11 +56,12 @@ import tensorflow as tf
 __all__ = [
     "available", "status", "set_enabled", "gaussian_noise_op", "add_gaussian_noise_op",
     "chunked_gaussian_noise_op", "box_muller_op", "extract_patches_op",
+    "conv_kernel_grads_op",
 ]
 
 #: compiled together into one library
 _SOURCES = [pathlib.Path(__file__).with_name(name)
-            for name in ("gaussian_noise_op.cc", "patches_op.cc")]
+            for name in ("gaussian_noise_op.cc", "patches_op.cc", "conv_grads_op.cc")]
 _FLAGS = [
     "-std=c++17", "-shared", "-fPIC", "-O3", "-march=native",
     # IEEE float32 as written: no fused multiply-add (the values do not depend on whether the CPU
@@ -192,6 +195,7 @@ def _load() -> Any:
             tf.no_gradient("TfDpGaussianNoise")
             tf.no_gradient("TfDpBoxMuller")
             tf.no_gradient("TfDpChunkedGaussianNoise")
+            tf.no_gradient("TfDpConvKernelGrads")
             _module, _status = module, f"loaded {path}"
         except Exception as e:  # noqa: BLE001 - any failure falls back to the TF ops
             _module, _status = None, f"unavailable: {e}"
@@ -301,4 +305,30 @@ def extract_patches_op(x: Any, sizes: Any, strides: Any, rates: Any, padding: st
     c = x.shape[3]
     shape.append(None if c is None else sizes[0] * sizes[1] * c)
     out.set_shape(shape)
+    return out
+
+
+@tf.autograph.experimental.do_not_convert
+def conv_kernel_grads_op(x: Any, g: Any, sizes: Any, strides: Any, rates: Any,
+                         padding: str) -> Any:
+    """Per-example gradients ``[B, kh * kw * C, F]`` of a 2-D convolution's ``[kh, kw, C, F]``
+    kernel, from the float32 input ``x [B, H, W, C]`` and output gradient ``g [B, OH, OW, F]``
+    (channels last; strides, dilation ``rates`` and ``"SAME"``/``"VALID"`` padding as
+    ``tf.nn.conv2d`` takes them): ``sum_t patches[b, t]^T g[b, t]`` with the patches of
+    :func:`extract_patches_op`, in one op that never writes the patches
+    (``TfDpConvKernelGrads``, ``conv_grads_op.cc``). Float32 sums, equal to the patches' matrix
+    product up to rounding. Static shapes when ``x``'s and ``g``'s are static. No gradient.
+    Requires :func:`available`.
+
+    Example::
+
+        x = tf.random.normal([2, 28, 28, 1])
+        g = tf.random.normal([2, 14, 14, 16])
+        grads = conv_kernel_grads_op(x, g, (8, 8), (2, 2), (1, 1), "SAME")   # [2, 64, 16]
+    """
+    out = _required().tf_dp_conv_kernel_grads(
+        x=x, g=g, ksizes=list(sizes), strides=list(strides), rates=list(rates),
+        padding=padding.upper())
+    c, f = x.shape[3], g.shape[3]
+    out.set_shape([x.shape[0], None if c is None else sizes[0] * sizes[1] * c, f])
     return out

@@ -234,7 +234,14 @@ def _use_ghost(f: Outer) -> bool:
     larger than the factors ``a``, ``g`` themselves (peak memory; on the reference CNN's second
     convolution both routes take the same time and the Gram route saves 16 MB).
     """
-    t, c, d = f.a.shape[1], f.a.shape[2], f.g.shape[2]
+    return use_gram(f.a.shape[1], f.a.shape[2], f.g.shape[2])
+
+
+def use_gram(t: Optional[int], c: Optional[int], d: Optional[int]) -> bool:
+    """:func:`_use_ghost`'s choice for an :class:`Outer` factor of ``a [B, t, c]``,
+    ``g [B, t, d]`` (the Gram route when a size is unknown while tracing); a rule that can
+    materialise the per-example gradient more cheaply than from the factors asks it first
+    (the convolution rule)."""
     if t is None or c is None or d is None:
         return True
     return t * t * (c + d) < c * d or c * d > t * (c + d)

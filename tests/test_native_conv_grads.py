@@ -1,0 +1,139 @@
+"""The native per-example convolution kernel gradients (``TfDpConvKernelGrads``,
+tf_dp/dp_query/native/conv_grads_op.cc) used by the ghost convolution rule where it materialises
+per-example gradients: the values against a float64 product of TensorFlow's own patches over
+paddings, strides, dilations, channel and filter counts (with the forward error bound of a float32
+sum as the tolerance), its shape checks, where the rule uses it (and where not: under XLA, on the
+Gram route), and the ghost clipper's norms and clipped sums with it against a per-example
+GradientTape loop."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.test_ghost import LoopReference, check, rng
+from tf_dp.dp_query import native
+from tf_dp.gradients.ghost import conv as ghost_conv
+
+CASES = [
+    # x shape, kernel, strides, rates, padding, filters
+    ((5, 28, 28, 1), (8, 8), (2, 2), (1, 1), "SAME", 16),   # the reference CNN's first layer
+    ((4, 13, 13, 16), (4, 4), (2, 2), (1, 1), "VALID", 32),  # its second (two 16-lane blocks)
+    ((3, 10, 11, 3), (3, 2), (1, 2), (2, 1), "SAME", 5),     # K = 18: rows beyond blocks of 8
+    ((2, 9, 7, 5), (3, 3), (2, 1), (1, 2), "VALID", 17),     # F = 17: a partial 16-lane block
+    ((2, 6, 5, 2), (5, 4), (3, 2), (1, 1), "SAME", 40),      # patches wider than the image
+    ((3, 7, 9, 4), (1, 1), (1, 1), (1, 1), "VALID", 1),      # 1x1, one filter
+    ((2, 1, 15, 3), (1, 4), (1, 3), (1, 2), "VALID", 64),    # a 1-D convolution (height 1)
+]
+
+
+def _float64_grads(x, g, ks, st, dr, padding):
+    """``sum_t patches[b, t, k] g[b, t, f]`` and ``sum_t |patches| |g|`` in float64, from
+    ``tf.image.extract_patches`` (TensorFlow's kernel, independent of tf_dp's)."""
+    p = tf.image.extract_patches(x, [1, *ks, 1], [1, *st, 1], [1, *dr, 1], padding).numpy()
+    b = x.shape[0]
+    p = p.reshape(b, -1, p.shape[-1]).astype(np.float64)
+    gg = g.numpy().reshape(b, -1, g.shape[-1]).astype(np.float64)
+    return (np.einsum("btk,btf->bkf", p, gg),
+            np.einsum("btk,btf->bkf", np.abs(p), np.abs(gg)), p.shape[1])
+
+
+def test_native_ops_are_built_on_this_machine():
+    assert native.available(), native.status()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-k{c[1]}-s{c[2]}-r{c[3]}-{c[4]}-f{c[5]}"
+                                             for c in CASES])
+def test_kernel_grads_equal_the_patches_product(case):
+    shape, ks, st, dr, padding, f = case
+    r = np.random.default_rng(0)
+    x = tf.constant(r.normal(size=shape), tf.float32)
+    oshape = tf.image.extract_patches(x, [1, *ks, 1], [1, *st, 1], [1, *dr, 1], padding).shape
+    g = tf.constant(r.normal(size=(*oshape[:3], f)), tf.float32)
+    got = native.conv_kernel_grads_op(x, g, ks, st, dr, padding)
+    want, magnitude, t = _float64_grads(x, g, ks, st, dr, padding)
+    assert got.shape == want.shape  # the static shape set in Python
+    # a float32 sum of t products, each rounded once, then t - 1 additions: the classic bound
+    # |error| <= gamma_t sum |p g|, gamma_t = t u / (1 - t u), u = 2^-24 (Higham, Thm 3.1)
+    u = 2.0 ** -24
+    gamma = (t + 1) * u / (1 - (t + 1) * u)
+    err = np.abs(got.numpy().astype(np.float64) - want)
+    assert np.all(err <= gamma * magnitude + 1e-30), float(np.max(err / (magnitude + 1e-30)))
+    assert np.any(want != 0)
+
+
+def test_no_output_position_gives_zero_gradients():
+    x = tf.ones([2, 4, 4, 2])
+    g = tf.zeros([2, 0, 0, 3])
+    got = native.conv_kernel_grads_op(x, g, (5, 5), (1, 1), (1, 1), "VALID")
+    assert got.shape == (2, 50, 3)
+    np.testing.assert_array_equal(got.numpy(), np.zeros((2, 50, 3), np.float32))
+
+
+def test_an_output_gradient_of_the_wrong_shape_is_refused():
+    x = tf.ones([2, 28, 28, 1])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"g must be \[2, 14, 14, F\]"):
+        native.conv_kernel_grads_op(x, tf.ones([2, 13, 14, 16]), (8, 8), (2, 2), (1, 1), "SAME")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="padding must be SAME or VALID"):
+        native.conv_kernel_grads_op(x, tf.ones([2, 14, 14, 16]), (8, 8), (2, 2), (1, 1), "FULL")
+
+
+def _rule_ops(layer, x, jit):
+    g = tf.ones_like(layer(x))
+
+    def rule(x, g):
+        return [f.grads if hasattr(f, "grads") else f.a for _, f in ghost_conv.conv_rule(
+            layer, x, g)]
+
+    fn = tf.function(rule, jit_compile=jit)
+    return {op.type for op in fn.get_concrete_function(x, g).graph.get_operations()}
+
+
+def test_the_rule_uses_the_op_where_it_materialises_outside_xla_only():
+    r = rng(5)
+    first = keras.layers.Conv2D(16, 8, strides=2, padding="same")  # T = 196, K = 64, F = 16
+    x = tf.constant(r.normal(size=(2, 28, 28, 1)), tf.float32)
+    assert "TfDpConvKernelGrads" in _rule_ops(first, x, jit=False)
+    under_xla = _rule_ops(first, x, jit=True)
+    assert "TfDpConvKernelGrads" not in under_xla and "TfDpExtractPatches" not in under_xla
+    # few positions, many channels: the Gram route (T^2 (K + F) < K F) unfolds the patches
+    late = keras.layers.Conv2D(64, 3)  # T = 4, K = 576, F = 64
+    y = tf.constant(r.normal(size=(2, 4, 4, 64)), tf.float32)
+    ops = _rule_ops(late, y, jit=False)
+    assert "TfDpConvKernelGrads" not in ops and "TfDpExtractPatches" in ops
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_ghost_clipper_with_native_kernel_grads_equals_the_per_example_loop(graph):
+    """Norms and clipped sum of a model whose convolutions take the native route: 2-D with a
+    stride, with a dilation and 1x1, 1-D causal with a dilation, and one convolution called twice
+    (its per-example gradients summed over the calls), against a GradientTape loop."""
+    r = rng(17)
+    inp = keras.Input((10, 10, 2))
+    shared = keras.layers.Conv2D(3, 3, padding="same", activation="tanh")
+    h = keras.layers.Conv2D(4, 3, strides=(2, 1), padding="same", activation="tanh")(inp)
+    h = keras.layers.Conv2D(2, 3, dilation_rate=(1, 2), padding="same")(h)  # [5, 10, 2]
+    h = shared(h)
+    h = shared(keras.layers.Conv2D(2, 1)(h))
+    h = keras.layers.Reshape((5, 30))(h)
+    h = keras.layers.Conv1D(4, 2, dilation_rate=2, padding="causal", activation="tanh")(h)
+    out = keras.layers.Dense(3)(keras.layers.Flatten()(h))
+    model = keras.Model(inp, out)
+    x = (r.normal(size=(6, 10, 10, 2)) * r.uniform(0.2, 3.0, (6, 1, 1, 1))).astype("float32")
+    calls = []
+    real = ghost_conv._native_kernel_grads
+
+    def counting(layer, x, g):
+        out = real(layer, x, g)
+        calls.append((layer.name, out is not None))
+        return out
+
+    ghost_conv._native_kernel_grads = counting
+    try:
+        check(model, x, r.integers(0, 3, 6), graph=graph, reference=LoopReference)
+    finally:
+        ghost_conv._native_kernel_grads = real
+    # every convolution took the native route (the shared one once per call)
+    assert len(calls) == 6 and all(native_route for _, native_route in calls), calls
