@@ -92,6 +92,10 @@ static inline void Block(const float* xp, const int64_t* base, const int64_t* of
     }
   }
   for (int kk = 0; kk < KB; ++kk) {
+    if (full) {
+      std::memcpy(out + kk * f + f0, acc[kk], sizeof(acc[kk]));
+      continue;
+    }
     float tmp[16 * NV];
     std::memcpy(tmp, acc[kk], sizeof(tmp));
     for (int64_t e = 0; e < fb; ++e) out[kk * f + f0 + e] = tmp[e];

@@ -3,7 +3,10 @@
 - ``Conv1D``, ``Conv2D`` and ``Conv3D`` (3-D: no dilation): the kernel's factor is
   ``Outer(patches, g)``; the bias is per example. 3-D patches ``[B, od, oh, ow, kd*kh*kw*C]``
   are a gather of voxel rows with precomputed indices (static sizes; XLA-compilable), else a
-  convolution with a one-hot kernel.
+  convolution with a one-hot kernel. Where the engine would materialise a 1-D or 2-D kernel's
+  per-example gradients from that factor anyway (:func:`~tf_dp.gradients.ghost.factors.use_gram`)
+  they come from the native ``TfDpConvKernelGrads`` instead (float32, static sizes, outside XLA;
+  :func:`_native_kernel_grads`), which never writes the patches.
 - Grouped ``Conv1D/2D/3D`` (``groups > 1``): per block of channels, the kernel's per-example
   gradient materialised (:class:`PerExample`).
 - ``DepthwiseConv1D`` and ``DepthwiseConv2D``: output channel ``c M + m`` only reads input
