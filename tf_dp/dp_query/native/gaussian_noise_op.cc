@@ -193,6 +193,14 @@ static void Transform(const uint32_t* hi, const uint32_t* lo, const uint32_t* an
   TransformInto<false>(hi, lo, angle, scale, start, stop, h, nullptr, z);
 }
 
+// lo[i] = the next of `low` for each pair i < count with hi[i] < 2^24 (about 1 in 256), else 0.
+static void PlaceLowWords(const uint32_t* hi, int64_t count, const uint32_t* low, uint32_t* lo) {
+  std::memset(lo, 0, sizeof(uint32_t) * count);
+  for (int64_t i = 0; i < count; ++i) {
+    if (hi[i] < (1u << 24)) lo[i] = *low++;
+  }
+}
+
 class GaussianNoiseOp : public OpKernel {
  public:
   explicit GaussianNoiseOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
@@ -222,22 +230,19 @@ class GaussianNoiseOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({2 * h}), &z_t));
     if (h == 0) return;
     float* z = z_t->flat<float>().data();
-    // Scratch: the high words and the angle words of every pair.
+    // Scratch: the high words of every pair (the angle words are drawn where they are used).
     Tensor words_t;
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_UINT32, TensorShape({2 * h}),
-                                           &words_t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_UINT32, TensorShape({h}), &words_t));
     uint32_t* hi = words_t.flat<uint32_t>().data();
-    uint32_t* angle = hi + h;
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
     const int64_t block = kBlock;
     const int64_t units = (h + block - 1) / block;
-    // Pass 1: the high and angle words (Philox), and per unit the count of hi < 2^24.
+    // Pass 1: the high words (Philox), and per unit the count of hi < 2^24.
     std::vector<int64_t> counts(units + 1, 0);
-    pool->ParallelFor(units, 20 * block * 10, [&](int64_t u0, int64_t u1) {
+    pool->ParallelFor(units, 10 * block * 10, [&](int64_t u0, int64_t u1) {
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t s = u * block, e = std::min(h, s + block);
         PhiloxWords(c_lo, c_hi + planes(0), k0, k1, s, e, hi + s);
-        PhiloxWords(c_lo, c_hi + planes(1), k0, k1, s, e, angle + s);
         int64_t c = 0;
         for (int64_t i = s; i < e; ++i) c += hi[i] < (1u << 24) ? 1 : 0;
         counts[u + 1] = c;
@@ -248,18 +253,15 @@ class GaussianNoiseOp : public OpKernel {
     const int64_t n_low = counts[units];
     std::vector<uint32_t> low_words(static_cast<size_t>(n_low) + 1);
     if (n_low > 0) PhiloxWords(c_lo, c_hi + planes(2), k0, k1, 0, n_low, low_words.data());
-    // Pass 2: the transform, with each pair's low word placed beside it.
-    pool->ParallelFor(units, 60 * block * 10, [&](int64_t u0, int64_t u1) {
-      std::vector<uint32_t> lo(block);
+    // Pass 2: the angle words (into a buffer that stays in cache) and the transform, with each
+    // pair's low word placed beside it.
+    pool->ParallelFor(units, 70 * block * 10, [&](int64_t u0, int64_t u1) {
+      std::vector<uint32_t> lo(block), angle(block);
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t s = u * block, e = std::min(h, s + block);
-        int64_t rank = counts[u];
-        for (int64_t i = s; i < e; ++i) {
-          const bool small = hi[i] < (1u << 24);
-          lo[i - s] = small ? low_words[rank] : 0u;
-          rank += small ? 1 : 0;
-        }
-        Transform(hi + s, lo.data(), angle + s, scale, 0, e - s, h, z + s);
+        PhiloxWords(c_lo, c_hi + planes(1), k0, k1, s, e, angle.data());
+        PlaceLowWords(hi + s, e - s, low_words.data() + counts[u], lo.data());
+        Transform(hi + s, lo.data(), angle.data(), scale, 0, e - s, h, z + s);
       }
     });
   }
@@ -320,11 +322,10 @@ class ChunkedGaussianNoiseOp : public OpKernel {
     // pairs of chunk j: chunk_pairs, the last one ceil(m / 2); global pair p of chunk p / chunk_pairs
     const int64_t last_m = n - (chunks - 1) * chunk;
     const int64_t pairs = (chunks - 1) * chunk_pairs + (last_m + 1) / 2;
-    Tensor words_t;
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_UINT32, TensorShape({2 * pairs}),
+    Tensor words_t;  // the high words (the angle words are drawn where they are used)
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_UINT32, TensorShape({pairs}),
                                            &words_t));
     uint32_t* hi = words_t.flat<uint32_t>().data();
-    uint32_t* angle = hi + pairs;
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
     // units of kBlock pairs; chunk_pairs is a multiple of kBlock, so no unit spans two chunks
     const int64_t units = (pairs + kBlock - 1) / kBlock;
@@ -333,14 +334,12 @@ class ChunkedGaussianNoiseOp : public OpKernel {
       return j + 1 < chunks ? chunk_pairs : (last_m + 1) / 2;
     };
     std::vector<int64_t> counts(units + 1, 0);
-    pool->ParallelFor(units, 20 * kBlock * 10, [&](int64_t u0, int64_t u1) {
+    pool->ParallelFor(units, 10 * kBlock * 10, [&](int64_t u0, int64_t u1) {
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t j = u / units_per_chunk, base = j * chunk_pairs;
         const int64_t s = u * kBlock - base;
         const int64_t e = std::min(chunk_pairs_of(j), s + kBlock);
         PhiloxWords(c_lo, c_hi + static_cast<uint64_t>(j), k0, k1, s, e, hi + base + s);
-        PhiloxWords(c_lo, c_hi + static_cast<uint64_t>(chunks + j), k0, k1, s, e,
-                    angle + base + s);
         int64_t c = 0;
         for (int64_t i = base + s; i < base + e; ++i) c += hi[i] < (1u << 24) ? 1 : 0;
         counts[u + 1] = c;
@@ -365,31 +364,29 @@ class ChunkedGaussianNoiseOp : public OpKernel {
                     low_words.data() + low_start[j]);
       }
     }
-    pool->ParallelFor(units, 60 * kBlock * 10, [&](int64_t u0, int64_t u1) {
-      std::vector<uint32_t> lo(kBlock);
+    pool->ParallelFor(units, 70 * kBlock * 10, [&](int64_t u0, int64_t u1) {
+      std::vector<uint32_t> lo(kBlock), angle_words(kBlock);
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t j = u / units_per_chunk, base = j * chunk_pairs;
         const int64_t h = chunk_pairs_of(j);
         const int64_t m = j + 1 < chunks ? chunk : last_m;
         const int64_t s = u * kBlock - base, e = std::min(h, s + kBlock);
-        const uint32_t* low = low_words.data() + low_start[j];
-        int64_t rank = rank0[u];
-        for (int64_t i = s; i < e; ++i) {
-          const bool small = hi[base + i] < (1u << 24);
-          lo[i - s] = small ? low[rank] : 0u;
-          rank += small ? 1 : 0;
-        }
+        PhiloxWords(c_lo, c_hi + static_cast<uint64_t>(chunks + j), k0, k1, s, e,
+                    angle_words.data());
+        const uint32_t* angle = angle_words.data();  // pair i's angle word: angle[i - s]
+        PlaceLowWords(hi + base + s, e - s, low_words.data() + low_start[j] + rank0[u],
+                      lo.data());
         const float* xc = kAdd ? x + j * chunk : nullptr;
         float* yc = y + j * chunk;
         // pairs whose second normal is kept (h + i < m); an odd chunk drops the last pair's
         const int64_t full = std::min(e, m - h);
         if (full > s) {
-          TransformInto<kAdd>(hi + base + s, lo.data(), angle + base + s, scale, 0, full - s, h,
+          TransformInto<kAdd>(hi + base + s, lo.data(), angle, scale, 0, full - s, h,
                               kAdd ? xc + s : nullptr, yc + s);
         }
         for (int64_t i = std::max(s, full); i < e; ++i) {
           float z[2];
-          TransformInto<false>(hi + base + i, lo.data() + (i - s), angle + base + i, scale, 0,
+          TransformInto<false>(hi + base + i, lo.data() + (i - s), angle + (i - s), scale, 0,
                                1, 1, nullptr, z);
           yc[i] = kAdd ? xc[i] + z[0] : z[0];
         }
