@@ -309,3 +309,44 @@ def test_unknown_sequence_length_and_bidirectional_states():
     out, fh, fc, bh, bc = L.Bidirectional(L.LSTM(3, return_state=True))(e)
     z = L.Concatenate()([out, fh, bc])
     check(keras.Model(inp, L.Dense(2)(z)), x, y, graph=True)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_unmasked_layers_take_h_prev_from_their_shifted_outputs(graph):
+    """Without a mask an LSTM's or SimpleRNN's h_{t-1} is its previous step's output (the initial
+    state for the first step), so the loop emits h_t only: with a non-zero initial state from
+    another layer, go_backwards, unroll, return_state and a stacked layer, the norms and clipped
+    sum still equal the per-example loop."""
+    r = rng(21)
+    x = r.normal(size=(6, 5, 3)).astype("float32")
+    y = r.integers(0, 2, 6).astype("int32")
+    inp = keras.Input((5, 3))
+    h0 = L.Dense(4, activation="tanh")(L.Flatten()(inp))
+    c0 = L.Dense(4)(L.Flatten()(inp))
+    seq, h, c = L.LSTM(4, return_sequences=True, return_state=True)(inp, initial_state=[h0, c0])
+    back = L.LSTM(4, go_backwards=True, unroll=True)(seq, initial_state=[h, c])
+    rnn = L.SimpleRNN(4, go_backwards=True)(seq, initial_state=h0)
+    model = keras.Model(inp, L.Dense(2)(L.Concatenate()([back, rnn])))
+    shifted = []
+    real = tf_dp.gradients.ghost.recurrent._inner_loop
+
+    def spy(layer, sequences, initial_state, mask, training, watch, ctx):
+        out = real(layer, sequences, initial_state, mask, training, watch, ctx)
+        shifted.append(ctx["shifted"])  # the loop emitted h_t only
+        return out
+
+    tf_dp.gradients.ghost.recurrent._inner_loop = spy
+    try:
+        check(model, x, y, graph=graph)
+    finally:
+        tf_dp.gradients.ghost.recurrent._inner_loop = real
+    assert len(shifted) == 3 and all(shifted), shifted
+    # a masked layer keeps emitting [h_t, h_{t-1}] (its state is carried over masked steps)
+    shifted.clear()
+    tf_dp.gradients.ghost.recurrent._inner_loop = spy
+    try:
+        tok, lab = tokens(r)
+        check(seq_model(L.LSTM(3), L.Dense(2)), tok, lab, graph=graph)
+    finally:
+        tf_dp.gradients.ghost.recurrent._inner_loop = real
+    assert shifted == [False]

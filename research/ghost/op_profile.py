@@ -1,6 +1,6 @@
 """Per-op CPU time of one DP (or non-private) train step, from a TF profiler trace.
 
-    python -m research.ghost.op_profile --model cnn --mode ghost
+    python -m research.ghost.op_profile --model cnn --mode ghost [--by_type]
 
 Runs the bench's compiled ``train_function`` under ``tf.profiler.experimental`` for a few steps
 and sums the durations of the executor's op events by op name (summed over threads, so it is CPU
@@ -26,6 +26,8 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--batch_size", type=int, default=256)
+    ap.add_argument("--by_type", action="store_true",
+                    help="sum by op type (the part after ':') instead of by op name")
     a = ap.parse_args()
     ds = st.dataset(a.model, a.batch_size)
     model = st.build(a.model, a.mode, a.batch_size)
@@ -52,7 +54,8 @@ def main():
             for ev in line.events:
                 name = names.get(ev.metadata_id, "?")
                 if ":" in name and not name.startswith("__inference"):
-                    totals[name] += ev.duration_ps / 1e9 / a.steps
+                    key = name.rsplit(":", 1)[1] if a.by_type else name
+                    totals[key] += ev.duration_ps / 1e9 / a.steps
     total = sum(totals.values())
     print(f"{a.model} {a.mode}: op events {total:.2f} ms per step (summed over threads)")
     for name, ms in totals.most_common(a.top):

@@ -22,7 +22,9 @@ pass the layer's loop (``RNN.inner_loop``) is replaced, for that call only, by o
    ``go_backwards``, ``unroll`` and ``zero_output_for_mask`` semantics), with a zero *probe*
    ``[B, T, G]`` added to the recurrent pre-activations for GRU (watched: its gradient is
    ``dr``), and emits ``h_{t-1}`` (and for GRU without ``reset_after``, ``r_t * h_{t-1}``) as a
-   second output stacked over time.
+   second output stacked over time. An LSTM or SimpleRNN (without recurrent dropout) run without
+   a mask emits ``h_t`` only: there ``h_{t-1}`` is the previous step's output (the initial state
+   for the first step), so the outputs shifted by one step are the stacked ``h_{t-1}``.
 
 The layer's variables, configuration and saved weights are untouched: Keras's ``RNN.call``
 still does everything around the loop (initial states, dropout masks, output selection), and
@@ -140,16 +142,24 @@ def _inner_loop(layer, sequences, initial_state, mask, training, watch, ctx):
     act, rec_act = cell.activation, getattr(cell, "recurrent_activation", None)
     u = cell.recurrent_kernel
 
+    # Without a mask (and, for SimpleRNN, without recurrent dropout) h_{t-1} is the previous
+    # step's output (the initial state for the first step): the loop emits h_t only and the
+    # rule shifts the outputs, instead of the loop emitting [h_t, h_{t-1}] (twice the outputs,
+    # and their zero gradients, carried through the loop and its gradient)
+    shift = mask is None and kind in ("LSTM", "SimpleRNN") and rec_mask is None
+
     if kind == "LSTM":
         inputs = xw
 
         def step(xw_t, states):
             h, c = states[0], states[1]
             z = xw_t + ops.matmul(h, u)
-            z0, z1, z2, z3 = (z[:, i * units : (i + 1) * units] for i in range(4))
+            # one split, as Keras's cell does (its gradient is one concatenation; four slices'
+            # gradients are four zero-filled [B, 4 units] tensors added up, at every step)
+            z0, z1, z2, z3 = ops.split(z, 4, axis=-1)
             c_new = rec_act(z1) * c + rec_act(z0) * act(z2)
             h_new = rec_act(z3) * act(c_new)
-            return ops.concatenate([h_new, h], axis=-1), [h_new, c_new]
+            return (h_new if shift else ops.concatenate([h_new, h], axis=-1)), [h_new, c_new]
 
     elif kind == "SimpleRNN":
         inputs = xw
@@ -159,7 +169,7 @@ def _inner_loop(layer, sequences, initial_state, mask, training, watch, ctx):
             hr = h * rec_mask if rec_mask is not None else h
             z = xw_t + ops.matmul(hr, u)
             h_new = act(z) if act is not None else z
-            return ops.concatenate([h_new, hr], axis=-1), [h_new]
+            return (h_new if shift else ops.concatenate([h_new, hr], axis=-1)), [h_new]
 
     else:  # GRU
         probe = watch(tf.zeros_like(xw))
@@ -169,22 +179,25 @@ def _inner_loop(layer, sequences, initial_state, mask, training, watch, ctx):
         def step(step_inputs, states):
             xw_t, p_t = step_inputs
             h = states[0]
-            x_z, x_r, x_h = xw_t[:, :units], xw_t[:, units : 2 * units], xw_t[:, 2 * units :]
+            x_z, x_r, x_h = ops.split(xw_t, 3, axis=-1)
             if reset_after:
                 inner = ops.matmul(h, u)
                 if recurrent_bias is not None:
                     inner = inner + recurrent_bias
                 inner = inner + p_t
-                z = rec_act(x_z + inner[:, :units])
-                r = rec_act(x_r + inner[:, units : 2 * units])
-                hh = act(x_h + r * inner[:, 2 * units :])
+                i_z, i_r, i_h = ops.split(inner, 3, axis=-1)
+                z = rec_act(x_z + i_z)
+                r = rec_act(x_r + i_r)
+                hh = act(x_h + r * i_h)
                 extra = (h,)
             else:
-                inner = ops.matmul(h, u[:, : 2 * units]) + p_t[:, : 2 * units]
-                z = rec_act(x_z + inner[:, :units])
-                r = rec_act(x_r + inner[:, units:])
+                p_zr, p_h = ops.split(p_t, [2 * units], axis=-1)
+                inner = ops.matmul(h, u[:, : 2 * units]) + p_zr
+                i_z, i_r = ops.split(inner, 2, axis=-1)
+                z = rec_act(x_z + i_z)
+                r = rec_act(x_r + i_r)
                 rh = r * h
-                hh = act(x_h + ops.matmul(rh, u[:, 2 * units :]) + p_t[:, 2 * units :])
+                hh = act(x_h + ops.matmul(rh, u[:, 2 * units :]) + p_h)
                 extra = (h, rh)
             h_new = z * h + (1 - z) * hh
             return ops.concatenate((h_new,) + extra, axis=-1), [h_new]
@@ -200,15 +213,19 @@ def _inner_loop(layer, sequences, initial_state, mask, training, watch, ctx):
         zero_output_for_mask=layer.zero_output_for_mask,
         return_all_outputs=True,
     )
-    # one output per step, [h_t, h_{t-1}(, r_t h_{t-1})] concatenated (Keras's unrolled loop
-    # takes no nested outputs with a mask)
-    n = outs.shape[-1] // units
-    last = last[:, :units]
-    stacked = [outs[:, :, i * units : (i + 1) * units] for i in range(1, n)]
-    outs = outs[:, :, :units]
+    if shift:  # outputs h_t in processing order: h_{t-1} is the output one step before
+        h0 = tf.cast(initial_state[0], outs.dtype)[:, None, :]
+        stacked = [tf.concat([h0, outs[:, :-1]], axis=1)]
+    else:
+        # one output per step, [h_t, h_{t-1}(, r_t h_{t-1})] concatenated (Keras's unrolled
+        # loop takes no nested outputs with a mask)
+        n = outs.shape[-1] // units
+        last = last[:, :units]
+        stacked = [outs[:, :, i * units : (i + 1) * units] for i in range(1, n)]
+        outs = outs[:, :, :units]
     if layer.go_backwards:  # the loop's outputs are in processing order; dz, dr in input order
         stacked = [tf.reverse(t, [1]) for t in stacked]
-    ctx.update(kind=kind, x=x, prev=stacked, units=units)
+    ctx.update(kind=kind, x=x, prev=stacked, units=units, shifted=shift)
     return last, outs, states
 
 
