@@ -103,6 +103,16 @@ def functional_class() -> type:
     return Functional
 
 
+def variable_watcher() -> Any:
+    """A new (not entered) TensorFlow ``VariableWatcher``: a context in which every access of a
+    trainable variable is noted (``watched_variables()``), as a tape with
+    ``watch_accessed_variables=True`` notes it, without recording operations
+    (``tensorflow.python.eager.record``, TF 2.13 and later)."""
+    from tensorflow.python.eager import record
+
+    return record.VariableWatcher()
+
+
 def keras_backend() -> Any:
     """Keras's backend module (``keras.src.backend``: its ``rnn`` loop, for identical semantics)."""
     from keras.src import backend
