@@ -154,8 +154,8 @@ def gaussian_noise(
     ``dtype`` is float32 or float64. Counts above :data:`CHUNK` (known while tracing) are drawn in
     chunks of ``CHUNK``. Draws ``2 * ceil(n / 2)`` Philox words plus one per pair whose
     high word is below ``2^24`` in float32 (``3 * ceil(n / 2)`` in float64, under XLA, and for
-    ``n <`` :data:`LAZY_MIN_SIZE` where the native op is not used); see the module docstring for
-    the bits used and the tail bound :data:`TAIL_BOUND`.
+    ``n <`` :data:`LAZY_MIN_SIZE`); see the module docstring for the bits used and the tail
+    bound :data:`TAIL_BOUND`.
 
     Example::
 
@@ -167,12 +167,9 @@ def gaussian_noise(
         raise TypeError(f"dtype must be float32 or float64, got {dtype.name}")
     n_static = tf.get_static_value(n)
     n_static = int(n_static) if n_static is not None else None
-    # small draws: the dense three-word transform (the lazy one's extra TensorFlow ops outweigh
-    # its saved words), the same words as under XLA; where the native op draws them (one op,
-    # float32, outside XLA and tf.distribute) the lazy transform at any size
-    small = (n_static is not None and n_static < LAZY_MIN_SIZE
-             and not (n_static > 0 and dtype == tf.float32 and native.available()
-                      and not _ReservedWords.is_direct(generator)))
+    # small draws: the dense three-word transform (the lazy one's extra ops outweigh its saved
+    # words), the same words as under XLA
+    small = n_static is not None and n_static < LAZY_MIN_SIZE
     if dtype != tf.float32 or small or _in_xla_context():
         n = tf.cast(n, tf.int64)
         half = (n + 1) // 2
@@ -351,9 +348,8 @@ _TWO32 = 2.0**-32
 #: Draws of more than this many normals (a count known while tracing) are made in chunks of it.
 CHUNK = 1 << 17
 
-#: Draws of fewer normals than this use the dense three-word transform in TensorFlow ops: the
-#: lazy one saves Philox words but has more ops, and per-op overhead dominates small draws. Where
-#: the native op draws float32 noise (one op whatever the size) every size uses the lazy one.
+#: Draws of fewer normals than this use the dense three-word transform: the lazy one saves
+#: Philox words but has more ops, and per-op overhead dominates small draws.
 LAZY_MIN_SIZE = 1 << 15
 
 
