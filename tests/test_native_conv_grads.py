@@ -1,5 +1,5 @@
 """The native per-example convolution kernel gradients (``TfDpConvKernelGrads``,
-tf_dp/dp_query/native/conv_grads_op.cc) used by the ghost convolution rule where it materialises
+tf_dp/dp_query/native/patches_op.cc) used by the ghost convolution rule where it materialises
 per-example gradients: the values against a float64 product of TensorFlow's own patches over
 paddings, strides, dilations, channel and filter counts (with the forward error bound of a float32
 sum as the tolerance), its shape checks, where the rule uses it (and where not: under XLA, on the

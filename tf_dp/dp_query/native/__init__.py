@@ -17,12 +17,12 @@ tail bound (:data:`tf_dp.dp_query.noise.TAIL_BOUND`) and the absence of exact ze
 and the tests check every angle cell and the extreme words. ``TfDpExtractPatches``
 (``patches_op.cc``) is ``tf.image.extract_patches`` for ``[B, H, W, C]`` inputs as one copy pass,
 the same values bit for bit; the ghost convolution rule unfolds its inputs with it outside XLA
-(:func:`extract_patches_op`). ``TfDpConvKernelGrads`` (``conv_grads_op.cc``) gives a 2-D
+(:func:`extract_patches_op`). ``TfDpConvKernelGrads`` (also ``patches_op.cc``) gives a 2-D
 convolution kernel's per-example gradients without writing the patches to memory; the rule
 uses it outside XLA where it materialises per-example gradients (:func:`conv_kernel_grads_op`).
 
-The ops are compiled from ``gaussian_noise_op.cc``, ``patches_op.cc`` and ``conv_grads_op.cc``
-(shipped with the package) into one library by the C++ compiler ``CXX`` (default ``g++``) the first time it is
+The ops are compiled from ``gaussian_noise_op.cc`` and ``patches_op.cc`` (shipped with the
+package) into one library by the C++ compiler ``CXX`` (default ``g++``) the first time it is
 needed, against the installed TensorFlow's headers,
 for the CPU it runs on (``-march=native``), and cached in ``TF_DP_NATIVE_CACHE`` (default
 ``~/.cache/tf_dp/native``) under a name that hashes the source, the TensorFlow version, the
@@ -61,7 +61,7 @@ __all__ = [
 
 #: compiled together into one library
 _SOURCES = [pathlib.Path(__file__).with_name(name)
-            for name in ("gaussian_noise_op.cc", "patches_op.cc", "conv_grads_op.cc")]
+            for name in ("gaussian_noise_op.cc", "patches_op.cc")]
 _FLAGS = [
     "-std=c++17", "-shared", "-fPIC", "-O3", "-march=native",
     # IEEE float32 as written: no fused multiply-add (the values do not depend on whether the CPU
@@ -316,7 +316,7 @@ def conv_kernel_grads_op(x: Any, g: Any, sizes: Any, strides: Any, rates: Any,
     (channels last; strides, dilation ``rates`` and ``"SAME"``/``"VALID"`` padding as
     ``tf.nn.conv2d`` takes them): ``sum_t patches[b, t]^T g[b, t]`` with the patches of
     :func:`extract_patches_op`, in one op that never writes the patches
-    (``TfDpConvKernelGrads``, ``conv_grads_op.cc``). Float32 sums, equal to the patches' matrix
+    (``TfDpConvKernelGrads``, ``patches_op.cc``). Float32 sums, equal to the patches' matrix
     product up to rounding. Static shapes when ``x``'s and ``g``'s are static. No gradient.
     Requires :func:`available`.
 

@@ -1,4 +1,5 @@
-// tf_dp's native patch extraction for the ghost convolution rule (tf_dp/gradients/ghost/conv.py).
+// tf_dp's native kernels for the ghost convolution rule (tf_dp/gradients/ghost/conv.py): patch
+// extraction and per-example kernel gradients, outside XLA.
 //
 // TfDpExtractPatches: x [B, H, W, C] (channels last) -> patches [B, OH, OW, KH * KW * C] in
 // (kh, kw, c) order, zeros where a patch reaches into the padding: exactly what
@@ -8,6 +9,24 @@
 // intra-op threads by output rows. TensorFlow's own ExtractImagePatches kernel is about 5x slower
 // than a convolution with a one-hot kernel on the reference CNN's first layer (1 channel, 8x8),
 // and that convolution spends K = KH KW C multiply-adds per patch value; this kernel spends none.
+//
+// TfDpConvKernelGrads: x [B, H, W, C], g [B, OH, OW, F] (channels last, float32) ->
+// grads [B, KH * KW * C, F] with
+//   grads[n, (i KW + j) C + c, f] = sum_{p, q} x[n, p SH + i DH - PT, q SW + j DW - PL, c] g[n, p, q, f]
+// (0 where the patch reaches into the padding), the gradient of example n's loss with respect to
+// a [KH, KW, C, F] kernel of the convolution (strides SH, SW; dilations DH, DW; "SAME" or
+// "VALID" padding, as TensorFlow's convolutions define them) whose output gradient is g[n]: what
+// the rule otherwise computes as the unfolded patches [B, OH OW, K] (TfDpExtractPatches) times
+// g [B, OH OW, F], per example. Here no patch is written to memory: each example's image is
+// copied into a zero-bordered buffer (the border is zeroed once per thread), and the patch values
+// are read from it where the product needs them, 8 rows of the output at a time held in vector
+// registers (a [8, 16 or 32] block), so the work is one pass over g per block and the memory
+// traffic is the output's. On the reference CNN's first convolution (28x28x1, 8x8 stride 2, 16
+// filters, B = 256) that is several times less time than the patches and a batched matrix
+// product (bench/README.md). Float32 sums in a fixed order (over p, then q) with no fused
+// multiply-add (the library is built with -ffp-contract=off), so the values do not depend on the
+// CPU; the tests compare them with a float64 computation. Sharded over TensorFlow's intra-op
+// threads by example.
 
 #include <algorithm>
 #include <cstdint>
@@ -97,9 +116,11 @@ static void Copy(const Geometry& g, const void* x_data, void* y_data,
   });
 }
 
-class ExtractPatchesOp : public OpKernel {
+// The attributes both kernels take: 2-D window sizes, strides, dilation rates (all >= 1) and
+// "SAME" or "VALID" padding.
+class WindowOp : public OpKernel {
  public:
-  explicit ExtractPatchesOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit WindowOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("ksizes", &ksizes_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("strides", &strides_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rates", &rates_));
@@ -117,6 +138,15 @@ class ExtractPatchesOp : public OpKernel {
                                                     padding));
     same_ = padding == "SAME";
   }
+
+ protected:
+  std::vector<int32_t> ksizes_, strides_, rates_;
+  bool same_ = false;
+};
+
+class ExtractPatchesOp : public WindowOp {
+ public:
+  explicit ExtractPatchesOp(OpKernelConstruction* ctx) : WindowOp(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x_t = ctx->input(0);
@@ -146,10 +176,149 @@ class ExtractPatchesOp : public OpKernel {
       Copy<uint64_t>(g, x_t.data(), y_t->data(), pool);
     }
   }
+};
 
- private:
-  std::vector<int32_t> ksizes_, strides_, rates_;
-  bool same_ = false;
+// 16 float32 lanes (one AVX-512 register; two or four narrower ones elsewhere).
+typedef float V16 __attribute__((vector_size(64)));
+
+struct ConvGeometry {
+  int64_t h, w, c, kh, kw, sh, sw, dh, dw, oh, ow, pt, pl, f;
+  int64_t hp, wp;  // the zero-bordered image the patches read: rows -pt .. hp - pt - 1, etc.
+};
+
+// out[kk, f0 .. f0 + fb) = sum_t xp[base[t] + off[kk]] g[t, f0 .. f0 + fb) for KB rows kk,
+// the block's KB x NV accumulators in registers.
+template <int KB, int NV>
+static inline void Block(const float* xp, const int64_t* base, const int64_t* off,
+                         const float* g, int64_t t_count, int64_t f, int64_t f0, int64_t fb,
+                         float* out) {
+  V16 acc[KB][NV];
+  for (int kk = 0; kk < KB; ++kk) {
+    for (int v = 0; v < NV; ++v) acc[kk][v] = V16{};
+  }
+  int64_t o[KB];
+  for (int kk = 0; kk < KB; ++kk) o[kk] = off[kk];
+  const bool full = fb == 16 * NV;
+  for (int64_t t = 0; t < t_count; ++t) {
+    V16 gv[NV];
+    const float* gt = g + t * f + f0;
+    if (full) {
+      std::memcpy(gv, gt, sizeof(gv));
+    } else {
+      float tmp[16 * NV] = {};
+      for (int64_t e = 0; e < fb; ++e) tmp[e] = gt[e];
+      std::memcpy(gv, tmp, sizeof(gv));
+    }
+    const float* xt = xp + base[t];
+    for (int kk = 0; kk < KB; ++kk) {
+      const float a = xt[o[kk]];
+      for (int v = 0; v < NV; ++v) acc[kk][v] += a * gv[v];
+    }
+  }
+  for (int kk = 0; kk < KB; ++kk) {
+    if (full) {
+      std::memcpy(out + kk * f + f0, acc[kk], sizeof(acc[kk]));
+      continue;
+    }
+    float tmp[16 * NV];
+    std::memcpy(tmp, acc[kk], sizeof(tmp));
+    for (int64_t e = 0; e < fb; ++e) out[kk * f + f0 + e] = tmp[e];
+  }
+}
+
+// One example: out [K, F] from its bordered image xp and its output gradient g [OH OW, F].
+template <int KB, int NV>
+static void ExampleGrads(const ConvGeometry& s, const float* xp, const int64_t* base,
+                         const int64_t* off, const float* g, float* out) {
+  const int64_t t_count = s.oh * s.ow, k_count = s.kh * s.kw * s.c;
+  for (int64_t f0 = 0; f0 < s.f; f0 += 16 * NV) {
+    const int64_t fb = std::min<int64_t>(16 * NV, s.f - f0);
+    int64_t k0 = 0;
+    for (; k0 + KB <= k_count; k0 += KB) {
+      Block<KB, NV>(xp, base, off + k0, g, t_count, s.f, f0, fb, out + k0 * s.f);
+    }
+    for (; k0 < k_count; ++k0) {
+      Block<1, NV>(xp, base, off + k0, g, t_count, s.f, f0, fb, out + k0 * s.f);
+    }
+  }
+}
+
+// The image [h, w, c] into the interior of xp [hp, wp, c], whose border is already zero.
+static void CopyInterior(const ConvGeometry& s, const float* image, float* xp) {
+  const int64_t rows = std::min(s.h, s.hp - s.pt), cols = std::min(s.w, s.wp - s.pl);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = image + r * s.w * s.c;
+    float* dst = xp + ((r + s.pt) * s.wp + s.pl) * s.c;
+    for (int64_t e = 0; e < cols * s.c; ++e) dst[e] = src[e];
+  }
+}
+
+class ConvKernelGradsOp : public WindowOp {
+ public:
+  explicit ConvKernelGradsOp(OpKernelConstruction* ctx) : WindowOp(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x_t = ctx->input(0);
+    const Tensor& g_t = ctx->input(1);
+    OP_REQUIRES(ctx, x_t.dims() == 4 && g_t.dims() == 4,
+                tensorflow::errors::InvalidArgument("x and g must be [B, H, W, C] and "
+                                                    "[B, OH, OW, F], got ranks ",
+                                                    x_t.dims(), " and ", g_t.dims()));
+    ConvGeometry s{};
+    const int64_t b = x_t.dim_size(0);
+    s.h = x_t.dim_size(1);
+    s.w = x_t.dim_size(2);
+    s.c = x_t.dim_size(3);
+    s.kh = ksizes_[0], s.kw = ksizes_[1], s.sh = strides_[0], s.sw = strides_[1];
+    s.dh = rates_[0], s.dw = rates_[1];
+    Axis(s.h, s.kh, s.sh, s.dh, same_, &s.oh, &s.pt);
+    Axis(s.w, s.kw, s.sw, s.dw, same_, &s.ow, &s.pl);
+    s.f = g_t.dim_size(3);
+    OP_REQUIRES(ctx, g_t.dim_size(0) == b && g_t.dim_size(1) == s.oh && g_t.dim_size(2) == s.ow,
+                tensorflow::errors::InvalidArgument(
+                    "g must be [", b, ", ", s.oh, ", ", s.ow, ", F] for x of shape ",
+                    x_t.shape().DebugString(), " and this convolution, got ",
+                    g_t.shape().DebugString()));
+    const int64_t k_count = s.kh * s.kw * s.c, t_count = s.oh * s.ow;
+    Tensor* y_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({b, k_count, s.f}), &y_t));
+    if (y_t->NumElements() == 0) return;
+    float* y = y_t->flat<float>().data();
+    if (t_count == 0) {
+      std::fill(y, y + y_t->NumElements(), 0.0f);
+      return;
+    }
+    s.hp = (s.oh - 1) * s.sh + (s.kh - 1) * s.dh + 1;
+    s.wp = (s.ow - 1) * s.sw + (s.kw - 1) * s.dw + 1;
+    std::vector<int64_t> base(t_count), off(k_count);
+    for (int64_t p = 0; p < s.oh; ++p) {
+      for (int64_t q = 0; q < s.ow; ++q) base[p * s.ow + q] = (p * s.sh * s.wp + q * s.sw) * s.c;
+    }
+    for (int64_t i = 0; i < s.kh; ++i) {
+      for (int64_t j = 0; j < s.kw; ++j) {
+        for (int64_t c = 0; c < s.c; ++c) {
+          off[(i * s.kw + j) * s.c + c] = (i * s.dh * s.wp + j * s.dw) * s.c + c;
+        }
+      }
+    }
+    const float* x = x_t.flat<float>().data();
+    const float* g = g_t.flat<float>().data();
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    const int64_t cost = 2 * t_count * k_count * s.f + s.hp * s.wp * s.c;
+    pool->ParallelFor(b, cost, [&](int64_t n0, int64_t n1) {
+      std::vector<float> xp(s.hp * s.wp * s.c, 0.0f);  // the border stays zero
+      for (int64_t n = n0; n < n1; ++n) {
+        CopyInterior(s, x + n * s.h * s.w * s.c, xp.data());
+        const float* gn = g + n * t_count * s.f;
+        float* out = y + n * k_count * s.f;
+        if (s.f % 32 == 0) {
+          ExampleGrads<8, 2>(s, xp.data(), base.data(), off.data(), gn, out);
+        } else {
+          ExampleGrads<8, 1>(s, xp.data(), base.data(), off.data(), gn, out);
+        }
+      }
+    });
+  }
 };
 
 }  // namespace
@@ -181,5 +350,26 @@ TF_DP_REGISTER_PATCHES(double);
 TF_DP_REGISTER_PATCHES(Eigen::half);
 TF_DP_REGISTER_PATCHES(Eigen::bfloat16);
 #undef TF_DP_REGISTER_PATCHES
+
+REGISTER_OP("TfDpConvKernelGrads")
+    .Input("x: float")
+    .Input("g: float")
+    .Output("grads: float")
+    .Attr("ksizes: list(int)")
+    .Attr("strides: list(int)")
+    .Attr("rates: list(int)")
+    .Attr("padding: string")
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      // static sizes are what the rule passes (the wrapper sets them); the kernel checks them
+      tensorflow::shape_inference::ShapeHandle x, g;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 4, &x));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 4, &g));
+      c->set_output(0, c->UnknownShapeOfRank(3));
+      return absl::OkStatus();
+    })
+    .Doc("tf_dp: per-example gradients [B, KH KW C, F] of a 2-D convolution's kernel from its "
+         "input and output gradient; see tf_dp/dp_query/native.");
+
+REGISTER_KERNEL_BUILDER(Name("TfDpConvKernelGrads").Device(DEVICE_CPU), ConvKernelGradsOp);
 
 }  // namespace tf_dp

@@ -170,7 +170,8 @@ def _unfold_gather(x, ks, st, dr, padding):
 
 def _channels_last(layer, x, g):
     """``(x, g, kernel sizes, strides, dilations, padding)`` in channels-last layout, a 1-D
-    convolution as a 2-D one of height 1 (causal padding as explicit left padding)."""
+    convolution as a 2-D one of height 1 (causal padding as explicit left padding); padding
+    upper-cased."""
     rank = layer.rank
     if layer.data_format == "channels_first":
         perm = [0] + list(range(2, rank + 2)) + [1]
@@ -188,12 +189,9 @@ def _channels_last(layer, x, g):
 
 def _patches(layer, x, g):
     """``(patches [B, ..., K], g [B, ..., F])`` in channels-last layout (``K = kh kw C``)."""
-    if layer.rank == 3:
-        if layer.data_format == "channels_first":
-            x, g = tf.transpose(x, [0, 2, 3, 4, 1]), tf.transpose(g, [0, 2, 3, 4, 1])
-        ks, st = list(layer.kernel_size), list(layer.strides)
-        return _unfold3d(x, ks, st, layer.padding.upper()), g
     x, g, ks, st, dr, padding = _channels_last(layer, x, g)
+    if layer.rank == 3:
+        return _unfold3d(x, ks, st, padding), g
     return _unfold(x, ks, st, dr, padding), g
 
 
