@@ -160,6 +160,38 @@ def test_guarded_sums_equal_the_selected_sums_bit_for_bit(value):
             np.testing.assert_array_equal(got_v.numpy(), want)
 
 
+@pytest.mark.parametrize("value", sorted(BAD))
+def test_guarded_sums_given_the_weights_skip_the_check_only_when_no_weight_is_zero(value):
+    """With the weights passed, a step where every weight is non-zero takes the sums without
+    the selection and without reducing them (the selection would select nothing); a weight of 0
+    (here on a row holding NaN or inf) takes the checked route, which returns the selected sums."""
+    from tf_dp.gradients.base import guarded_sums, weighted_sum
+
+    rng = np.random.default_rng(1)
+    grads = [tf.constant(rng.normal(size=(5,) + s), tf.float32) for s in [(3,), (2, 4)]]
+    dense_w = tf.constant([0.5, 0.1, 1.0, 0.25, 0.75])
+    for got, g in zip(guarded_sums(lambda s: [weighted_sum(dense_w, g, s) for g in grads],
+                                   dense_w), grads):
+        np.testing.assert_array_equal(got.numpy(), weighted_sum(dense_w, g).numpy())
+    w = tf.constant([0.5, 0.0, 1.0, 0.25, 0.75])
+    bad = [tf.tensor_scatter_nd_update(g, [[1]], tf.fill([1] + g.shape[1:], BAD[value]))
+           for g in grads]
+
+    @tf.function
+    def graph(ws):
+        return guarded_sums(lambda select: [weighted_sum(ws, g, select) for g in bad], [ws])
+
+    for got, g in zip(graph(w), bad):
+        np.testing.assert_array_equal(got.numpy(), weighted_sum(w, g).numpy())
+        assert np.all(np.isfinite(got.numpy()))
+    # no weight 0: the sums are not reduced outside the conditional (only inside its
+    # checked branch, a function of its own)
+    concrete = graph.get_concrete_function(tf.TensorSpec([5], tf.float32))
+    top = [op.type for op in concrete.graph.get_operations()]
+    assert "Sum" not in top and "IsFinite" not in top, top
+    assert top.count("If") + top.count("StatelessIf") == 1
+
+
 def test_a_ghost_step_has_one_conditional_for_all_its_sums():
     """The selection of weight-0 rows is one conditional per step, not one per variable."""
     model = compiled(sequential_model())

@@ -26,9 +26,11 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--batch_size", type=int, default=256)
+    ap.add_argument("--jit_compile", action="store_true", help="compile the step with XLA")
     ap.add_argument("--by_type", action="store_true",
                     help="sum by op type (the part after ':') instead of by op name")
     a = ap.parse_args()
+    st.configure(a.jit_compile, "none")
     ds = st.dataset(a.model, a.batch_size)
     model = st.build(a.model, a.mode, a.batch_size)
     st.warm_up(model, ds, 3)
@@ -43,6 +45,7 @@ def main():
     with open(path, "rb") as f:
         space.ParseFromString(f.read())
     totals = collections.Counter()
+    counts = collections.Counter()
     for plane in space.planes:
         if not plane.name.startswith("/host:CPU"):
             continue
@@ -56,8 +59,12 @@ def main():
                 if ":" in name and not name.startswith("__inference"):
                     key = name.rsplit(":", 1)[1] if a.by_type else name
                     totals[key] += ev.duration_ps / 1e9 / a.steps
+                    counts[name.rsplit(":", 1)[1]] += 1 / a.steps
     total = sum(totals.values())
-    print(f"{a.model} {a.mode}: op events {total:.2f} ms per step (summed over threads)")
+    print(f"{a.model} {a.mode}: op events {total:.2f} ms per step (summed over threads), "
+          f"{sum(counts.values()):.0f} op events per step")
+    if a.by_type:
+        print("events per step by type:", ", ".join(f"{k} {v:.0f}" for k, v in counts.most_common(30)))
     for name, ms in totals.most_common(a.top):
         print(f"{ms:8.3f}  {name[:110]}")
 

@@ -668,11 +668,14 @@ class PrefetchedNoise:
         else:
             current, ready, served, _ = self._vars
             use = ready.read_value() > 0
+            # the prefetched normals are scaled after the conditional (an inline draw, which
+            # folds ``sd`` in, is multiplied by exactly 1): XLA fuses the scaling into the
+            # additions below instead of writing a scaled copy of the buffer in the branch
             flat = tf.cond(
                 use,
-                lambda: current.read_value() * sd,
+                lambda: current.read_value(),
                 lambda: gaussian_noise(self._generator, n, tf.float32, sd),
-            )
+            ) * tf.where(use, sd, tf.constant(1.0, tf.float32))
             with tf.control_dependencies([flat]):
                 ops = [ready.assign(0), served.assign_add(tf.cast(use, tf.int64))]
             with tf.control_dependencies(ops):

@@ -57,7 +57,7 @@ from tf_dp.gradients.base import as_tf_variables
 from tf_dp.gradients.embedding_rows import sparse_table_names
 from tf_dp.gradients.per_user import for_users
 from tf_dp.gradients.physical_batches import PhysicalBatches
-from tf_dp.ledger.privacy_ledger import PrivacyLedger, ledger_variable, table_steps
+from tf_dp.ledger.privacy_ledger import PrivacyLedger, ledger_variable, read_int, table_steps
 from tf_dp.ledger.query_with_ledger import QueryWithLedger
 
 _logger = logging.getLogger("tf_dp")
@@ -530,7 +530,7 @@ class DPEngine:
         met a non-finite clip or noise (it recorded nothing) or a batch larger than the declared
         one (:meth:`check_batch_size`), logs withheld steps."""
         self.ledger.flush()
-        oversized = int(self._oversized.numpy())
+        oversized = read_int(self._oversized)
         if oversized > self._oversized_reported:
             new, self._oversized_reported = oversized - self._oversized_reported, oversized
             try:  # the recorder counted the same steps as steps with a non-finite sensitivity
@@ -542,7 +542,7 @@ class DPEngine:
                 + _oversized_message(None, self.sampling)
             )
         self.recorder.check_values()
-        skipped = int(self._skipped.numpy())
+        skipped = read_int(self._skipped)
         if skipped > self._skipped_reported:
             _logger.warning(
                 "tf_dp: %d DP step(s) so far produced a non-finite update; their updates were "

@@ -110,7 +110,7 @@ def zero_rows(keep: tf.Tensor, t: Any) -> Any:
     return out if isinstance(t, (list, tuple)) else out[0]
 
 
-def guarded_sums(sums: Callable[[bool], list]) -> list:
+def guarded_sums(sums: Callable[[bool], list], weights: Any = None) -> list:
     """Every variable's weighted sum, with one conditional per step instead of one per variable.
 
     ``sums(select)`` returns the list of dense weighted sums, with (``select=True``) or without
@@ -119,13 +119,29 @@ def guarded_sums(sums: Callable[[bool], list]) -> list:
     it is not (a kept row is finite: :func:`record_weights`), so if every sum is finite they equal
     the selected sums, the same products in the same order; only if one is not (a step with a
     non-finite record, or an overflow) are they recomputed with the selection.
+
+    ``weights`` (the weights ``sums`` selects by, any structure of ``[B]`` tensors), if given,
+    spares the check in the common case: when no weight is 0 the selection selects nothing, so
+    the sums computed without it are the selected sums whatever they hold, and the pass over
+    every sum's elements that the check takes (a reduction over all the model's parameters) is
+    not run. A non-finite record always has weight 0 (:func:`record_weights`), so a step with
+    one still takes the checked route.
     """
     fast = sums(False)
     if not fast:
         return fast
-    total = tf.add_n([tf.reduce_sum(tf.cast(x, tf.float32)) for x in fast])
-    return tf.cond(tf.math.is_finite(total), lambda: [tf.identity(x) for x in fast],
-                   lambda: sums(True))
+
+    def checked() -> list:
+        total = tf.add_n([tf.reduce_sum(tf.cast(x, tf.float32)) for x in fast])
+        return tf.cond(tf.math.is_finite(total), lambda: [tf.identity(x) for x in fast],
+                       lambda: sums(True))
+
+    if weights is None:
+        return checked()
+    nonzero = tf.reduce_all(tf.stack([
+        tf.reduce_all(tf.not_equal(w, tf.zeros([], w.dtype))) for w in tf.nest.flatten(weights)
+    ]))
+    return tf.cond(nonzero, lambda: [tf.identity(x) for x in fast], checked)
 
 
 def weighted_sums(weights: Any, per_example_grads: Sequence[tf.Tensor]) -> list:
@@ -133,7 +149,7 @@ def weighted_sums(weights: Any, per_example_grads: Sequence[tf.Tensor]) -> list:
     its leaf of ``weights``, under one :func:`guarded_sums` conditional."""
     ws = tf.nest.flatten(weights)
     return guarded_sums(
-        lambda select: [weighted_sum(w, g, select) for w, g in zip(ws, per_example_grads)])
+        lambda select: [weighted_sum(w, g, select) for w, g in zip(ws, per_example_grads)], ws)
 
 
 def finite_records(squared_norms: Any, losses: Any = None) -> tf.Tensor:

@@ -446,13 +446,14 @@ def _capacity(table: tf.Variable) -> int:
     return int(tf.raw_ops.VariableShape(input=var.handle, out_type=tf.int64).numpy()[0])
 
 
-def _read_int(counter: tf.Variable) -> int:
+def read_int(counter: tf.Variable) -> int:
     """An int64 scalar variable's value, eagerly, in one op (``counter.numpy()`` takes two, a
     read and a copy: a flush after every compiled call reads several), of the first component
     under tf.distribute (every component holds the same value)."""
     if isinstance(counter, tf.distribute.DistributedValues):
         counter = counter.values[0]
     return int(tf.raw_ops.ReadVariableOp(resource=counter.handle, dtype=tf.int64).numpy())
+
 
 
 def _to_entries(samples: np.ndarray, queries: np.ndarray, first: int = 0) -> list[SampleEntry]:
@@ -757,9 +758,9 @@ class PrivacyLedger(tf.Module):
                 ledger.flush()
         """
         s, q = self._samples, self._queries
-        staged = _read_int(s.staged_count), _read_int(q.staged_count)
+        staged = read_int(s.staged_count), read_int(q.staged_count)
         if (
-            _read_int(s.overflow) == 0 and _read_int(q.overflow) == 0
+            read_int(s.overflow) == 0 and read_int(q.overflow) == 0
             and not s.needs_move(staged[0]) and not q.needs_move(staged[1])
         ):
             self._sync_journal(staged)  # nothing to move (or room for another call)
@@ -850,8 +851,8 @@ class PrivacyLedger(tf.Module):
         journal = self._journal
         if journal is None or not tf.executing_eagerly():
             return
-        base = _read_int(self._base)
-        n, m = _read_int(self._samples.count), _read_int(self._queries.count)
+        base = read_int(self._base)
+        n, m = read_int(self._samples.count), read_int(self._queries.count)
         start, stop = journal.num_samples, base + n + staged[0]
         if stop == start:
             return

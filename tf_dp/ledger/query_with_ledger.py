@@ -28,6 +28,7 @@ from tf_dp.ledger.privacy_ledger import (
     mechanism_code,
     origin_code,
     policy_code,
+    read_int,
     unit_code,
 )
 
@@ -393,7 +394,7 @@ class QueryWithLedger(DPQuery):
         that is not a finite number >= 0 (e.g. a ``tf.Variable`` clip set to inf), or ran under
         another unit of privacy than it was traced for (:meth:`unit_as_traced`): such steps
         recorded and released nothing."""
-        mismatched = int(self._unit_mismatches.numpy())
+        mismatched = read_int(self._unit_mismatches)
         if mismatched > self._mismatches_reported:
             self._mismatches_reported = mismatched
             traced = _describe_unit(*(int(v) for v in self._mismatched_trace.numpy()))
@@ -403,7 +404,7 @@ class QueryWithLedger(DPQuery):
                 f"{_describe_unit(*self._declared_unit)}): those steps recorded and applied "
                 f"nothing. {UNIT_MISMATCH_ADVICE}"
             )
-        bad = int(self._invalid_steps.numpy())
+        bad = read_int(self._invalid_steps)
         if bad > self._invalid_reported:
             self._invalid_reported = bad
             raise ValueError(

@@ -889,7 +889,8 @@ class GhostClipper(base.GradientClipper):
         weights = tf.nest.flatten(weights)
         dense = [i for i, v in enumerate(variables) if _key(v) not in self.sparse_keys]
         dense_sums = base.guarded_sums(lambda select: [
-            tf.cast(summers[i](weights[i], select), variables[i].dtype) for i in dense])
+            tf.cast(summers[i](weights[i], select), variables[i].dtype) for i in dense],
+            [weights[i] for i in dense])
         clipped = [None] * len(variables)
         for i, total in zip(dense, dense_sums):
             clipped[i] = total
