@@ -43,6 +43,8 @@ def kernel_variable(layer):
 def bias_per_example(g, bias):
     """Per-example bias gradient: ``g`` summed over every axis but the batch and the last."""
     g = f32(g)
+    if g.shape.rank == 2:  # [B, D]: the gradient itself (a sum over one position would copy it)
+        return PerExample(g)
     d = g.shape[-1]
     return PerExample(tf.reduce_sum(tf.reshape(g, [batch_size(g), -1, d]), axis=1))
 

@@ -45,7 +45,7 @@ def _as_btx(t: tf.Tensor) -> tf.Tensor:
     """``[B, C]`` -> ``[B, 1, C]``; ``[B, T, C]`` unchanged."""
     t = _f32(t)
     if t.shape.rank == 2:
-        return t[:, None, :]
+        return tf.expand_dims(t, 1)  # a reshape (a strided slice would copy)
     if t.shape.rank != 3:
         raise ValueError(f"expected a [B, T, C] or [B, C] tensor, got shape {t.shape}")
     return t
@@ -67,10 +67,17 @@ class Outer:
     g: tf.Tensor
     unflat_shape: Optional[Sequence[int]] = None
     perm: Optional[Sequence[int]] = None
+    #: ``(a, g)`` as given when both are ``[B, C]`` (T = 1), else None: the norm reads these,
+    #: so that ``||g_b||^2`` is the same op as a bias's norm on the same ``g`` (grappler then
+    #: computes it once)
+    flat: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
-        self.a = _as_btx(self.a)
-        self.g = _as_btx(self.g)
+        a, g = _f32(self.a), _f32(self.g)
+        if self.flat is None and a.shape.rank == 2 and g.shape.rank == 2:
+            self.flat = (a, g)
+        self.a = _as_btx(a)
+        self.g = _as_btx(g)
 
 
 @dataclasses.dataclass
@@ -247,6 +254,11 @@ def use_gram(t: Optional[int], c: Optional[int], d: Optional[int]) -> bool:
     return t * t * (c + d) < c * d or c * d > t * (c + d)
 
 
+def _row_squares(t: tf.Tensor) -> tf.Tensor:
+    """``[B]`` squared norms of the rows of a ``[B, C]`` tensor."""
+    return tf.reduce_sum(tf.square(t), axis=1)
+
+
 def squared_norm_and_sum(f, variable_shape):
     """``(squared norms [B], weighted_sum_fn)`` for one variable's combined factor.
 
@@ -256,12 +268,18 @@ def squared_norm_and_sum(f, variable_shape):
     """
     if isinstance(f, PerExample):
         grads = f.grads
-        sq = tf.reduce_sum(tf.reshape(tf.square(grads), [tf.shape(grads)[0], -1]), axis=1)
+        if grads.shape.rank == 2:
+            sq = _row_squares(grads)
+        else:
+            sq = tf.reduce_sum(tf.reshape(tf.square(grads), [tf.shape(grads)[0], -1]), axis=1)
         return sq, lambda w, select: tf.reshape(weighted_sum(w, grads, select), variable_shape)
     if isinstance(f, Outer):
         a, g = f.a, f.g
+        if f.flat is not None:
+            sq = _row_squares(f.flat[0]) * _row_squares(f.flat[1])
+            return sq, lambda w, select: _outer_weighted(f, w, variable_shape, select)
         if a.shape[1] == 1:
-            sq = tf.reduce_sum(tf.square(a[:, 0]), -1) * tf.reduce_sum(tf.square(g[:, 0]), -1)
+            sq = _row_squares(tf.squeeze(a, 1)) * _row_squares(tf.squeeze(g, 1))
             return sq, lambda w, select: _outer_weighted(f, w, variable_shape, select)
         if _use_ghost(f):
             aa = tf.matmul(a, a, transpose_b=True)
