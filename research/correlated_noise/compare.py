@@ -181,12 +181,35 @@ def mu_for(epsilon: float, delta: float) -> float:
 # -- tasks ---------------------------------------------------------------------------------------
 
 
-def load_fashion_mnist(quick):
+def load_fashion_mnist(quick, augment=None):
     """``((x, y), (xt, yt), name)``: scattering features of Fashion-MNIST (3000 / 1000 images if
-    ``quick``)."""
+    ``quick``). ``augment``: each image's features and those of fixed transforms of it, stacked
+    as ``[N, V, D]`` (labels ``[N, V]``): ``"flip"`` its mirror image (V = 2), ``"shift"`` the
+    image moved by one pixel up, down, left and right (V = 5, zeros shifted in)."""
     sn = _scatternet()
     (x, y), (xt, yt) = sn.load(3000, 1000) if quick else sn.load()
-    return (sn.features(x, True), y), (sn.features(xt, True), yt), "fashion_mnist"
+    if augment is None:
+        return (sn.features(x, True), y), (sn.features(xt, True), yt), "fashion_mnist"
+
+    def shifted(images, dy, dx):
+        out = np.zeros_like(images)
+        h, w = images.shape[1:3]
+        out[:, max(dy, 0):h + min(dy, 0), max(dx, 0):w + min(dx, 0)] = \
+            images[:, max(-dy, 0):h + min(-dy, 0), max(-dx, 0):w + min(-dx, 0)]
+        return out
+
+    def views(images):
+        if augment == "flip":
+            moved = [images[:, :, ::-1]]
+        else:
+            moved = [shifted(images, dy, dx) for dy, dx in ((-1, 0), (1, 0), (0, -1), (0, 1))]
+        return np.stack([sn.features(v, True) for v in [images] + moved], 1)
+
+    def labels(v, lab):
+        return np.repeat(lab[:, None], v.shape[1], 1)
+
+    f, ft = views(x), views(xt)
+    return (f, labels(f, y)), (ft, labels(ft, yt)), "fashion_mnist"
 
 
 def bag_of_words(ids: np.ndarray, num_words: int) -> np.ndarray:
@@ -220,6 +243,15 @@ def _linear(labels):
     return keras.layers.Dense(int(labels.max()) + 1, kernel_initializer="zeros")
 
 
+def _accuracy(model, xt, yt):
+    """Test accuracy; with augmented views (``xt [N, V, D]``) the logits of an image's views are
+    averaged (post-processing of the trained model: no privacy cost)."""
+    if xt.ndim == 2:
+        return float(model.evaluate(xt, yt, batch_size=2000, verbose=0)[1])
+    logits = model.predict(xt, batch_size=2000, verbose=0).mean(axis=1)
+    return float(np.mean(logits.argmax(-1) == yt[:, 0]))
+
+
 def train_nonprivate(feats, labels, args, seed):
     """The ceiling: the same model, data order and batches, Keras's SGD (no clipping, no noise)."""
     import keras
@@ -231,13 +263,13 @@ def train_nonprivate(feats, labels, args, seed):
     x, y = x[:n][order], y[:n][order]
     keras.utils.set_random_seed(seed)
     lr = args.nonprivate_learning_rate
-    model = keras.Sequential([keras.Input((x.shape[1],)), _linear(yt)])
+    model = keras.Sequential([keras.Input(x.shape[1:]), _linear(yt)])
     model.compile(optimizer=keras.optimizers.SGD(learning_rate=lr, momentum=args.momentum),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     start = time.time()
     model.fit(x, y, batch_size=batch, epochs=args.epochs, shuffle=False, verbose=0)
-    _, acc = model.evaluate(xt, yt, batch_size=2000, verbose=0)
+    acc = _accuracy(model, xt, yt)
     print(f"nonprivate seed {seed}: acc {acc:.4f}", flush=True)
     return {"mechanism": "nonprivate", "target_epsilon": math.inf, "epsilon": math.inf,
             "seed": seed, "accuracy": float(acc), "noise_multiplier": 0.0, "sensitivity": None,
@@ -304,7 +336,7 @@ def train(mechanism, feats, labels, args, seed, target):
         else:
             opt = tf_dp.keras.DPKerasMFOptimizer(noise_multiplier=sigma, strategy=strategy,
                                                  **common)
-    model = tf_dp.keras.DPSequential([keras.Input((x.shape[1],)), _linear(yt)])
+    model = tf_dp.keras.DPSequential([keras.Input(x.shape[1:]), _linear(yt)])
     model.compile(optimizer=opt,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
@@ -321,13 +353,13 @@ def train(mechanism, feats, labels, args, seed, target):
     else:
         model.fit(x, y, batch_size=batch, epochs=args.epochs, shuffle=False, verbose=0)
         eps = gaussian_epsilon(delta_sens / sigma, args.delta)
-    _, acc = model.evaluate(xt, yt, batch_size=2000, verbose=0)
+    acc = _accuracy(model, xt, yt)
     row = {"mechanism": mechanism, "target_epsilon": target, "epsilon": round(eps, 4),
            "seed": seed, "accuracy": float(acc), "noise_multiplier": sigma,
            "sensitivity": delta_sens, "parts": parts, "batch": batch, "steps": steps,
            "bands": {"bandmf": args.bands, "bandmf_amplified": args.amp_bands}.get(mechanism),
            "buffers": args.buffers if mechanism == "blt" else None,
-           "learning_rate": args.learning_rate, "ema": args.ema,
+           "learning_rate": args.learning_rate, "ema": args.ema, "augment": args.augment,
            "seconds": round(time.time() - start, 1), "data": args.data_name}
     print(f"{mechanism} eps {eps:.3f} (target {target}) seed {seed}: acc {acc:.4f}, "
           f"sigma {sigma:.3f}", flush=True)
@@ -395,6 +427,10 @@ def main(argv=None):
     p.add_argument("--ema", type=float,
                    help="evaluate an exponential moving average of the iterates with this "
                    "momentum (Keras's use_ema; post-processing, no privacy cost)")
+    p.add_argument("--augment", choices=("flip", "shift"),
+                   help="fashion_mnist: train on each image and fixed transforms of it (flip: its "
+                        "mirror image; shift: moved by one pixel in 4 directions); the per-example "
+                        "gradient averages the views before clipping, the test logits average them")
     p.add_argument("--validation", action="store_true",
                    help="train on the first part of the training set, evaluate on the rest "
                    "(Fashion-MNIST: the last 10,000 images; text: the last 20%%)")
@@ -413,7 +449,11 @@ def main(argv=None):
         return plot(args.task)
     if args.quick:
         args.epochs, args.seeds = 3, 1
-    (x, y), (xt, yt), args.data_name = LOADERS[args.task](args.quick)
+    if args.augment and args.task != "fashion_mnist":
+        p.error("--augment applies to --task fashion_mnist")
+    loader = LOADERS[args.task]
+    (x, y), (xt, yt), args.data_name = (loader(args.quick, args.augment) if args.augment
+                                        else loader(args.quick))
     if args.validation:
         cut = len(x) - int(round(task["holdout"] * len(x)))
         (x, y), (xt, yt) = (x[:cut], y[:cut]), (x[cut:], y[cut:])
