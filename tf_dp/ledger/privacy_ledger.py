@@ -455,7 +455,6 @@ def read_int(counter: tf.Variable) -> int:
     return int(tf.raw_ops.ReadVariableOp(resource=counter.handle, dtype=tf.int64).numpy())
 
 
-
 def _to_entries(samples: np.ndarray, queries: np.ndarray, first: int = 0) -> list[SampleEntry]:
     """Sample-table rows (steps ``first, first + 1, ...``) and their query-table rows as
     :class:`SampleEntry` objects."""
