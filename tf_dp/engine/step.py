@@ -364,15 +364,19 @@ class DPEngine:
             if not bool(fits):
                 raise ValueError(_oversized_message(int(units), self.sampling))
             return []
-        if not in_xla_context():  # string data: TensorFlow adds no tf.cond guard to the Assert
-            return [tf.debugging.Assert(fits, [
-                "tf_dp: batch size: a batch of", tf.strings.as_string(units),
-                "units (rows / records_per_unit) is larger than the declared shuffle sampling's "
-                "batch size (selection_probability * population_size, accepted 1 ..",
-                tf.strings.as_string(limit),
-                "); nothing was recorded or applied. Feed batches of at most that size, or "
-                "declare the sampling that produced them",
-            ])]
+        if not in_xla_context():
+            def fail():  # the message's string ops run only in a step that fails
+                with tf.control_dependencies([tf.debugging.Assert(fits, [
+                    "tf_dp: batch size: a batch of", tf.strings.as_string(units),
+                    "units (rows / records_per_unit) is larger than the declared shuffle "
+                    "sampling's batch size (selection_probability * population_size, accepted "
+                    "1 ..", tf.strings.as_string(limit),
+                    "); nothing was recorded or applied. Feed batches of at most that size, or "
+                    "declare the sampling that produced them",
+                ])]):
+                    return tf.constant(False)
+
+            return [tf.cond(fits, lambda: tf.constant(True), fail)]
         self._batch_checked_by_mask = True
         self._batch_fits.assign(fits)
         self._oversized.assign_add(tf.cast(tf.logical_not(fits), tf.int64))

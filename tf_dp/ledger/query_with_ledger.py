@@ -590,10 +590,11 @@ def _where(keep: tf.Tensor, t: Any) -> Any:
 def _check_specs(specs: list[SumQuerySpec]) -> list[Any]:
     """Checks the run-time clip and noise values (a tensor clip may have been set to a bad value).
 
-    Eagerly: raises ValueError naming the value. In a graph: returns one assertion op that fails
-    the step (``InvalidArgumentError`` naming the first bad value) before anything is recorded;
-    its data are strings, so TensorFlow adds no ``tf.cond`` guard for it. Under XLA: nothing
-    (an assertion does not stop a compiled step; :meth:`QueryWithLedger.has_room` masks it).
+    Eagerly: raises ValueError naming the value. In a graph: returns one check that fails the
+    step (``InvalidArgumentError`` naming the first bad value) before anything is recorded; the
+    message is built only in the conditional's failing branch, so a good step runs no string ops.
+    Under XLA: nothing (an assertion does not stop a compiled step;
+    :meth:`QueryWithLedger.has_room` masks it).
     """
     if in_xla_context():
         return []  # no assertion stops a compiled step: has_room() withholds its release
@@ -616,7 +617,13 @@ def _check_specs(specs: list[SumQuerySpec]) -> list[Any]:
         return []
     values = tf.stack(values)
     good = tf.logical_and(tf.math.is_finite(values), values >= 0)
-    first_bad = tf.argmin(tf.cast(good, tf.int32))  # the first False (any index if all are good)
-    message = tf.strings.join([tf.gather(tf.constant(labels), first_bad), ", got ",
-                               tf.strings.as_string(tf.gather(values, first_bad))])
-    return [tf.debugging.Assert(tf.reduce_all(good), [message])]
+    ok = tf.reduce_all(good)
+
+    def fail():
+        first_bad = tf.argmin(tf.cast(good, tf.int32))  # the first False
+        message = tf.strings.join([tf.gather(tf.constant(labels), first_bad), ", got ",
+                                   tf.strings.as_string(tf.gather(values, first_bad))])
+        with tf.control_dependencies([tf.debugging.Assert(ok, [message])]):
+            return tf.constant(False)
+
+    return [tf.cond(ok, lambda: tf.constant(True), fail)]
