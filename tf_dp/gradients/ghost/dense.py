@@ -35,15 +35,15 @@ def dense_rule(layer, inputs, grad_output):
     x, g = f32(inputs), f32(grad_output)
     kernel = kernel_variable(layer)
     d, p = kernel.shape
-    x3 = tf.reshape(x, [batch_size(x), -1, d])
-    g3 = tf.reshape(g, [batch_size(g), -1, p])
     if x.shape.rank != 2 or g.shape.rank != 2:  # [B, T, .]; a [B, .] pair stays as it is
-        x, g = x3, g3
+        x = tf.reshape(x, [batch_size(x), -1, d])
+        g = tf.reshape(g, [batch_size(g), -1, p])
     out = []
     if trainable(kernel):
         out.append((kernel, Outer(x, g)))
     if getattr(layer, "lora_enabled", False):
-        out.extend(lora_factors(layer, "btc,cd->btd", x3, g3))
+        out.extend(lora_factors(layer, "btc,cd->btd", tf.reshape(x, [batch_size(x), -1, d]),
+                                tf.reshape(g, [batch_size(g), -1, p])))
     if trainable(layer.bias):
         out.append((layer.bias, bias_per_example(g, layer.bias)))
     return out
