@@ -213,16 +213,17 @@ def warm_up(model: keras.Model, ds: tf.data.Dataset, steps: int) -> None:
 
 
 def _time_flushes(ledger: Any, into: list[float]) -> None:
-    """Times every ``ledger.flush()`` (the train function calls it after each step; with a
-    journal attached it also appends the step to the journal) into ``into`` (seconds)."""
-    flush = ledger.flush
+    """Times every ledger flush (the train function runs one after each step, through
+    ``flush_known``; with a journal attached it also appends the step to the journal) into
+    ``into`` (seconds)."""
+    flush = ledger.flush_known
 
-    def timed_flush() -> None:
+    def timed_flush(known: Any) -> None:
         t0 = time.perf_counter()
-        flush()
+        flush(known)
         into.append(time.perf_counter() - t0)
 
-    ledger.flush = timed_flush
+    ledger.flush_known = timed_flush
 
 
 def time_modes(

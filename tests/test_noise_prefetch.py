@@ -200,3 +200,60 @@ def test_a_process_that_exits_right_after_an_xla_fit_exits_cleanly(background):
     )
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip().endswith("done")
+
+
+def _fit_and_train_on_batch(seed, fused, monkeypatch):
+    from tf_dp.keras import fit_sampling
+
+    with monkeypatch.context() as patch:
+        if not fused:  # Keras's own train function, the noise and counters read between calls
+            patch.setattr(fit_sampling, "_fused_xla_train_function", lambda model, engine: None)
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(64, 20)).astype("float32")
+        y = rng.integers(0, 3, size=64)
+        model, optimizer = _private_model(seed)
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+        optimizer.set_sampling(64, 16 / 64, "shuffle")
+        model.train_on_batch(x[:16], y[:16])
+        return model, optimizer
+
+
+def test_fused_xla_train_function_trains_as_the_unfused_one_bit_for_bit(monkeypatch):
+    # fit and train_on_batch under XLA with one step per call run the step and then, in the
+    # same function, draw the next step's noise and read the flush's counters: the same
+    # weights, noise and ledger as drawing and reading between the calls
+    fused, fused_opt = _fit_and_train_on_batch(3, True, monkeypatch)
+    plain, plain_opt = _fit_and_train_on_batch(3, False, monkeypatch)
+    for a, b in zip(fused.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert fused_opt.ledger.num_samples == plain_opt.ledger.num_samples == 9
+    np.testing.assert_array_equal(fused_opt.ledger.tables()[0],
+                                  plain_opt.ledger.tables()[0])
+    np.testing.assert_array_equal(fused_opt.ledger.tables()[1],
+                                  plain_opt.ledger.tables()[1])
+    fused_pre = fused_opt.engine.query.prefetched_noise
+    plain_pre = plain_opt.engine.query.prefetched_noise
+    # 9 steps, each after the first read a buffer drawn for it: the fused path drew them in the
+    # graph (no eager fill function was ever made), the other between calls
+    assert fused_pre.served == plain_pre.served == 8
+    assert fused_pre._fill_current is None and plain_pre._fill_current is not None
+
+
+def test_flush_counters_read_in_the_graph_equal_the_eager_reads():
+    from tf_dp.ledger.privacy_ledger import counter_key, known_counters, read_int
+
+    model, optimizer = _private_model(4)
+    x = np.zeros((64, 20), "float32")
+    model.fit(x, np.zeros(64, "int64"), batch_size=16, epochs=1, verbose=0, shuffle=False)
+    engine = optimizer.engine
+    counters = engine.flush_counters()
+    snapshot = tf.function(engine.after_step_in_graph)()
+    known = known_counters(counters, snapshot)
+    assert len(known) == len(counters)
+    for c in counters:
+        if c.shape.rank == 2:  # a staging table: its rows
+            assert known[counter_key(c)] == c.numpy().shape[0]
+        else:
+            assert known[counter_key(c)] == read_int(c) == int(c.numpy())
+    # the staged count is among them and non-zero here (the steps stay staged between calls)
+    assert sum(known[counter_key(c)] for c in counters[:2]) > 0

@@ -684,20 +684,32 @@ class PrefetchedNoise:
         out = [v + tf.cast(tf.reshape(z, v.shape), v.dtype) for v, z in zip(leaves, parts)]
         return tf.nest.pack_sequence_as(values, out)
 
-    def _functions(self) -> None:
+    def _fill_if_consumed(self) -> tf.Tensor:
+        """Graph ops: draws into ``current`` unless it is still ready; whether it drew."""
         current, ready, _, _ = self._vars
         ahead, n = self._ahead, self._size
 
-        @tf.function(jit_compile=False, autograph=False)
-        def fill_current():
-            def draw():
-                with tf.control_dependencies([current.assign(gaussian_noise(ahead, n))]):
-                    with tf.control_dependencies([ready.assign(1)]):
-                        return tf.constant(True)
+        def draw():
+            with tf.control_dependencies([current.assign(gaussian_noise(ahead, n))]):
+                with tf.control_dependencies([ready.assign(1)]):
+                    return tf.constant(True)
 
-            return tf.cond(ready.read_value() > 0, lambda: tf.constant(False), draw)
+        return tf.cond(ready.read_value() > 0, lambda: tf.constant(False), draw)
 
-        self._fill_current = fill_current
+    def _functions(self) -> None:
+        self._fill_current = tf.function(self._fill_if_consumed, jit_compile=False,
+                                         autograph=False)
+
+    def refill_in_graph(self) -> Optional[tf.Tensor]:
+        """:meth:`refill` (``background=False``) as graph ops, for a function that calls the
+        compiled step and is not compiled itself: placed after the step (automatic control
+        dependencies order it after the step's read of ``current``), it draws the next step's
+        noise without an eager call of its own. ``None`` (nothing) until a step was traced
+        under XLA; a draw still waiting in ``next`` (an earlier background refill) is left
+        there, to be promoted by a later :meth:`refill` once ``current`` is consumed."""
+        if self._size is None or tf.executing_eagerly():
+            return None
+        return self._fill_if_consumed()
 
     def _background_functions(self) -> None:
         """The second buffer ``next`` and the functions that fill it and promote it."""

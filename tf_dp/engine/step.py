@@ -57,7 +57,14 @@ from tf_dp.gradients.base import as_tf_variables
 from tf_dp.gradients.embedding_rows import sparse_table_names
 from tf_dp.gradients.per_user import for_users
 from tf_dp.gradients.physical_batches import PhysicalBatches
-from tf_dp.ledger.privacy_ledger import PrivacyLedger, ledger_variable, read_int, table_steps
+from tf_dp.ledger.privacy_ledger import (
+    PrivacyLedger,
+    counter_snapshot,
+    known_counters,
+    ledger_variable,
+    read_int,
+    table_steps,
+)
 from tf_dp.ledger.query_with_ledger import QueryWithLedger
 
 _logger = logging.getLogger("tf_dp")
@@ -529,24 +536,41 @@ class DPEngine:
         """Room in the ledger's staging table for ``steps`` steps of one compiled call."""
         self.ledger.reserve(int(steps), len(self.recorder.sum_query_specs(self.global_state)))
 
-    def flush(self) -> None:
+    def after_step_in_graph(self) -> tf.Tensor:
+        """Graph ops for the end of a (not compiled) function that has just called an
+        XLA-compiled DP step: draws the next step's noise (:meth:`prefetch_noise`, without an
+        eager call of its own) and returns the counters :meth:`flush` reads, in one int64
+        vector (:meth:`flush_counters`; pass it to :meth:`flush` as ``counters``)."""
+        for prefetch in _prefetches(self.query):
+            prefetch.refill_in_graph()
+        return counter_snapshot(self.flush_counters())
+
+    def flush_counters(self) -> list:
+        """The int64 counters :meth:`flush` reads before it writes any."""
+        return (self.ledger.flush_counters() + [self._oversized, self._skipped]
+                + self.recorder.flush_counters())
+
+    def flush(self, counters: Any = None) -> None:
         """After a compiled call: flushes the ledger's staging table, raises if a compiled step
         met a non-finite clip or noise (it recorded nothing) or a batch larger than the declared
-        one (:meth:`check_batch_size`), logs withheld steps."""
-        self.ledger.flush()
-        oversized = read_int(self._oversized)
+        one (:meth:`check_batch_size`), logs withheld steps. ``counters``: the values of
+        :meth:`flush_counters` read by :meth:`after_step_in_graph` in the function that ran the
+        step (else they are read here)."""
+        known = None if counters is None else known_counters(self.flush_counters(), counters)
+        self.ledger.flush_known(known)
+        oversized = read_int(self._oversized, known)
         if oversized > self._oversized_reported:
             new, self._oversized_reported = oversized - self._oversized_reported, oversized
             try:  # the recorder counted the same steps as steps with a non-finite sensitivity
-                self.recorder.check_values()
+                self.recorder.check_values(known)
             except ValueError:
                 pass
             raise ValueError(
                 f"{new} compiled DP step(s) ran on a batch larger than "
                 + _oversized_message(None, self.sampling)
             )
-        self.recorder.check_values()
-        skipped = read_int(self._skipped)
+        self.recorder.check_values(known)
+        skipped = read_int(self._skipped, known)
         if skipped > self._skipped_reported:
             _logger.warning(
                 "tf_dp: %d DP step(s) so far produced a non-finite update; their updates were "

@@ -103,10 +103,12 @@ class OptimizerSampling:
             self._sampling_from_fit = False
         self.after_compiled_call()
 
-    def after_compiled_call(self) -> None:
+    def after_compiled_call(self, counters: Any = None) -> None:
         """Flushes the ledger's staging table and logs DP steps withheld as non-finite (eager);
-        raises if a compiled step met a non-finite clip or noise (it recorded nothing)."""
-        self._engine.flush()  # type: ignore[attr-defined]
+        raises if a compiled step met a non-finite clip or noise (it recorded nothing).
+        ``counters``: the flush's counters as read in the graph that ran the step
+        (:meth:`tf_dp.engine.DPEngine.after_step_in_graph`), if it read them."""
+        self._engine.flush(counters)  # type: ignore[attr-defined]
 
     @property
     def skipped_steps(self) -> int:

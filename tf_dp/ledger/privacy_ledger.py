@@ -362,7 +362,7 @@ class _Buffer(tf.Module):
             self.staged.assign(tf.zeros([int(rows), self.staged.shape[1]], tf.float64))
         self.call_rows = int(rows)
 
-    def needs_move(self, staged: int) -> bool:
+    def needs_move(self, staged: int, known: Optional[Mapping[Any, int]] = None) -> bool:
         """Whether, with ``staged`` rows staged, a flush must move them to ``data``: nothing
         was reserved, or the next compiled call's rows (as many as reserved, or as the most
         one call staged so far) would not fit after them. Called once per flush: if it says no,
@@ -372,7 +372,7 @@ class _Buffer(tf.Module):
         if staged == 0:
             self._left = 0
             return False
-        if self.call_rows <= 0 or staged + self.call_rows > _capacity(self.staged):
+        if self.call_rows <= 0 or staged + self.call_rows > _capacity(self.staged, known):
             return True
         self._left = staged
         return False
@@ -440,19 +440,63 @@ def _shape_rows(table: tf.Variable) -> tf.Tensor:
     return tf.raw_ops.VariableShape(input=table.handle, out_type=tf.int64)[0]
 
 
-def _capacity(table: tf.Variable) -> int:
-    """:func:`_shape_rows`, eagerly, in one op (of the first component under tf.distribute)."""
+def _capacity(table: tf.Variable, known: Optional[Mapping[Any, int]] = None) -> int:
+    """:func:`_shape_rows`, eagerly, in one op (of the first component under tf.distribute);
+    ``known``: as :func:`read_int`'s (a table's entry there is its number of rows)."""
     var = table.values[0] if isinstance(table, tf.distribute.DistributedValues) else table
+    if known is not None:
+        value = known.get(counter_key(var))
+        if value is not None:
+            return value
     return int(tf.raw_ops.VariableShape(input=var.handle, out_type=tf.int64).numpy()[0])
 
 
-def read_int(counter: tf.Variable) -> int:
+def read_int(counter: tf.Variable, known: Optional[Mapping[Any, int]] = None) -> int:
     """An int64 scalar variable's value, eagerly, in one op (``counter.numpy()`` takes two, a
     read and a copy: a flush after every compiled call reads several), of the first component
-    under tf.distribute (every component holds the same value)."""
+    under tf.distribute (every component holds the same value).
+
+    ``known``: values read in the graph that ran the last step (:func:`counter_snapshot`), by
+    :func:`counter_key`; a counter found there is not read again. Pass it only to reads that
+    happen before anything writes the counter."""
     if isinstance(counter, tf.distribute.DistributedValues):
         counter = counter.values[0]
+    if known is not None:
+        value = known.get(counter_key(counter))
+        if value is not None:
+            return value
     return int(tf.raw_ops.ReadVariableOp(resource=counter.handle, dtype=tf.int64).numpy())
+
+
+def counter_key(counter: tf.Variable) -> Any:
+    """The key of ``counter`` (an int64 scalar variable) in a ``known`` mapping of
+    :func:`read_int`."""
+    if isinstance(counter, tf.distribute.DistributedValues):
+        counter = counter.values[0]
+    return counter.ref()
+
+
+def counter_snapshot(counters: Sequence[tf.Variable]) -> tf.Tensor:
+    """Graph ops: the values of ``counters`` (int64 scalar variables; for a table, a variable of
+    rank 2, its number of rows) stacked in one int64 vector, read at the end of the function
+    that ran a compiled step, so that the flush after it finds them in the function's output
+    instead of reading each with an eager op (:func:`known_counters`)."""
+    if not counters:
+        return tf.zeros([0], tf.int64)
+    values = []
+    for c in counters:
+        var = c.values[0] if isinstance(c, tf.distribute.DistributedValues) else c
+        if var.shape.rank == 2:
+            values.append(tf.raw_ops.VariableShape(input=var.handle, out_type=tf.int64)[0])
+        else:
+            values.append(tf.raw_ops.ReadVariableOp(resource=var.handle, dtype=tf.int64))
+    return tf.stack(values)
+
+
+def known_counters(counters: Sequence[tf.Variable], values: Any) -> dict:
+    """The ``known`` mapping of :func:`read_int` from :func:`counter_snapshot`'s ``values``."""
+    values = np.asarray(values)
+    return {counter_key(c): int(v) for c, v in zip(counters, values)}
 
 
 def _to_entries(samples: np.ndarray, queries: np.ndarray, first: int = 0) -> list[SampleEntry]:
@@ -759,13 +803,25 @@ class PrivacyLedger(tf.Module):
                 train_step(batch)      # tf.function(jit_compile=True)
                 ledger.flush()
         """
+        self.flush_known(None)
+
+    def flush_counters(self) -> list:
+        """The int64 counters (and staging tables, by their rows) :meth:`flush` reads before it
+        writes anything (for :func:`counter_snapshot`)."""
         s, q = self._samples, self._queries
-        staged = read_int(s.staged_count), read_int(q.staged_count)
+        return [s.staged_count, q.staged_count, s.overflow, q.overflow, s.staged, q.staged,
+                self._base, s.count, q.count]
+
+    def flush_known(self, known: Optional[Mapping[Any, int]]) -> None:
+        """:meth:`flush`, with the values of :meth:`flush_counters` read in the graph that ran
+        the last compiled step (:func:`known_counters`; ``None``: read them here)."""
+        s, q = self._samples, self._queries
+        staged = read_int(s.staged_count, known), read_int(q.staged_count, known)
         if (
-            read_int(s.overflow) == 0 and read_int(q.overflow) == 0
-            and not s.needs_move(staged[0]) and not q.needs_move(staged[1])
+            read_int(s.overflow, known) == 0 and read_int(q.overflow, known) == 0
+            and not s.needs_move(staged[0], known) and not q.needs_move(staged[1], known)
         ):
-            self._sync_journal(staged)  # nothing to move (or room for another call)
+            self._sync_journal(staged, known)  # nothing to move (or room for another call)
             return
         self._flush_all()
 
@@ -847,14 +903,16 @@ class PrivacyLedger(tf.Module):
             self._journal.close()
             self._journal = None
 
-    def _sync_journal(self, staged: tuple[int, int] = (0, 0)) -> None:
+    def _sync_journal(self, staged: tuple[int, int] = (0, 0),
+                      known: Optional[Mapping[Any, int]] = None) -> None:
         """Appends the rows recorded since the last append to the journal (after a flush);
-        ``staged``: the rows still staged in the sample and query tables (read just before)."""
+        ``staged``: the rows still staged in the sample and query tables (read just before);
+        ``known``: as :func:`read_int`'s, only when nothing was moved since it was read."""
         journal = self._journal
         if journal is None or not tf.executing_eagerly():
             return
-        base = read_int(self._base)
-        n, m = read_int(self._samples.count), read_int(self._queries.count)
+        base = read_int(self._base, known)
+        n, m = read_int(self._samples.count, known), read_int(self._queries.count, known)
         start, stop = journal.num_samples, base + n + staged[0]
         if stop == start:
             return

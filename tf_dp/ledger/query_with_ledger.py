@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import tensorflow as tf
 
@@ -389,12 +389,17 @@ class QueryWithLedger(DPQuery):
             return self.has_room(global_state)
         return tf.equal(self._released.read_value(), 1)
 
-    def check_values(self) -> None:
+    def flush_counters(self) -> list:
+        """The int64 counters :meth:`check_values` reads (for
+        :func:`tf_dp.ledger.privacy_ledger.counter_snapshot`)."""
+        return [self._unit_mismatches, self._invalid_steps]
+
+    def check_values(self, known: Optional[Mapping[Any, int]] = None) -> None:
         """Raises (eagerly, between compiled calls) if a compiled step met a clip or noise value
         that is not a finite number >= 0 (e.g. a ``tf.Variable`` clip set to inf), or ran under
         another unit of privacy than it was traced for (:meth:`unit_as_traced`): such steps
-        recorded and released nothing."""
-        mismatched = read_int(self._unit_mismatches)
+        recorded and released nothing. ``known``: as :func:`read_int`'s."""
+        mismatched = read_int(self._unit_mismatches, known)
         if mismatched > self._mismatches_reported:
             self._mismatches_reported = mismatched
             traced = _describe_unit(*(int(v) for v in self._mismatched_trace.numpy()))
@@ -404,7 +409,7 @@ class QueryWithLedger(DPQuery):
                 f"{_describe_unit(*self._declared_unit)}): those steps recorded and applied "
                 f"nothing. {UNIT_MISMATCH_ADVICE}"
             )
-        bad = read_int(self._invalid_steps)
+        bad = read_int(self._invalid_steps, known)
         if bad > self._invalid_reported:
             self._invalid_reported = bad
             raise ValueError(
