@@ -207,7 +207,7 @@ def _fit_and_train_on_batch(seed, fused, monkeypatch):
 
     with monkeypatch.context() as patch:
         if not fused:  # Keras's own train function, the noise and counters read between calls
-            patch.setattr(fit_sampling, "_fused_xla_train_function", lambda model, engine: None)
+            patch.setattr(fit_sampling, "_fused_train_function", lambda model, engine: None)
         rng = np.random.default_rng(0)
         x = rng.normal(size=(64, 20)).astype("float32")
         y = rng.integers(0, 3, size=64)
@@ -218,7 +218,7 @@ def _fit_and_train_on_batch(seed, fused, monkeypatch):
         return model, optimizer
 
 
-def test_fused_xla_train_function_trains_as_the_unfused_one_bit_for_bit(monkeypatch):
+def test_fused_train_function_trains_as_the_unfused_one_bit_for_bit(monkeypatch):
     # fit and train_on_batch under XLA with one step per call run the step and then, in the
     # same function, draw the next step's noise and read the flush's counters: the same
     # weights, noise and ledger as drawing and reading between the calls

@@ -419,7 +419,7 @@ def private_train_function(model: keras.Model) -> None:
     steps = int(getattr(model, "steps_per_execution", 1) or 1)
     optimizer.engine.reserve(steps)
     first = [True]  # the first call traces (and compiles) the DP step: a big model takes minutes
-    fused = _fused_xla_train_function(model, optimizer.engine) if steps == 1 else None
+    fused = _fused_train_function(model, optimizer.engine) if steps == 1 else None
 
     def call(*a, **k):
         if fused is None or PrefetchedNoise.background:  # a background draw: between calls
@@ -453,21 +453,21 @@ def private_train_function(model: keras.Model) -> None:
     model.train_function = train_function
 
 
-def _fused_xla_train_function(model: keras.Model, engine: Any) -> Any:
-    """For an XLA-compiled model trained one step per call on one device (``jit_compile``,
+def _fused_train_function(model: keras.Model, engine: Any) -> Any:
+    """For a model trained in graph mode one step per call on one device (not ``run_eagerly``,
     ``steps_per_execution`` 1, no ``tf.distribute`` strategy), Keras's train function with the
-    work between DP steps in the same call: the function that calls the compiled step (not
-    compiled itself) then draws the next step's noise and reads the counters of the ledger's
-    flush (:meth:`tf_dp.engine.DPEngine.after_step_in_graph`). Otherwise these are eager calls
-    of their own after every step (about 0.7 ms on a 2-core CPU, 15% of the MLP's XLA step).
-    Returns ``fn(iterator) -> (logs, counters)``, or ``None`` where it does not apply (the
-    caller keeps Keras's function).
+    work between DP steps in the same call: after the step (XLA-compiled or not), the function
+    draws the next step's noise for an XLA step and reads the counters of the ledger's flush
+    (:meth:`tf_dp.engine.DPEngine.after_step_in_graph`). Otherwise these are eager calls of
+    their own after every step (about 0.7 ms under XLA on a 2-core CPU, 15% of the MLP's
+    step). Returns ``fn(iterator) -> (logs, counters)``, or ``None`` where it does not apply
+    (the caller keeps Keras's function).
 
     The step itself is Keras's: ``strategy.run(model.train_step)`` under
-    ``tf.function(jit_compile=True)``, on the next element of a ``tf.data`` iterator (the end
-    of the data raises ``OutOfRangeError``, as in Keras) or on the one batch of
-    ``train_on_batch``."""
-    if (model.run_eagerly or model.jit_compile is not True or tf.distribute.has_strategy()
+    ``tf.function(jit_compile=model.jit_compile)``, on the next element of a ``tf.data``
+    iterator (the end of the data raises ``OutOfRangeError``, as in Keras) or on the one batch
+    of ``train_on_batch``."""
+    if (model.run_eagerly or tf.distribute.has_strategy()
             or model.distribute_strategy is not tf.distribute.get_strategy()):
         return None
     strategy = model.distribute_strategy
@@ -478,7 +478,8 @@ def _fused_xla_train_function(model: keras.Model, engine: Any) -> Any:
             lambda x: None if isinstance(x, tf.experimental.Optional) else x, data)
         return strategy.run(model.train_step, args=(data,))
 
-    compiled = tf.function(one_step_on_data, reduce_retracing=True, jit_compile=True)
+    compiled = tf.function(one_step_on_data, reduce_retracing=True,
+                           jit_compile=bool(model.jit_compile))
 
     def step_and_after(data):
         logs = compiled(data)
