@@ -248,7 +248,8 @@ def test_flush_counters_read_in_the_graph_equal_the_eager_reads():
     engine = optimizer.engine
     counters = engine.flush_counters()
     snapshot = tf.function(engine.after_step_in_graph)()
-    known = known_counters(counters, snapshot)
+    known = known_counters(counters, snapshot[0])
+    assert snapshot[1].shape[0] == snapshot[2].shape[0] == 0  # no journal: no rows
     assert len(known) == len(counters)
     for c in counters:
         if c.shape.rank == 2:  # a staging table: its rows
@@ -257,3 +258,42 @@ def test_flush_counters_read_in_the_graph_equal_the_eager_reads():
             assert known[counter_key(c)] == read_int(c) == int(c.numpy())
     # the staged count is among them and non-zero here (the steps stay staged between calls)
     assert sum(known[counter_key(c)] for c in counters[:2]) > 0
+
+
+@pytest.mark.parametrize("jit_compile", [True, False], ids=["xla", "graph"])
+def test_fused_train_function_journals_the_steps_as_the_unfused_one(tmp_path, monkeypatch,
+                                                                    jit_compile):
+    # the journal's append after each step takes the step's rows from the function that ran
+    # it: the journal file must hold what the ledger holds, as with the rows read between calls
+    from tf_dp.keras import fit_sampling
+    from tf_dp.ledger import privacy_ledger
+    from tf_dp.ledger.journal import read_journal
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(64, 20)).astype("float32")
+    y = rng.integers(0, 3, size=64)
+    journals = []
+    for fused in (True, False):
+        with monkeypatch.context() as patch:
+            if not fused:
+                patch.setattr(fit_sampling, "_fused_train_function", lambda model, engine: None)
+            model, optimizer = _private_model(5)
+            if not jit_compile:
+                model.compile(optimizer=optimizer, jit_compile=False,
+                              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                optimizer.set_sampling(64, 16 / 64, "shuffle")
+            path = tmp_path / f"journal_{fused}"
+            optimizer.ledger.attach_journal(path)
+            reads = []
+            read_rows = privacy_ledger._read_rows
+            patch.setattr(privacy_ledger, "_read_rows", lambda *a: reads.append(a) or read_rows(*a))
+            model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+            # the fused function's steps gave the journal their rows: no table reads between steps
+            assert (len(reads) == 0) if fused else (len(reads) >= 8)
+            optimizer.set_sampling(64, 16 / 64, "shuffle")
+            model.train_on_batch(x[:16], y[:16])
+            entries = read_journal(path)
+            assert entries == optimizer.ledger.samples()
+            assert len(entries) == 9
+            journals.append(entries)
+    assert journals[0] == journals[1]

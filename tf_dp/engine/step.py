@@ -536,14 +536,16 @@ class DPEngine:
         """Room in the ledger's staging table for ``steps`` steps of one compiled call."""
         self.ledger.reserve(int(steps), len(self.recorder.sum_query_specs(self.global_state)))
 
-    def after_step_in_graph(self) -> tf.Tensor:
-        """Graph ops for the end of a (not compiled) function that has just called an
-        XLA-compiled DP step: draws the next step's noise (:meth:`prefetch_noise`, without an
-        eager call of its own) and returns the counters :meth:`flush` reads, in one int64
-        vector (:meth:`flush_counters`; pass it to :meth:`flush` as ``counters``)."""
+    def after_step_in_graph(self) -> tuple:
+        """Graph ops for the end of a (not compiled) function that has just called a
+        DP step (XLA-compiled or not): draws the next XLA step's noise (:meth:`prefetch_noise`,
+        without an eager call of its own) and returns what :meth:`flush` reads (pass it as
+        ``counters``): its counters in one int64 vector (:meth:`flush_counters`) and the
+        journal's new rows (:meth:`PrivacyLedger.journal_tails`)."""
         for prefetch in _prefetches(self.query):
             prefetch.refill_in_graph()
-        return counter_snapshot(self.flush_counters())
+        query_rows = len(self.recorder.sum_query_specs(self.global_state))
+        return (counter_snapshot(self.flush_counters()),) + self.ledger.journal_tails(1, query_rows)
 
     def flush_counters(self) -> list:
         """The int64 counters :meth:`flush` reads before it writes any."""
@@ -556,7 +558,10 @@ class DPEngine:
         one (:meth:`check_batch_size`), logs withheld steps. ``counters``: the values of
         :meth:`flush_counters` read by :meth:`after_step_in_graph` in the function that ran the
         step (else they are read here)."""
-        known = None if counters is None else known_counters(self.flush_counters(), counters)
+        known = None
+        if counters is not None:  # (counters, the journal's tails)
+            known = known_counters(self.flush_counters(), counters[0])
+            known.update(self.ledger.known_tails(*counters[1:]))
         self.ledger.flush_known(known)
         oversized = read_int(self._oversized, known)
         if oversized > self._oversized_reported:

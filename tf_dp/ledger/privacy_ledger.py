@@ -377,9 +377,30 @@ class _Buffer(tf.Module):
         self._left = staged
         return False
 
-    def rows(self, start: int, stop: int, recorded: int) -> np.ndarray:
+    def tail_in_graph(self, k: int) -> tf.Tensor:
+        """Graph ops: the last ``k`` rows (recorded, then staged), float64 ``[k, cols]``; where
+        fewer than ``k`` rows exist, the missing leading rows are row 0's or zeros (for
+        :meth:`rows` after the function that ran a step: :meth:`PrivacyLedger.journal_tails`)."""
+        n = self.count.read_value()
+        index = n + self.staged_count.read_value() - k + tf.range(k, dtype=tf.int64)
+        index = tf.maximum(index, 0)
+
+        def gather(table, i):
+            var = table.values[0] if isinstance(table, tf.distribute.DistributedValues) else table
+            last = tf.raw_ops.VariableShape(input=var.handle, out_type=tf.int64)[0] - 1
+            return tf.raw_ops.ResourceGather(resource=var.handle, indices=tf.clip_by_value(
+                i, 0, tf.maximum(last, 0)), dtype=tf.float64)
+
+        staged = index >= n
+        return tf.where(staged[:, None], gather(self.staged, index - n), gather(self.data, index))
+
+    def rows(self, start: int, stop: int, recorded: int,
+             tail: Optional[np.ndarray] = None, total: int = -1) -> np.ndarray:
         """Rows ``start:stop`` of all rows, the ``recorded`` rows of ``data`` followed by the
-        staged ones, eagerly: one gather per table touched."""
+        staged ones, eagerly: one gather per table touched; none if ``tail``, the last rows of
+        the ``total`` rows (:meth:`tail_in_graph`, read with that total), holds them."""
+        if tail is not None and stop == total and stop - start <= len(tail):
+            return np.array(tail[len(tail) - (stop - start):], dtype=np.float64)
         parts = []
         if start < recorded:
             parts.append(_read_rows(self.data, start, min(stop, recorded)))
@@ -812,6 +833,24 @@ class PrivacyLedger(tf.Module):
         return [s.staged_count, q.staged_count, s.overflow, q.overflow, s.staged, q.staged,
                 self._base, s.count, q.count]
 
+    def journal_tails(self, steps: int, query_rows: int) -> tuple[tf.Tensor, tf.Tensor]:
+        """Graph ops for the end of the function that ran ``steps`` steps of ``query_rows`` sum
+        query rows each: the last rows of the sample and query tables, what the journal's
+        append after the step reads (zero rows if no journal is attached when this is traced).
+        Pass them to :meth:`flush_known` through ``known`` (:meth:`known_tails`)."""
+        if self._journal is None:
+            return (tf.zeros([0, _SAMPLE_COLS], tf.float64), tf.zeros([0, _QUERY_COLS], tf.float64))
+        return self._samples.tail_in_graph(steps), self._queries.tail_in_graph(query_rows)
+
+    def known_tails(self, samples: Any, queries: Any) -> dict:
+        """:meth:`journal_tails`'s values as entries of a ``known`` mapping of
+        :meth:`flush_known` (none for zero rows)."""
+        samples, queries = np.asarray(samples), np.asarray(queries)
+        if not len(samples):
+            return {}
+        return {("tail", counter_key(self._samples.data)): samples,
+                ("tail", counter_key(self._queries.data)): queries}
+
     def flush_known(self, known: Optional[Mapping[Any, int]]) -> None:
         """:meth:`flush`, with the values of :meth:`flush_counters` read in the graph that ran
         the last compiled step (:func:`known_counters`; ``None``: read them here)."""
@@ -923,8 +962,11 @@ class PrivacyLedger(tf.Module):
                 return
         s0, s1 = start - base, stop - base  # rows of the step tables (recorded, then staged)
         q0, q1 = self._journal_queries, m + staged[1]
-        samples = self._samples.rows(s0, s1, n)
-        queries = self._queries.rows(q0, q1, m)
+        tails = {} if known is None else known
+        samples = self._samples.rows(s0, s1, n, tails.get(("tail", counter_key(
+            self._samples.data))), n + staged[0])
+        queries = self._queries.rows(q0, q1, m, tails.get(("tail", counter_key(
+            self._queries.data))), m + staged[1])
         relative = queries.copy()
         relative[:, 0] -= s0
         key = f"{len(samples)},{len(relative)}:".encode() + samples.tobytes() + relative.tobytes()
