@@ -207,3 +207,31 @@ def test_a_ghost_step_has_one_conditional_for_all_its_sums():
     conds = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
     assert len(model.trainable_variables) >= 4
     assert len(conds) == 1, [op.name for op in conds]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_all_finite_under_xla_agrees_with_the_mask_reduction(dtype):
+    # the XLA form sums t * 0 by products with ones: it must say False for any inf, -inf or
+    # NaN anywhere (a single one, in any row or column) and True for any all-finite tensor,
+    # also one of the dtype's largest values (whose sum would overflow; t * 0 does not)
+    from tf_dp.engine.step import all_finite
+
+    rng = np.random.default_rng(0)
+    big = float(np.finfo(np.float16).max) if dtype == "float16" else (
+        3.0e38 if dtype in ("float32", "bfloat16") else 1.0e308)
+    check = tf.function(all_finite, jit_compile=True)
+    for shape in [(784, 512), (3, 3, 16, 32), (64, 128)]:
+        base = rng.normal(size=shape)
+        cases = [(base, True), (np.full(shape, big), True), (-np.full(shape, big), True)]
+        for bad in (np.inf, -np.inf, np.nan):
+            for _ in range(4):
+                t = base.copy()
+                t[tuple(rng.integers(0, s) for s in shape)] = bad
+                cases.append((t, False))
+        corner = base.copy()
+        corner[(-1,) * len(shape)] = np.nan
+        cases.append((corner, False))
+        for values, expected in cases:
+            t = tf.cast(tf.constant(values), dtype)
+            assert bool(check(t)) is expected, (shape, dtype, expected)
+            assert bool(all_finite(t)) is expected  # eager: the mask reduction
