@@ -536,16 +536,21 @@ class DPEngine:
         """Room in the ledger's staging table for ``steps`` steps of one compiled call."""
         self.ledger.reserve(int(steps), len(self.recorder.sum_query_specs(self.global_state)))
 
-    def after_step_in_graph(self) -> tuple:
+    def after_step_in_graph(self, journaled: Optional[bool] = None) -> tf.Tensor:
         """Graph ops for the end of a (not compiled) function that has just called a
         DP step (XLA-compiled or not): draws the next XLA step's noise (:meth:`prefetch_noise`,
         without an eager call of its own) and returns what :meth:`flush` reads (pass it as
-        ``counters``): its counters in one int64 vector (:meth:`flush_counters`) and the
-        journal's new rows (:meth:`PrivacyLedger.journal_tails`)."""
+        ``counters``), in one float64 matrix (one tensor to convert after the call): row 0 the
+        counters (:meth:`flush_counters`; integers, exact in float64 below 2**53), then the
+        journal's new rows (:meth:`PrivacyLedger.journal_tails` for one step, with
+        ``journaled``), each row padded with zeros to the widest."""
         for prefetch in _prefetches(self.query):
             prefetch.refill_in_graph()
         query_rows = len(self.recorder.sum_query_specs(self.global_state))
-        return (counter_snapshot(self.flush_counters()),) + self.ledger.journal_tails(1, query_rows)
+        parts = [tf.cast(counter_snapshot(self.flush_counters()), tf.float64)[None, :]]
+        parts += list(self.ledger.journal_tails(1, query_rows, journaled))
+        width = max(int(p.shape[1]) for p in parts)
+        return tf.concat([tf.pad(p, [[0, 0], [0, width - int(p.shape[1])]]) for p in parts], 0)
 
     def flush_counters(self) -> list:
         """The int64 counters :meth:`flush` reads before it writes any."""
@@ -559,9 +564,12 @@ class DPEngine:
         :meth:`flush_counters` read by :meth:`after_step_in_graph` in the function that ran the
         step (else they are read here)."""
         known = None
-        if counters is not None:  # (counters, the journal's tails)
-            known = known_counters(self.flush_counters(), counters[0])
-            known.update(self.ledger.known_tails(*counters[1:]))
+        if counters is not None:  # row 0 the counters, then the journal's rows
+            packed = np.asarray(counters)
+            names = self.flush_counters()
+            known = known_counters(names, packed[0, :len(names)])
+            if len(packed) > 1:
+                known.update(self.ledger.known_tails(packed[1:], steps=1))
         self.ledger.flush_known(known)
         oversized = read_int(self._oversized, known)
         if oversized > self._oversized_reported:

@@ -481,22 +481,25 @@ def _fused_train_function(model: keras.Model, engine: Any) -> Any:
     compiled = tf.function(one_step_on_data, reduce_retracing=True,
                            jit_compile=bool(model.jit_compile))
 
-    def step_and_after(data):
+    def step_and_after(data, journaled):
         logs = compiled(data)
         with tf.control_dependencies(tf.nest.flatten(logs)):
-            return logs, engine.after_step_in_graph()
+            return logs, engine.after_step_in_graph(journaled)
 
+    # ``journaled`` (a Python bool: one trace with a journal attached, one without; the
+    # compiled step is traced and compiled once for both)
     on_data = tf.function(step_and_after, reduce_retracing=True, autograph=False)
 
     @tf.function(reduce_retracing=True, autograph=False)
-    def on_iterator(iterator):
-        return step_and_after(iterator.get_next())
+    def on_iterator(iterator, journaled):
+        return step_and_after(iterator.get_next(), journaled)
 
     def function(iterator):
+        journaled = engine.ledger.journal is not None
         if isinstance(iterator, tf.data.Iterator):
-            return on_iterator(iterator)
+            return on_iterator(iterator, journaled)
         for data in iterator:  # train_on_batch: a generator of one batch
-            return on_data(data)
+            return on_data(data, journaled)
         raise StopIteration
 
     return function

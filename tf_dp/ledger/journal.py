@@ -218,10 +218,12 @@ def _lock(fd: int, path: str) -> None:
         )
 
 
-def _write(fd: int, data: bytes, path: str) -> None:
+def _write(fd: int, data: bytes, path: str, size: Optional[int] = None) -> None:
     """``os.write`` of all of ``data``; an OSError (a full disk: ENOSPC) names the file, and a
-    partly written record is cut off again (a later append must not glue onto it)."""
-    size = os.fstat(fd).st_size
+    partly written record is cut off again (a later append must not glue onto it) at ``size``,
+    the file's size before the write (read here if not given)."""
+    if size is None:
+        size = os.fstat(fd).st_size
     try:
         written = os.write(fd, data)
     except OSError as e:
@@ -290,6 +292,7 @@ class LedgerJournal:
             os.close(fd)  # also releases the lock
             raise
         self._num_samples = steps
+        self._size = valid  # the file's size (its one writer holds the lock): no fstat per append
         self._fd = fd
 
     @property
@@ -330,7 +333,8 @@ class LedgerJournal:
             )
         digest = _digest(start, runs_json)
         line = f'{{"start":{start},"runs":{runs_json},"sha256":"{digest}"}}\n'.encode()
-        _write(self._fd, line, self.path)  # O_APPEND: at the end of the file
+        _write(self._fd, line, self.path, self._size)  # O_APPEND: at the end of the file
+        self._size += len(line)
         if self.fsync:
             os.fsync(self._fd)
         self._num_samples += count

@@ -490,11 +490,12 @@ def read_int(counter: tf.Variable, known: Optional[Mapping[Any, int]] = None) ->
 
 
 def counter_key(counter: tf.Variable) -> Any:
-    """The key of ``counter`` (an int64 scalar variable) in a ``known`` mapping of
-    :func:`read_int`."""
+    """The key of ``counter`` (an int64 scalar variable, or a table) in a ``known`` mapping of
+    :func:`read_int`: its ``id`` (a mapping lives for one flush, while the ledger holds the
+    variable)."""
     if isinstance(counter, tf.distribute.DistributedValues):
         counter = counter.values[0]
-    return counter.ref()
+    return id(counter)
 
 
 def counter_snapshot(counters: Sequence[tf.Variable]) -> tf.Tensor:
@@ -833,23 +834,24 @@ class PrivacyLedger(tf.Module):
         return [s.staged_count, q.staged_count, s.overflow, q.overflow, s.staged, q.staged,
                 self._base, s.count, q.count]
 
-    def journal_tails(self, steps: int, query_rows: int) -> tuple[tf.Tensor, tf.Tensor]:
+    def journal_tails(self, steps: int, query_rows: int,
+                      journaled: Optional[bool] = None) -> tuple:
         """Graph ops for the end of the function that ran ``steps`` steps of ``query_rows`` sum
         query rows each: the last rows of the sample and query tables, what the journal's
-        append after the step reads (zero rows if no journal is attached when this is traced).
-        Pass them to :meth:`flush_known` through ``known`` (:meth:`known_tails`)."""
-        if self._journal is None:
-            return (tf.zeros([0, _SAMPLE_COLS], tf.float64), tf.zeros([0, _QUERY_COLS], tf.float64))
+        append after the step reads; nothing (``()``) if not ``journaled`` (default: whether a
+        journal is attached when this is traced; a function that can run with and without one
+        takes it as an argument, traced once for each). Pass them to :meth:`flush_known`
+        through ``known`` (:meth:`known_tails`)."""
+        if not (self._journal is not None if journaled is None else journaled):
+            return ()
         return self._samples.tail_in_graph(steps), self._queries.tail_in_graph(query_rows)
 
-    def known_tails(self, samples: Any, queries: Any) -> dict:
-        """:meth:`journal_tails`'s values as entries of a ``known`` mapping of
-        :meth:`flush_known` (none for zero rows)."""
-        samples, queries = np.asarray(samples), np.asarray(queries)
-        if not len(samples):
-            return {}
-        return {("tail", counter_key(self._samples.data)): samples,
-                ("tail", counter_key(self._queries.data)): queries}
+    def known_tails(self, rows: np.ndarray, steps: int) -> dict:
+        """:meth:`journal_tails`'s values for ``steps`` steps, stacked (the sample rows, then
+        the query rows; columns beyond a table's own are ignored), as entries of a ``known``
+        mapping of :meth:`flush_known`."""
+        return {("tail", counter_key(self._samples.data)): rows[:steps, :_SAMPLE_COLS],
+                ("tail", counter_key(self._queries.data)): rows[steps:, :_QUERY_COLS]}
 
     def flush_known(self, known: Optional[Mapping[Any, int]]) -> None:
         """:meth:`flush`, with the values of :meth:`flush_counters` read in the graph that ran
