@@ -128,6 +128,30 @@ def test_weighted_sum_selects_rows_out_instead_of_multiplying_by_zero():
     g = tf.constant([[1.0, 2.0], [np.nan, np.inf], [3.0, 4.0]])
     out = weighted_sum(tf.constant([0.5, 0.0, 1.0]), g).numpy()
     np.testing.assert_allclose(out, [3.5, 5.0])
+    # under XLA the sum is a product with two columns (w, 0): the same values; exact here
+    xla = tf.function(weighted_sum, jit_compile=True)
+    np.testing.assert_array_equal(xla(tf.constant([0.5, 0.0, 1.0]), g).numpy(), [3.5, 5.0])
+
+
+@pytest.mark.parametrize("shape", [(64, 128, 128), (7, 5), (3, 2, 2, 4)])
+def test_weighted_sum_under_xla_is_the_sum_of_weighted_rows(shape):
+    # float32 sums of B products in another order: within B * eps * sum_b |w_b g_b| of a
+    # float64 reference, elementwise; a NaN row of weight 0 still adds exactly nothing
+    from tf_dp.gradients.base import weighted_sum
+
+    rng = np.random.default_rng(1)
+    g = rng.normal(size=shape).astype(np.float32)
+    w = rng.uniform(0.1, 1.0, size=shape[0]).astype(np.float32)
+    w[1] = 0.0
+    g[1] = np.nan
+    keep = w != 0
+    terms = w[keep].astype(np.float64).reshape((-1,) + (1,) * (len(shape) - 1)) * g[keep]
+    reference = terms.sum(axis=0)
+    bound = shape[0] * np.finfo(np.float32).eps * np.abs(terms).sum(axis=0) + 1e-30
+    xla = tf.function(weighted_sum, jit_compile=True)
+    out = xla(tf.constant(w), tf.constant(g)).numpy()
+    assert out.shape == shape[1:]
+    assert np.all(np.abs(out - reference) <= bound)
 
 
 @pytest.mark.parametrize("value", sorted(BAD))
