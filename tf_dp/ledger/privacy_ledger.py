@@ -386,7 +386,7 @@ class _Buffer(tf.Module):
         index = tf.maximum(index, 0)
 
         def gather(table, i):
-            var = table.values[0] if isinstance(table, tf.distribute.DistributedValues) else table
+            var = first_component(table)
             last = tf.raw_ops.VariableShape(input=var.handle, out_type=tf.int64)[0] - 1
             return tf.raw_ops.ResourceGather(resource=var.handle, indices=tf.clip_by_value(
                 i, 0, tf.maximum(last, 0)), dtype=tf.float64)
@@ -461,10 +461,18 @@ def _shape_rows(table: tf.Variable) -> tf.Tensor:
     return tf.raw_ops.VariableShape(input=table.handle, out_type=tf.int64)[0]
 
 
+def first_component(variable: Any) -> Any:
+    """``variable``, or its first component under tf.distribute (every component of a ledger
+    variable holds the same value)."""
+    if isinstance(variable, tf.distribute.DistributedValues):
+        return variable.values[0]
+    return variable
+
+
 def _capacity(table: tf.Variable, known: Optional[Mapping[Any, int]] = None) -> int:
     """:func:`_shape_rows`, eagerly, in one op (of the first component under tf.distribute);
     ``known``: as :func:`read_int`'s (a table's entry there is its number of rows)."""
-    var = table.values[0] if isinstance(table, tf.distribute.DistributedValues) else table
+    var = first_component(table)
     if known is not None:
         value = known.get(counter_key(var))
         if value is not None:
@@ -480,8 +488,7 @@ def read_int(counter: tf.Variable, known: Optional[Mapping[Any, int]] = None) ->
     ``known``: values read in the graph that ran the last step (:func:`counter_snapshot`), by
     :func:`counter_key`; a counter found there is not read again. Pass it only to reads that
     happen before anything writes the counter."""
-    if isinstance(counter, tf.distribute.DistributedValues):
-        counter = counter.values[0]
+    counter = first_component(counter)
     if known is not None:
         value = known.get(counter_key(counter))
         if value is not None:
@@ -493,9 +500,7 @@ def counter_key(counter: tf.Variable) -> Any:
     """The key of ``counter`` (an int64 scalar variable, or a table) in a ``known`` mapping of
     :func:`read_int`: its ``id`` (a mapping lives for one flush, while the ledger holds the
     variable)."""
-    if isinstance(counter, tf.distribute.DistributedValues):
-        counter = counter.values[0]
-    return id(counter)
+    return id(first_component(counter))
 
 
 def counter_snapshot(counters: Sequence[tf.Variable]) -> tf.Tensor:
@@ -507,7 +512,7 @@ def counter_snapshot(counters: Sequence[tf.Variable]) -> tf.Tensor:
         return tf.zeros([0], tf.int64)
     values = []
     for c in counters:
-        var = c.values[0] if isinstance(c, tf.distribute.DistributedValues) else c
+        var = first_component(c)
         if var.shape.rank == 2:
             values.append(tf.raw_ops.VariableShape(input=var.handle, out_type=tf.int64)[0])
         else:
@@ -746,8 +751,7 @@ def _read_rows(table: tf.Variable, start: int, stop: int) -> np.ndarray:
     """Rows ``start:stop`` of a ledger table, eagerly: one gather op, O(rows) (slicing a
     variable eagerly reads the whole table, and ``sparse_read`` costs several times the op);
     under ``tf.distribute`` from the first component (every component holds the same rows)."""
-    if isinstance(table, tf.distribute.DistributedValues):
-        table = table.values[0]
+    table = first_component(table)
     if stop - start == 1:  # one row (a flush after every step): a scalar index converts faster
         row = tf.raw_ops.ResourceGather(resource=table.handle, indices=start, dtype=tf.float64)
         return row.numpy()[None, :]
