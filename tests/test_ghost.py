@@ -115,7 +115,7 @@ def check(
             params = query.derive_sample_params(query.initial_global_state())
             loss_fn = PerExampleLoss(model)
 
-            @tf.function
+            @tf.function(jit_compile=graph == "xla")
             def fn():
                 o = strategy.clipped_sum(loss_fn, data, model.trainable_variables, query, params)
                 sq = query.squared

@@ -2,9 +2,10 @@
 tf_dp/dp_query/native/patches_op.cc) used by the ghost convolution rule where it materialises
 per-example gradients: the values against a float64 product of TensorFlow's own patches over
 paddings, strides, dilations, channel and filter counts (with the forward error bound of a float32
-sum as the tolerance), its shape checks, where the rule uses it (and where not: under XLA, on the
-Gram route), and the ghost clipper's norms and clipped sums with it against a per-example
-GradientTape loop."""
+sum as the tolerance), its shape checks, the same kernel as an XLA custom call (equal to the op bit
+for bit), where the rule uses either (and where not: the Gram route, an unknown batch size under
+XLA), and the ghost clipper's norms and clipped sums with it, eagerly, in a graph and under XLA,
+against a per-example GradientTape loop."""
 
 from __future__ import annotations
 
@@ -80,7 +81,9 @@ def test_an_output_gradient_of_the_wrong_shape_is_refused():
         native.conv_kernel_grads_op(x, tf.ones([2, 14, 14, 16]), (8, 8), (2, 2), (1, 1), "FULL")
 
 
-def _rule_ops(layer, x, jit):
+def _rule_ops(layer, x, jit, batch=-1):
+    """The op types of the rule's graph for input ``x``, traced with the batch size ``batch``
+    (-1: ``x``'s; None: unknown)."""
     g = tf.ones_like(layer(x))
 
     def rule(x, g):
@@ -88,24 +91,87 @@ def _rule_ops(layer, x, jit):
             layer, x, g)]
 
     fn = tf.function(rule, jit_compile=jit)
-    return {op.type for op in fn.get_concrete_function(x, g).graph.get_operations()}
+    specs = [tf.TensorSpec([t.shape[0] if batch == -1 else batch, *t.shape[1:]]) for t in (x, g)]
+    return {op.type for op in fn.get_concrete_function(*specs).graph.get_operations()}
 
 
-def test_the_rule_uses_the_op_where_it_materialises_outside_xla_only():
+def test_the_rule_uses_the_kernel_where_it_materialises_eagerly_and_under_xla():
     r = rng(5)
     first = keras.layers.Conv2D(16, 8, strides=2, padding="same")  # T = 196, K = 64, F = 16
     x = tf.constant(r.normal(size=(2, 28, 28, 1)), tf.float32)
     assert "TfDpConvKernelGrads" in _rule_ops(first, x, jit=False)
+    # under XLA: the same kernel as a custom call; with an unknown batch size (the call's shape
+    # is fixed when traced) the patches' route
     under_xla = _rule_ops(first, x, jit=True)
-    assert "TfDpConvKernelGrads" not in under_xla and "TfDpExtractPatches" not in under_xla
+    assert "XlaCustomCallV2" in under_xla and "TfDpConvKernelGrads" not in under_xla
+    dynamic = _rule_ops(first, x, jit=True, batch=None)
+    assert "XlaCustomCallV2" not in dynamic and "Conv2D" in dynamic
+    # the reference CNN's second convolution (T = 25, K = 256, F = 32): the Gram route outside
+    # XLA (K F > T (K + F)), the kernel under XLA (K F <= 2 T (K + F))
+    second = keras.layers.Conv2D(32, 4, strides=2)
+    z = tf.constant(r.normal(size=(2, 13, 13, 16)), tf.float32)
+    assert "TfDpConvKernelGrads" not in _rule_ops(second, z, jit=False)
+    assert "XlaCustomCallV2" in _rule_ops(second, z, jit=True)
     # few positions, many channels: the Gram route (T^2 (K + F) < K F) unfolds the patches
     late = keras.layers.Conv2D(64, 3)  # T = 4, K = 576, F = 64
     y = tf.constant(r.normal(size=(2, 4, 4, 64)), tf.float32)
     ops = _rule_ops(late, y, jit=False)
     assert "TfDpConvKernelGrads" not in ops and "TfDpExtractPatches" in ops
+    assert "XlaCustomCallV2" not in _rule_ops(late, y, jit=True)
 
 
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-k{c[1]}-s{c[2]}-r{c[3]}-{c[4]}-f{c[5]}"
+                                             for c in CASES])
+def test_the_xla_custom_call_equals_the_op_bit_for_bit(case):
+    """The custom call runs the op's computation (the same sums in the same order): equal values,
+    so the op's error bound above holds for it too."""
+    shape, ks, st, dr, padding, f = case
+    r = np.random.default_rng(1)
+    x = tf.constant(r.normal(size=shape), tf.float32)
+    oshape = tf.image.extract_patches(x, [1, *ks, 1], [1, *st, 1], [1, *dr, 1], padding).shape
+    g = tf.constant(r.normal(size=(*oshape[:3], f)), tf.float32)
+    want = native.conv_kernel_grads_op(x, g, ks, st, dr, padding)
+    fn = tf.function(lambda x, g: native.conv_kernel_grads_xla(x, g, ks, st, dr, padding),
+                     jit_compile=True)
+    got = fn(x, g)
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+    # a batch larger than the CPUs: every thread's share of the examples is written
+    xb = tf.concat([x] * 5, 0)
+    gb = tf.concat([g] * 5, 0)
+    np.testing.assert_array_equal(fn(xb, gb).numpy(), np.concatenate([want.numpy()] * 5))
+
+
+def test_the_xla_custom_call_with_no_output_position_gives_zeros():
+    fn = tf.function(lambda x, g: native.conv_kernel_grads_xla(x, g, (5, 5), (1, 1), (1, 1),
+                                                               "VALID"), jit_compile=True)
+    got = fn(tf.ones([2, 4, 4, 2]), tf.zeros([2, 0, 0, 3]))
+    assert got.shape == (2, 50, 3)
+    np.testing.assert_array_equal(got.numpy(), np.zeros((2, 50, 3), np.float32))
+
+
+def test_the_xla_custom_call_refuses_what_it_cannot_compute():
+    def call(x_spec, g_spec, padding="SAME", sizes=(8, 8)):
+        @tf.function(jit_compile=True, input_signature=[x_spec, g_spec])
+        def fn(x, g):
+            return native.conv_kernel_grads_xla(x, g, sizes, (2, 2), (1, 1), padding)
+
+        return fn.get_concrete_function()
+
+    x, g = tf.TensorSpec([2, 28, 28, 1]), tf.TensorSpec([2, 14, 14, 16])
+    with pytest.raises(ValueError, match=r"g must be \[2, 14, 14, 'F'\]"):
+        call(x, tf.TensorSpec([2, 13, 14, 16]))
+    with pytest.raises(ValueError, match="static rank-4 shapes"):
+        call(tf.TensorSpec([None, 28, 28, 1]), g)
+    with pytest.raises(ValueError, match="padding must be 'SAME' or 'VALID'"):
+        call(x, g, padding="FULL")
+    with pytest.raises(ValueError, match="2 integers >= 1"):
+        call(x, g, sizes=(0, 8))
+    with pytest.raises(TypeError, match="float32"):
+        call(tf.TensorSpec([2, 28, 28, 1], tf.float16), g)
+
+
+@pytest.mark.parametrize("graph", [False, True, "xla"], ids=["eager", "tf.function", "xla"])
 def test_ghost_clipper_with_native_kernel_grads_equals_the_per_example_loop(graph):
     """Norms and clipped sum of a model whose convolutions take the native route: 2-D with a
     stride, with a dilation and 1x1, 1-D causal with a dilation, and one convolution called twice

@@ -56,7 +56,7 @@ import tensorflow as tf
 __all__ = [
     "available", "status", "set_enabled", "gaussian_noise_op", "add_gaussian_noise_op",
     "chunked_gaussian_noise_op", "box_muller_op", "extract_patches_op",
-    "conv_kernel_grads_op",
+    "conv_kernel_grads_op", "xla_available", "conv_kernel_grads_xla",
 ]
 
 #: compiled together into one library
@@ -76,6 +76,7 @@ _module: Any = None
 _status = "not loaded yet"
 _tried = False
 _enabled_override: Optional[bool] = None
+_xla_target: list = []  # [True] once a library that registers the XLA custom-call target loaded
 _log = logging.getLogger("tf_dp")
 
 
@@ -148,10 +149,25 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path.home() / ".cache" / "tf_dp" / "native"
 
 
+def _xla_target_flags() -> list:
+    """``["-DTF_DP_XLA_CUSTOM_CALL", <link flags>]`` where the installed TensorFlow ships XLA's
+    custom-call registry (its header and ``libtensorflow_cc``, which exports it): the library then
+    registers ``TfDpConvKernelGrads`` as an XLA CPU custom-call target too. ``[]`` otherwise."""
+    include = pathlib.Path(tf.sysconfig.get_include())
+    lib = pathlib.Path(tf.sysconfig.get_lib())
+    cc = sorted(lib.glob("libtensorflow_cc.so.*"))
+    if not (include / "xla" / "service" / "custom_call_target_registry.h").exists() or not cc:
+        return []
+    return ["-DTF_DP_XLA_CUSTOM_CALL", f"-L{lib}", f"-l:{cc[0].name}"]
+
+
 def _build(cxx: str) -> pathlib.Path:
     """The compiled library's path (built now unless cached)."""
     compile_flags = list(tf.sysconfig.get_compile_flags())
     link_flags = list(tf.sysconfig.get_link_flags())
+    xla_flags = _xla_target_flags()
+    compile_flags += xla_flags[:1]
+    link_flags += xla_flags[1:]
     digest = hashlib.sha256()
     for part in (*(src.read_bytes() for src in _SOURCES), tf.__version__.encode(),
                  sys.version.encode(), _compiler_version(cxx).encode(), " ".join(_FLAGS + compile_flags + link_flags)
@@ -197,6 +213,7 @@ def _load() -> Any:
             tf.no_gradient("TfDpChunkedGaussianNoise")
             tf.no_gradient("TfDpConvKernelGrads")
             _module, _status = module, f"loaded {path}"
+            _xla_target[:] = [bool(_xla_target_flags())]
         except Exception as e:  # noqa: BLE001 - any failure falls back to the TF ops
             _module, _status = None, f"unavailable: {e}"
             _log.warning(
@@ -332,3 +349,62 @@ def conv_kernel_grads_op(x: Any, g: Any, sizes: Any, strides: Any, rates: Any,
     c, f = x.shape[3], g.shape[3]
     out.set_shape([x.shape[0], None if c is None else sizes[0] * sizes[1] * c, f])
     return out
+
+
+@tf.autograph.experimental.do_not_convert
+def xla_available() -> bool:
+    """Whether :func:`conv_kernel_grads_xla` can be used: :func:`available`, and the library
+    registered its XLA CPU custom-call target (the installed TensorFlow ships XLA's custom-call
+    registry; ``_xla_target_flags``)."""
+    return available() and bool(_xla_target) and _xla_target[0]
+
+
+@tf.autograph.experimental.do_not_convert
+def conv_kernel_grads_xla(x: Any, g: Any, sizes: Any, strides: Any, rates: Any,
+                          padding: str) -> Any:
+    """:func:`conv_kernel_grads_op` inside a function compiled with XLA (``jit_compile=True``),
+    where TensorFlow's kernels cannot run: an XLA custom call (``XlaCustomCallV2``) to the
+    library's CPU target ``TfDpConvKernelGrads``, the same computation (the same float32 sums in
+    the same order, so the same values bit for bit). Needs static shapes for ``x`` and ``g``
+    (the call's result shape is fixed when the function is traced; the ghost rule keeps its
+    patches' route otherwise) and :func:`xla_available`. The examples are split over one thread
+    per CPU the process may use. No gradient.
+
+    Example::
+
+        @tf.function(jit_compile=True)
+        def grads(x, g):
+            return conv_kernel_grads_xla(x, g, (8, 8), (2, 2), (1, 1), "SAME")
+
+        grads(tf.random.normal([2, 28, 28, 1]), tf.random.normal([2, 14, 14, 16]))  # [2, 64, 16]
+    """
+    from tensorflow.compiler.tf2xla.python import xla as tf2xla
+
+    if not xla_available():
+        raise RuntimeError(f"the native XLA target is not available ({status()})")
+    if x.dtype != tf.float32 or g.dtype != tf.float32:
+        raise TypeError(f"x and g must be float32, got {x.dtype.name} and {g.dtype.name}")
+    if not (x.shape.is_fully_defined() and g.shape.is_fully_defined()) or x.shape.rank != 4 \
+            or g.shape.rank != 4:
+        raise ValueError(f"x and g must have static rank-4 shapes, got {x.shape} and {g.shape}")
+    sizes, strides, rates = [list(map(int, v)) for v in (sizes, strides, rates)]
+    if any(len(v) != 2 or min(v) < 1 for v in (sizes, strides, rates)):
+        raise ValueError(f"sizes, strides and rates must be 2 integers >= 1, got {sizes}, "
+                         f"{strides}, {rates}")
+    padding = padding.upper()
+    if padding not in ("SAME", "VALID"):
+        raise ValueError(f"padding must be 'SAME' or 'VALID', got {padding!r}")
+    b, h, w, c = x.shape.as_list()
+    out = []
+    for n, k, s, d in zip((h, w), sizes, strides, rates):
+        span = (k - 1) * d + 1
+        out.append(-(-n // s) if padding == "SAME" else max((n - span) // s + 1, 0))
+    f = g.shape[3]
+    if g.shape.as_list() != [b, *out, f]:
+        raise ValueError(f"g must be {[b, *out, 'F']} for x of shape {x.shape} and this "
+                         f"convolution, got {g.shape}")
+    config = " ".join(str(v) for v in (b, h, w, c, *sizes, *strides, *rates,
+                                        int(padding == "SAME"), f))
+    spec = tf.TensorSpec([b, sizes[0] * sizes[1] * c, f], tf.float32)
+    return tf2xla.custom_call_v2("TfDpConvKernelGrads", [x, g], [spec],
+                                 backend_config=config)[0]

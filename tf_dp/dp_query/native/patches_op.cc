@@ -1,5 +1,6 @@
 // tf_dp's native kernels for the ghost convolution rule (tf_dp/gradients/ghost/conv.py): patch
-// extraction and per-example kernel gradients, outside XLA.
+// extraction and per-example kernel gradients, outside XLA; the per-example kernel gradients also
+// as an XLA CPU custom-call target (built with TF_DP_XLA_CUSTOM_CALL, see the end of the file).
 //
 // TfDpExtractPatches: x [B, H, W, C] (channels last) -> patches [B, OH, OW, KH * KW * C] in
 // (kh, kw, c) order, zeros where a patch reaches into the padding: exactly what
@@ -28,16 +29,24 @@
 // CPU; the tests compare them with a float64 computation. Sharded over TensorFlow's intra-op
 // threads by example.
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/platform/threadpool.h"
+#ifdef TF_DP_XLA_CUSTOM_CALL
+#include "xla/service/custom_call_target_registry.h"
+#endif
 
 namespace tf_dp {
 namespace {
@@ -253,6 +262,42 @@ static void CopyInterior(const ConvGeometry& s, const float* image, float* xp) {
   }
 }
 
+// y [b, K, F] for the geometry s (sizes, strides, dilations, output sizes and leading padding
+// set; t = OH OW > 0): shard(b, cost per example, fn) runs fn(n0, n1) over ranges of examples
+// that together cover [0, b).
+template <typename Shard>
+static void KernelGrads(ConvGeometry s, int64_t b, const float* x, const float* g, float* y,
+                        Shard shard) {
+  const int64_t k_count = s.kh * s.kw * s.c, t_count = s.oh * s.ow;
+  s.hp = (s.oh - 1) * s.sh + (s.kh - 1) * s.dh + 1;
+  s.wp = (s.ow - 1) * s.sw + (s.kw - 1) * s.dw + 1;
+  std::vector<int64_t> base(t_count), off(k_count);
+  for (int64_t p = 0; p < s.oh; ++p) {
+    for (int64_t q = 0; q < s.ow; ++q) base[p * s.ow + q] = (p * s.sh * s.wp + q * s.sw) * s.c;
+  }
+  for (int64_t i = 0; i < s.kh; ++i) {
+    for (int64_t j = 0; j < s.kw; ++j) {
+      for (int64_t c = 0; c < s.c; ++c) {
+        off[(i * s.kw + j) * s.c + c] = (i * s.dh * s.wp + j * s.dw) * s.c + c;
+      }
+    }
+  }
+  const int64_t cost = 2 * t_count * k_count * s.f + s.hp * s.wp * s.c;
+  shard(b, cost, [&](int64_t n0, int64_t n1) {
+    std::vector<float> xp(s.hp * s.wp * s.c, 0.0f);  // the border stays zero
+    for (int64_t n = n0; n < n1; ++n) {
+      CopyInterior(s, x + n * s.h * s.w * s.c, xp.data());
+      const float* gn = g + n * t_count * s.f;
+      float* out = y + n * k_count * s.f;
+      if (s.f % 32 == 0) {
+        ExampleGrads<8, 2>(s, xp.data(), base.data(), off.data(), gn, out);
+      } else {
+        ExampleGrads<8, 1>(s, xp.data(), base.data(), off.data(), gn, out);
+      }
+    }
+  });
+}
+
 class ConvKernelGradsOp : public WindowOp {
  public:
   explicit ConvKernelGradsOp(OpKernelConstruction* ctx) : WindowOp(ctx) {}
@@ -279,47 +324,84 @@ class ConvKernelGradsOp : public WindowOp {
                     "g must be [", b, ", ", s.oh, ", ", s.ow, ", F] for x of shape ",
                     x_t.shape().DebugString(), " and this convolution, got ",
                     g_t.shape().DebugString()));
-    const int64_t k_count = s.kh * s.kw * s.c, t_count = s.oh * s.ow;
+    const int64_t k_count = s.kh * s.kw * s.c;
     Tensor* y_t = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({b, k_count, s.f}), &y_t));
     if (y_t->NumElements() == 0) return;
     float* y = y_t->flat<float>().data();
-    if (t_count == 0) {
+    if (s.oh * s.ow == 0) {
       std::fill(y, y + y_t->NumElements(), 0.0f);
       return;
     }
-    s.hp = (s.oh - 1) * s.sh + (s.kh - 1) * s.dh + 1;
-    s.wp = (s.ow - 1) * s.sw + (s.kw - 1) * s.dw + 1;
-    std::vector<int64_t> base(t_count), off(k_count);
-    for (int64_t p = 0; p < s.oh; ++p) {
-      for (int64_t q = 0; q < s.ow; ++q) base[p * s.ow + q] = (p * s.sh * s.wp + q * s.sw) * s.c;
-    }
-    for (int64_t i = 0; i < s.kh; ++i) {
-      for (int64_t j = 0; j < s.kw; ++j) {
-        for (int64_t c = 0; c < s.c; ++c) {
-          off[(i * s.kw + j) * s.c + c] = (i * s.dh * s.wp + j * s.dw) * s.c + c;
-        }
-      }
-    }
-    const float* x = x_t.flat<float>().data();
-    const float* g = g_t.flat<float>().data();
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-    const int64_t cost = 2 * t_count * k_count * s.f + s.hp * s.wp * s.c;
-    pool->ParallelFor(b, cost, [&](int64_t n0, int64_t n1) {
-      std::vector<float> xp(s.hp * s.wp * s.c, 0.0f);  // the border stays zero
-      for (int64_t n = n0; n < n1; ++n) {
-        CopyInterior(s, x + n * s.h * s.w * s.c, xp.data());
-        const float* gn = g + n * t_count * s.f;
-        float* out = y + n * k_count * s.f;
-        if (s.f % 32 == 0) {
-          ExampleGrads<8, 2>(s, xp.data(), base.data(), off.data(), gn, out);
-        } else {
-          ExampleGrads<8, 1>(s, xp.data(), base.data(), off.data(), gn, out);
-        }
-      }
-    });
+    KernelGrads(s, b, x_t.flat<float>().data(), g_t.flat<float>().data(), y,
+                [pool](int64_t n, int64_t cost, const std::function<void(int64_t, int64_t)>& fn) {
+                  pool->ParallelFor(n, cost, fn);
+                });
   }
 };
+
+#ifdef TF_DP_XLA_CUSTOM_CALL
+// The CPUs this process may run on (its affinity mask), at least 1.
+static int64_t UsableCpus() {
+  static const int64_t count = [] {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) {
+      return static_cast<int64_t>(CPU_COUNT(&set));
+    }
+    return std::max<int64_t>(1, std::thread::hardware_concurrency());
+  }();
+  return count;
+}
+
+// XLA's CPU custom-call target "TfDpConvKernelGrads" (API_VERSION_STATUS_RETURNING_UNIFIED, as
+// tf2xla's XlaCustomCallV2 emits it): the same computation as the op, for the ghost rule under
+// XLA, where TensorFlow kernels cannot run. in = {x [B, H, W, C], g [B, OH, OW, F]} (float32,
+// XLA's default row-major layout), out = [B, K, F]; the opaque string is "B H W C KH KW SH SW
+// DH DW SAME F" (decimal integers; SAME 1 or 0), written and checked by
+// tf_dp.dp_query.native.conv_kernel_grads_xla, which also checks g's shape before emitting the
+// call. The legacy API has no thread pool: the examples are split over one thread per usable CPU
+// (this one and std::threads started for the call).
+static void TfDpConvKernelGradsXla(void* out, const void** in, const char* opaque,
+                                       size_t opaque_len, void* /*status*/) {
+  std::string config(opaque, opaque_len);
+  int64_t v[12];
+  std::istringstream parse(config);
+  for (int64_t& e : v) parse >> e;
+  ConvGeometry s{};
+  const int64_t b = v[0];
+  s.h = v[1], s.w = v[2], s.c = v[3], s.kh = v[4], s.kw = v[5], s.sh = v[6], s.sw = v[7];
+  s.dh = v[8], s.dw = v[9];
+  const bool same = v[10] != 0;
+  s.f = v[11];
+  Axis(s.h, s.kh, s.sh, s.dh, same, &s.oh, &s.pt);
+  Axis(s.w, s.kw, s.sw, s.dw, same, &s.ow, &s.pl);
+  float* y = static_cast<float*>(out);
+  const int64_t size = b * s.kh * s.kw * s.c * s.f;
+  if (size == 0) return;
+  if (s.oh * s.ow == 0) {
+    std::fill(y, y + size, 0.0f);
+    return;
+  }
+  KernelGrads(s, b, static_cast<const float*>(in[0]), static_cast<const float*>(in[1]), y,
+              [](int64_t n, int64_t /*cost*/, const std::function<void(int64_t, int64_t)>& fn) {
+                const int64_t shards = std::min(n, UsableCpus());
+                std::vector<std::thread> threads;
+                for (int64_t i = 1; i < shards; ++i) {
+                  threads.emplace_back(fn, n * i / shards, n * (i + 1) / shards);
+                }
+                fn(0, n / shards);
+                for (auto& t : threads) t.join();
+              });
+}
+
+static const bool kXlaTargetRegistered = [] {
+  xla::CustomCallTargetRegistry::Global()->Register(
+      "TfDpConvKernelGrads", reinterpret_cast<void*>(&TfDpConvKernelGradsXla), "Host");
+  return true;
+}();
+#endif  // TF_DP_XLA_CUSTOM_CALL
 
 }  // namespace
 

@@ -5,8 +5,8 @@
   are a gather of voxel rows with precomputed indices (static sizes; XLA-compilable), else a
   convolution with a one-hot kernel. Where the engine would materialise a 1-D or 2-D kernel's
   per-example gradients from that factor anyway (:func:`~tf_dp.gradients.ghost.factors.use_gram`)
-  they come from the native ``TfDpConvKernelGrads`` instead (float32, static sizes, outside XLA;
-  :func:`_native_kernel_grads`), which never writes the patches.
+  they come from the native ``TfDpConvKernelGrads`` instead (float32, static sizes; under XLA as an
+  XLA custom call; :func:`_native_kernel_grads`), which never writes the patches.
 - Grouped ``Conv1D/2D/3D`` (``groups > 1``): per block of channels, the kernel's per-example
   gradient materialised (:class:`PerExample`).
 - ``DepthwiseConv1D`` and ``DepthwiseConv2D``: output channel ``c M + m`` only reads input
@@ -195,29 +195,52 @@ def _patches(layer, x, g):
     return _unfold(x, ks, st, dr, padding), g
 
 
+#: Under XLA, the largest ratio of a convolution's per-example kernel gradients ``k f`` to its
+#: patches and output gradient ``t (k + f)`` (per example) for which :func:`_native_kernel_grads`
+#: is used instead of the Gram route (the reference CNN's second convolution: 1.14).
+_XLA_NATIVE_MAX_RATIO = 2
+
+
 def _native_kernel_grads(layer, x, g):
     """``(per-example kernel gradients [B, *kernel.shape], g channels-last)`` from
     ``TfDpConvKernelGrads`` (:func:`tf_dp.dp_query.native.conv_kernel_grads_op`: no patches
     written to memory), or None.
 
-    Used where the engine would materialise them from the patches anyway (the cost model of
-    :func:`tf_dp.gradients.ghost.factors.use_gram`: ``T^2 (K + F) >= K F`` and ``[B, K, F]``
-    no larger than the patches), for float32 1-D and 2-D convolutions with static sizes, outside
-    XLA, where the native ops are available. On the reference CNN's first convolution (T = 196
-    patches of K = 64, F = 16, B = 256) it takes about a third of the patches' route's time."""
+    Outside XLA, used where the engine would materialise them from the patches anyway (the cost
+    model of :func:`tf_dp.gradients.ghost.factors.use_gram`: ``T^2 (K + F) >= K F`` and
+    ``[B, K, F]`` no larger than the patches), for float32 1-D and 2-D convolutions with static
+    sizes, where the native ops are available. On the reference CNN's first convolution (T = 196
+    patches of K = 64, F = 16, B = 256) it takes about a third of the patches' route's time.
+    Under XLA (static shapes, the batch's included, and
+    :func:`tf_dp.dp_query.native.xla_available`) the same kernel runs as an XLA custom call
+    (:func:`tf_dp.dp_query.native.conv_kernel_grads_xla`), also where ``[B, K, F]`` is up to
+    ``_XLA_NATIVE_MAX_RATIO`` times the patches and output gradient: XLA's unfold and small
+    batched products are the slower route there (the reference CNN under XLA,
+    ``bench/README.md``)."""
     if layer.rank not in (1, 2) or getattr(layer, "groups", 1) != 1:
         return None
     if x.dtype != tf.float32 or g.dtype != tf.float32:
         return None
-    if not native.available() or _compat.graph_in_xla_context():
+    in_xla = _compat.graph_in_xla_context()
+    if not (native.xla_available() if in_xla else native.available()):
         return None
     x, g, ks, st, dr, padding = _channels_last(layer, x, g)
-    if None in x.shape[1:] or None in g.shape[1:]:
+    # under XLA the custom call's result shape is fixed when the function is traced
+    static = (x.shape, g.shape) if in_xla else (x.shape[1:], g.shape[1:])
+    if not all(shape.is_fully_defined() for shape in static):
         return None
     t, k, f = g.shape[1] * g.shape[2], ks[0] * ks[1] * x.shape[3], g.shape[3]
-    if use_gram(t, k, f):
+    if in_xla:
+        # Under XLA the Gram route's unfold (a gather or a one-hot convolution) and its small
+        # batched products run several times slower than the native kernel: it is taken unless
+        # the Gram route is the cheaper by its cost alone (t^2 (k + f) < k f) or the per-example
+        # gradients would exceed twice the patches and output gradient (memory).
+        if t * t * (k + f) < k * f or k * f > _XLA_NATIVE_MAX_RATIO * t * (k + f):
+            return None
+    elif use_gram(t, k, f):
         return None
-    grads = native.conv_kernel_grads_op(x, g, ks, st, dr, padding)
+    kernel_grads = native.conv_kernel_grads_xla if in_xla else native.conv_kernel_grads_op
+    grads = kernel_grads(x, g, ks, st, dr, padding)
     return tf.reshape(grads, [batch_size(x)] + list(layer.kernel.shape)), g
 
 
