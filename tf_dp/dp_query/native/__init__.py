@@ -19,7 +19,11 @@ and the tests check every angle cell and the extreme words. ``TfDpExtractPatches
 the same values bit for bit; the ghost convolution rule unfolds its inputs with it outside XLA
 (:func:`extract_patches_op`). ``TfDpConvKernelGrads`` (also ``patches_op.cc``) gives a 2-D
 convolution kernel's per-example gradients without writing the patches to memory; the rule
-uses it outside XLA where it materialises per-example gradients (:func:`conv_kernel_grads_op`).
+uses it where it materialises per-example gradients (:func:`conv_kernel_grads_op`). Inside a
+function compiled with XLA, where TensorFlow's kernels cannot run, the same computation is an XLA
+CPU custom-call target that the library registers with XLA's registry when the installed
+TensorFlow ships it (``libtensorflow_cc`` and its header): :func:`conv_kernel_grads_xla`,
+:func:`xla_available`.
 
 The ops are compiled from ``gaussian_noise_op.cc`` and ``patches_op.cc`` (shipped with the
 package) into one library by the C++ compiler ``CXX`` (default ``g++``) the first time it is
@@ -161,11 +165,11 @@ def _xla_target_flags() -> list:
     return ["-DTF_DP_XLA_CUSTOM_CALL", f"-L{lib}", f"-l:{cc[0].name}"]
 
 
-def _build(cxx: str) -> pathlib.Path:
-    """The compiled library's path (built now unless cached)."""
+def _build(cxx: str, xla_flags: list) -> pathlib.Path:
+    """The compiled library's path (built now unless cached), with ``xla_flags``
+    (:func:`_xla_target_flags` or ``[]``)."""
     compile_flags = list(tf.sysconfig.get_compile_flags())
     link_flags = list(tf.sysconfig.get_link_flags())
-    xla_flags = _xla_target_flags()
     compile_flags += xla_flags[:1]
     link_flags += xla_flags[1:]
     digest = hashlib.sha256()
@@ -206,14 +210,24 @@ def _load() -> Any:
             cxx = os.environ.get("CXX", "g++")
             if shutil.which(cxx) is None:
                 raise RuntimeError(f"no C++ compiler {cxx!r} on PATH (set CXX, or install g++)")
-            path = _build(cxx)
+            xla_flags = _xla_target_flags()
+            try:
+                path = _build(cxx, xla_flags)
+            except RuntimeError as e:
+                if not xla_flags:
+                    raise
+                # the XLA target is an extra: without it the ops still build and load
+                _log.warning("tf_dp: building the native ops with the XLA custom-call target "
+                             "failed (%s); building them without it", e)
+                xla_flags = []
+                path = _build(cxx, xla_flags)
             module = tf.load_op_library(str(path))
             tf.no_gradient("TfDpGaussianNoise")
             tf.no_gradient("TfDpBoxMuller")
             tf.no_gradient("TfDpChunkedGaussianNoise")
             tf.no_gradient("TfDpConvKernelGrads")
             _module, _status = module, f"loaded {path}"
-            _xla_target[:] = [bool(_xla_target_flags())]
+            _xla_target[:] = [bool(xla_flags)]
         except Exception as e:  # noqa: BLE001 - any failure falls back to the TF ops
             _module, _status = None, f"unavailable: {e}"
             _log.warning(
