@@ -81,8 +81,12 @@ def einsum_dense_rule(layer, inputs, grad_output):
         out.extend(lora_factors(layer, layer.equation, x, g))
     if trainable(layer.bias):
         _, _, o_spec = parse_einsum(layer.equation)
-        bias_letters = "".join(c for c in o_spec if c in layer.bias_axes)
-        per_ex = tf.einsum(f"{o_spec}->{o_spec[0]}{bias_letters}", g)
+        # a sum over the output axes the bias is broadcast along, in the output's axis order
+        # (the bias's own): reduce_sum, not einsum("...->b<bias letters>"), which oneDNN runs
+        # about 3.5x slower (0.87 against 0.25 ms on the reference Transformer's [64, 128, 4, 32]
+        # query gradient, this 2-core AMD EPYC)
+        summed = [i for i, c in enumerate(o_spec) if i > 0 and c not in layer.bias_axes]
+        per_ex = tf.reduce_sum(g, axis=summed) if summed else g
         out.append(
             (layer.bias, PerExample(tf.reshape(per_ex, [batch_size(g)] + list(layer.bias.shape))))
         )
