@@ -25,6 +25,7 @@ from tf_dp.gradients.ghost import (
     GhostClipper,
     PerExample,
     register_layer_norm_rule,
+    factors,
     unregister_layer_norm_rule,
 )
 from tf_dp.gradients.vectorized import VectorizedClipper
@@ -364,7 +365,9 @@ def test_layer_norm_rms_scaling_and_no_center():
 # -- embeddings and masks ------------------------------------------------------------------------
 
 
-def test_embedding_mask_zero_repeated_tokens_and_masked_pooling():
+@pytest.mark.parametrize("graph", [False, "xla"], ids=["eager", "xla"])
+def test_embedding_mask_zero_repeated_tokens_and_masked_pooling(graph):
+    """Under XLA the table's norms are Gram sums over equal ids (factors._rows_sq)."""
     r = rng(10)
     model = keras.Sequential(
         [
@@ -377,7 +380,7 @@ def test_embedding_mask_zero_repeated_tokens_and_masked_pooling():
     )
     x = r.integers(0, 7, (6, 9)).astype("int32")
     x[:, -3:] = 0  # padding
-    ghost = check(model, x, r.integers(0, 3, 6))
+    ghost = check(model, x, r.integers(0, 3, 6), graph=graph)
     assert ghost.mode == "ghost"
 
 
@@ -422,7 +425,8 @@ def test_shared_dense_chained_and_parallel():
     check(model, x, r.integers(0, 3, 6))
 
 
-def test_shared_embedding_and_conv_siamese():
+@pytest.mark.parametrize("graph", [False, "xla"], ids=["eager", "xla"])
+def test_shared_embedding_and_conv_siamese(graph):
     r = rng(13)
     t1, t2 = keras.Input((5,), dtype="int32"), keras.Input((5,), dtype="int32")
     emb = L.Embedding(6, 4)
@@ -432,7 +436,7 @@ def test_shared_embedding_and_conv_siamese():
     out = L.Dense(2)(L.Flatten()(L.Concatenate(axis=1)([e1, e2])))
     model = keras.Model([t1, t2], out)
     x = [r.integers(0, 6, (6, 5)).astype("int32"), r.integers(0, 6, (6, 5)).astype("int32")]
-    check(model, x, r.integers(0, 2, 6))
+    check(model, x, r.integers(0, 2, 6), graph=graph)
 
 
 # -- mixed models ---------------------------------------------------------------------------------
@@ -623,3 +627,40 @@ def test_fit_in_ghost_mode_records_the_ledger_and_exposes_the_strategy():
         assert s.queries[0].noise_stddev == pytest.approx(0.91)
         assert s.queries[0].mechanism == "gaussian"
     assert any(not np.allclose(b, v.numpy()) for b, v in zip(before, model.trainable_variables))
+
+
+@pytest.mark.parametrize("t", [1, 7, 40])
+def test_table_norms_under_xla_equal_the_distinct_rows_sums(t):
+    """factors._rows_sq: under XLA (static T <= 512) the Gram sum over equal ids, outside XLA
+    the unique-keys route; both against a float64 sum per distinct row, with repeated ids,
+    negative ids (row id + V) and a row whose gradients cancel."""
+    r = rng(31)
+    b, d, v = 5, 6, 9
+    ids = r.integers(-v, v, (b, t))
+    g = r.normal(size=(b, t, d)).astype("float32")
+    if t >= 2:
+        ids[0, :2] = 3
+        g[0, 1] = -g[0, 0]  # the two rows of id 3 cancel
+    want = np.zeros(b)
+    for i in range(b):
+        rows = {}
+        for j in range(t):
+            key = int(ids[i, j]) % v
+            rows[key] = rows.get(key, 0.0) + g[i, j].astype(np.float64)
+        want[i] = sum(float(np.sum(s ** 2)) for s in rows.values())
+    rows_factor = lambda: factors.Rows(tf.constant(ids, tf.int32), tf.constant(g), v)  # noqa: E731
+    xla = tf.function(lambda: factors._rows_sq(rows_factor()), jit_compile=True)
+    graph = tf.function(lambda: factors._rows_sq(rows_factor()))
+    xla_ops = {op.type for op in xla.get_concrete_function().graph.get_operations()}
+    assert "Unique" not in xla_ops and "BatchMatMulV2" in xla_ops
+    assert "Unique" in {op.type for op in graph.get_concrete_function().graph.get_operations()}
+    # float32 sums of at most t^2 dot products of d terms (or of t-term segment sums, squared
+    # and summed over d): |error| <= gamma_n sum_k (sum_t |g_tk|)^2, n = t^2 + d + 2, the sum
+    # over every pair of rows (Higham, Thm 3.1; gamma_n = n u / (1 - n u))
+    u = 2.0 ** -24
+    n = t * t + d + 2
+    magnitude = np.sum(np.sum(np.abs(g.astype(np.float64)), axis=1) ** 2, axis=1)
+    bound = n * u / (1 - n * u) * magnitude
+    for got in (xla().numpy(), graph().numpy()):
+        assert np.all(np.abs(got - want) <= bound + 1e-30), (got, want)
+        assert np.all(got >= 0)

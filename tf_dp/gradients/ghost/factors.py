@@ -336,7 +336,25 @@ def _rows_keys(f: Rows):
     return batch, uniq, idx
 
 
+#: Under XLA, the longest static ``T`` for which :func:`_rows_sq` takes the Gram route.
+_XLA_ROWS_GRAM_MAX_T = 512
+
+
 def _rows_sq(f: Rows) -> tf.Tensor:
+    """``[B]`` squared norms of the per-example table gradients: ``sum_v |sum_{t: ids_t = v}
+    g_t|^2``, by the distinct ``(example, id)`` keys (``tf.unique``) and segment sums.
+
+    Under XLA with a static ``T <= _XLA_ROWS_GRAM_MAX_T``, as the Gram sum
+    ``sum_{t, s: ids_t = ids_s} g_t . g_s`` instead (the same value; ``B T^2 (D + 1)``
+    multiply-adds, no unique): XLA sorts for ``tf.unique``, and on 8192 keys (``B T`` = 64 x 128,
+    ``D`` = 128) that route takes 4.5 ms against 0.95 ms for the Gram sum (2-core AMD EPYC; at
+    ``T`` = 512 and 1024 with the same ``B T``: 4.3 against 3.1 ms, 4.5 against 7.3 ms)."""
+    t = f.ids.shape[1]
+    if in_xla_context() and t is not None and t <= _XLA_ROWS_GRAM_MAX_T:
+        gram = tf.matmul(f.g, f.g, transpose_b=True)  # [B, T, T]
+        same = tf.equal(f.ids[:, :, None], f.ids[:, None, :])
+        sq = tf.reduce_sum(tf.where(same, gram, tf.zeros_like(gram)), axis=[1, 2])
+        return tf.maximum(sq, 0.0)  # rounding must not make a squared norm negative
     batch, uniq, idx = _rows_keys(f)
     d = tf.shape(f.g)[2]
     sums = tf.math.unsorted_segment_sum(tf.reshape(f.g, [-1, d]), idx, tf.size(uniq))
