@@ -255,19 +255,30 @@ def use_gram(t: Optional[int], c: Optional[int], d: Optional[int]) -> bool:
     return t * t * (c + d) < c * d or c * d > t * (c + d)
 
 
+def _row_sums(t: tf.Tensor) -> tf.Tensor:
+    """``[B]`` sums of ``t [B, ...]`` over all its other axes.
+
+    Under XLA, with ``t`` flattened to ``[B, N]`` (static ``N >= 64``), the sum is a
+    matrix-vector product with ones: XLA's CPU backend splits a long row reduction (or a sum over
+    several axes) into a windowed reduction that runs several times slower than the product, and
+    does not fuse an elementwise producer (a square) into it (``python -m
+    research.ghost.xla_reductions``: 151 against 32 us of work for the squares of a
+    ``[256, 784]`` input; the sums of squares of a ``[64, 256, 128]`` per-example gradient took
+    4-6 ms each on the reference Transformer's step; 2-core AMD EPYC)."""
+    n = t.shape[1:].num_elements()
+    if in_xla_context() and n is not None and n >= _XLA_MATVEC_MIN:
+        flat = t if t.shape.rank == 2 else tf.reshape(t, [tf.shape(t)[0], n])
+        return tf.linalg.matvec(flat, tf.ones([n], t.dtype))
+    return tf.reduce_sum(t, axis=list(range(1, t.shape.rank)))
+
+
 def _row_squares(t: tf.Tensor) -> tf.Tensor:
-    """``[B]`` squared norms of the rows of a ``[B, C]`` tensor.
-
-    Under XLA, the sum over ``C`` is a matrix-vector product with ones: XLA's CPU backend splits
-    a long row reduction into a windowed reduction that runs several times slower than the
-    product (``python -m research.ghost.xla_reductions``: 151 against 32 us of work on a
-    ``[256, 784]`` input, 2-core AMD EPYC)."""
-    if in_xla_context() and t.shape[-1] is not None and t.shape[-1] >= _XLA_MATVEC_MIN:
-        return tf.linalg.matvec(tf.square(t), tf.ones([t.shape[-1]], t.dtype))
-    return tf.reduce_sum(tf.square(t), axis=1)
+    """``[B]`` squared norms of ``t [B, ...]`` over all its other axes (:func:`_row_sums` of
+    the squares)."""
+    return _row_sums(tf.square(t))
 
 
-#: Row length from which :func:`_row_squares` sums by a matrix-vector product under XLA.
+#: Row length from which :func:`_row_sums` sums by a matrix-vector product under XLA.
 _XLA_MATVEC_MIN = 64
 
 
@@ -280,10 +291,7 @@ def squared_norm_and_sum(f, variable_shape):
     """
     if isinstance(f, PerExample):
         grads = f.grads
-        if grads.shape.rank == 2:
-            sq = _row_squares(grads)
-        else:
-            sq = tf.reduce_sum(tf.reshape(tf.square(grads), [tf.shape(grads)[0], -1]), axis=1)
+        sq = _row_squares(grads)
         return sq, lambda w, select: tf.reshape(weighted_sum(w, grads, select), variable_shape)
     if isinstance(f, Outer):
         a, g = f.a, f.g
@@ -296,10 +304,10 @@ def squared_norm_and_sum(f, variable_shape):
         if _use_ghost(f):
             aa = tf.matmul(a, a, transpose_b=True)
             gg = tf.matmul(g, g, transpose_b=True)
-            sq = tf.reduce_sum(aa * gg, axis=[1, 2])
+            sq = _row_sums(aa * gg)
             return sq, lambda w, select: _outer_weighted(f, w, variable_shape, select)
         m = _per_example_dc(f)  # [B, D, C]
-        sq = tf.reduce_sum(tf.square(m), axis=[1, 2])
+        sq = _row_squares(m)
         return sq, lambda w, select: _to_variable(
             tf.transpose(weighted_sum(w, m, select)), f, variable_shape, batched=False
         )
@@ -353,7 +361,7 @@ def _rows_sq(f: Rows) -> tf.Tensor:
     if in_xla_context() and t is not None and t <= _XLA_ROWS_GRAM_MAX_T:
         gram = tf.matmul(f.g, f.g, transpose_b=True)  # [B, T, T]
         same = tf.equal(f.ids[:, :, None], f.ids[:, None, :])
-        sq = tf.reduce_sum(tf.where(same, gram, tf.zeros_like(gram)), axis=[1, 2])
+        sq = _row_sums(tf.where(same, gram, tf.zeros_like(gram)))
         return tf.maximum(sq, 0.0)  # rounding must not make a squared norm negative
     batch, uniq, idx = _rows_keys(f)
     d = tf.shape(f.g)[2]
