@@ -9,11 +9,15 @@ against a per-example GradientTape loop."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.helpers import warm_python
 from tests.test_ghost import LoopReference, check, rng
 from tf_dp.dp_query import native
 from tf_dp.gradients.ghost import conv as ghost_conv
@@ -203,3 +207,36 @@ def test_ghost_clipper_with_native_kernel_grads_equals_the_per_example_loop(grap
         ghost_conv._native_kernel_grads = real
     # every convolution took the native route (the shared one once per call)
     assert len(calls) == 6 and all(native_route for _, native_route in calls), calls
+
+
+def test_a_failing_xla_target_link_still_builds_the_ops(tmp_path):
+    """The XLA custom-call target is an extra: where linking it fails (here: a library that does
+    not exist), a fresh process builds the ops without it, the op route and the noise op work,
+    and under XLA the rule keeps XLA's own route."""
+    code = (
+        "import numpy as np, tensorflow as tf, keras\n"
+        "from tf_dp.dp_query import native\n"
+        "native._xla_target_flags = lambda: ['-DTF_DP_XLA_CUSTOM_CALL', "
+        "'-l:libtf_dp_no_such_library.so']\n"
+        "assert native.available(), native.status()\n"
+        "assert not native.xla_available()\n"
+        "from tf_dp.gradients.ghost import conv\n"
+        "layer = keras.layers.Conv2D(16, 8, strides=2, padding='same')\n"
+        "x = tf.random.normal([2, 28, 28, 1])\n"
+        "g = tf.ones_like(layer(x))\n"
+        "f = tf.function(lambda x, g: [v.grads if hasattr(v, 'grads') else v.a "
+        "for _, v in conv.conv_rule(layer, x, g)], jit_compile=True)\n"
+        "ops = {op.type for op in f.get_concrete_function(x, g).graph.get_operations()}\n"
+        "assert 'XlaCustomCallV2' not in ops, ops\n"
+        "f(x, g)\n"
+        "eager = conv.conv_rule(layer, x, g)[0][1].grads\n"
+        "assert eager.shape == (2, 8, 8, 1, 16), eager.shape\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, TF_DP_NATIVE_CACHE=str(tmp_path / "cache"), TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_DP_NATIVE", None)
+    out = warm_python.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
+    assert "building them without it" in out.stderr

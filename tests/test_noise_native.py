@@ -196,6 +196,33 @@ def test_draws_of_several_chunks_come_from_one_op_on_the_documented_planes(n):
     assert ops.count("TfDpChunkedGaussianNoise") == 1 and "ConcatV2" not in ops
 
 
+@pytest.mark.parametrize("n", [noise.LAZY_MIN_SIZE, 100_001, noise.CHUNK, 3 * noise.CHUNK + 5,
+                               669_706])
+def test_under_xla_the_draw_is_the_native_kernel_as_a_custom_call(n):
+    """Under XLA a float32 draw of at least noise.LAZY_MIN_SIZE is the native chunked kernel as
+    an XLA custom call: the documented planes' normals bit for bit (as outside XLA), the
+    generator moved by the same one skip, across a counter carry, and no XLA sampler traced."""
+    state = tf.constant([np.array([2**64 - 2], np.uint64).view(np.int64)[0], 3, 99], tf.int64)
+    gen = tf.random.Generator.from_state(state, alg="philox")
+    fn = tf.function(lambda: noise.gaussian_noise(gen, n, stddev=2.0), jit_compile=True)
+    z = fn().numpy()
+    np.testing.assert_array_equal(z, _planes_reference(state.numpy(), n, 2.0))
+    twin = tf.random.Generator.from_state(state, alg="philox")
+    twin.skip(2 * ((n + 1) // 2))
+    np.testing.assert_array_equal(gen.state.numpy(), twin.state.numpy())
+    ops = [op.type for op in fn.get_concrete_function().graph.get_operations()]
+    assert ops.count("XlaCustomCallV2") == 1 and "StatefulUniformFullInt" not in ops
+
+
+def test_the_xla_noise_call_refuses_what_it_cannot_draw():
+    key, counter = tf.constant([1], tf.uint64), tf.constant([0, 0], tf.uint64)
+    with pytest.raises(ValueError, match="chunk must be a positive multiple of 16384"):
+        native.chunked_gaussian_noise_xla(10, key, counter, 1000, -2.0)
+    with pytest.raises(ValueError, match=r"n must be in \[0, 2\^41\]"):
+        native.chunked_gaussian_noise_xla(-1, key, counter, noise.CHUNK, -2.0)
+    assert native.chunked_gaussian_noise_xla(0, key, counter, noise.CHUNK, -2.0).shape == (0,)
+
+
 def test_the_added_noise_op_rejects_a_chunk_it_cannot_shard():
     with pytest.raises(tf.errors.InvalidArgumentError, match="chunk must be a positive multiple"):
         native.add_gaussian_noise_op(tf.zeros([10]), tf.constant([1], tf.uint64),

@@ -6,7 +6,10 @@ The convolution: 28 x 28 x 1 inputs, 16 filters of 8 x 8, stride 2, SAME padding
 outputs), batch 256. Routes, each as a ``tf.function`` with and without ``jit_compile=True``
 (median of 40 calls, ms), all returning ``[B, 8 * 8 * 1, 16]``:
 
-* ``rule``: the ghost rule's own unfold under XLA (``conv._unfold``: a one-hot convolution for
+* ``kernel``: tf_dp's native kernel (``TfDpConvKernelGrads``; under XLA its custom call,
+  ``tf_dp.dp_query.native.conv_kernel_grads_xla``): what the ghost rule uses where the native ops
+  are built;
+* ``unfold``: the rule's route without them (``conv._unfold``: under XLA a one-hot convolution for
   one channel) and a batched product over the 196 positions;
 * ``patches``: ``tf.image.extract_patches`` instead of the rule's unfold;
 * ``slices``: the patches gathered by 64 strided slices instead of the patch op;
@@ -17,8 +20,8 @@ outputs), batch 256. Routes, each as a ``tf.function`` with and without ``jit_co
 
 The routes' values are compared with the ``patches`` route first. Inside the DP step the times
 differ from these (other fusions, the threads shared): there the depthwise route's convolution
-took 8.1 ms where the rule's route took about 3 ms (``python -m research.ghost.op_profile --model
-cnn --mode auto --jit_compile --all_events``), so the rule keeps its route. Research only.
+took 8.1 ms where the unfold route took about 3 ms (``python -m research.ghost.op_profile --model
+cnn --mode auto --jit_compile --all_events``). Research only.
 """
 import os
 import statistics
@@ -27,6 +30,8 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 
+from tf_dp import _compat  # noqa: E402
+from tf_dp.dp_query import native  # noqa: E402
 from tf_dp.gradients.ghost import conv as ghost_conv  # noqa: E402
 
 B, H, C, F, K, S, O = 256, 28, 1, 16, 8, 2, 14
@@ -44,8 +49,19 @@ def patches(x, g):
                      tf.reshape(g, [B, O * O, F]))
 
 
-def rule(x, g):
-    p = ghost_conv._unfold(x, [K, K], [S, S], [1, 1], "SAME")
+def kernel(x, g):
+    if _compat.graph_in_xla_context():
+        return native.conv_kernel_grads_xla(x, g, [K, K], [S, S], [1, 1], "SAME")
+    return native.conv_kernel_grads_op(x, g, [K, K], [S, S], [1, 1], "SAME")
+
+
+def unfold(x, g):
+    # the rule's unfold where the native ops are not used
+    native.set_enabled(False)
+    try:
+        p = ghost_conv._unfold(x, [K, K], [S, S], [1, 1], "SAME")
+    finally:
+        native.set_enabled(None)
     return tf.einsum("btk,btf->bkf", tf.reshape(p, [B, O * O, K * K * C]),
                      tf.reshape(g, [B, O * O, F]))
 
@@ -75,12 +91,12 @@ def main():
     x = tf.random.stateless_normal([B, H, H, C], [1, 2])
     g = tf.random.stateless_normal([B, O, O, F], [3, 4])
     ref = patches(x, g)
-    for f in (rule, slices, depthwise):
+    for f in (kernel, unfold, slices, depthwise):
         err = float(tf.reduce_max(tf.abs(f(x, g) - ref)))
         print(f"{f.__name__}: max |difference| from patches {err:.3g} "
               f"(max |value| {float(tf.reduce_max(tf.abs(ref))):.3g})")
     for jit in (False, True):
-        for f in (rule, patches, slices, depthwise, nonprivate):
+        for f in (kernel, unfold, patches, slices, depthwise, nonprivate):
             fn = tf.function(f, jit_compile=jit)
             for _ in range(5):
                 fn(x, g)

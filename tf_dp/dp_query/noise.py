@@ -43,8 +43,9 @@ tails:
   The sampler draws ``(hi, angle)`` for every pair and a low word for those pairs only (a
   dynamically sized second draw), and returns exactly the values the dense formula gives on the
   same words (a test checks this bit for bit): 2 Philox words per pair instead of 3, 23% less CPU
-  time on the MLP's 670k parameters (``research/ghost/noise_bench.py``). Under XLA (which needs
-  static shapes) and in float64 (where every bit of ``lo`` counts) all three words are drawn.
+  time on the MLP's 670k parameters (``research/ghost/noise_bench.py``). In float64 (where
+  every bit of ``lo`` counts), and under XLA (which needs static shapes) where the native
+  kernel's XLA custom call is not available (below), all three words are drawn.
 - Counters: a float32 call reserves its words with one ``generator.skip`` and reads each draw
   (high words, angles, low words of each chunk) from its own counter plane (see
   :class:`_ReservedWords`): 2 ops per draw instead of the 6 of a ``Generator`` draw, and a
@@ -53,8 +54,10 @@ tails:
 - Computed in float32 (float64 for float64 values, with a 32-bit angle); the vectorised
   transcendentals are cheaper than ``Generator.normal``'s scalar ones.
 - Native op. Where a C++ compiler is installed and TensorFlow sees no GPU or TPU, the float32
-  lazy transform (outside XLA and ``tf.distribute``) runs as one fused TensorFlow kernel,
-  ``TfDpGaussianNoise`` (:mod:`tf_dp.dp_query.native`, compiled on first use): the same Philox
+  lazy transform (outside ``tf.distribute``) runs as one fused TensorFlow kernel,
+  ``TfDpGaussianNoise`` (:mod:`tf_dp.dp_query.native`, compiled on first use; under XLA, for a
+  draw of a size known while tracing, the same kernel as an XLA custom call,
+  :func:`tf_dp.dp_query.native.chunked_gaussian_noise_xla`, the same values bit for bit): the same Philox
   words from the same counter planes (a test checks them against TensorFlow's bit for bit), the
   same ``u1`` and angle cells, one vectorised pass instead of about fifteen kernels (0.7 ms instead of 4.1 ms
   for the MLP's 670k normals on 2 cores). Its log, sin and cos are its own, with the angle
@@ -153,8 +156,8 @@ def gaussian_noise(
 
     ``dtype`` is float32 or float64. Counts above :data:`CHUNK` (known while tracing) are drawn in
     chunks of ``CHUNK``. Draws ``2 * ceil(n / 2)`` Philox words plus one per pair whose
-    high word is below ``2^24`` in float32 (``3 * ceil(n / 2)`` in float64, under XLA, and for
-    ``n <`` :data:`LAZY_MIN_SIZE`); see the module docstring for the bits used and the tail
+    high word is below ``2^24`` in float32 (``3 * ceil(n / 2)`` in float64, for
+    ``n <`` :data:`LAZY_MIN_SIZE`, and under XLA without the native custom call); see the module docstring for the bits used and the tail
     bound :data:`TAIL_BOUND`.
 
     Example::
@@ -170,6 +173,13 @@ def gaussian_noise(
     # small draws: the dense three-word transform (the lazy one's extra ops outweigh its saved
     # words), the same words as under XLA
     small = n_static is not None and n_static < LAZY_MIN_SIZE
+    if (dtype == tf.float32 and not small and n_static is not None and _in_xla_context()
+            and not _ReservedWords.is_direct(generator) and native.xla_available()):
+        # under XLA: the native lazy draw as an XLA custom call (the same words and values as
+        # the native op outside XLA), inside the compiled step
+        words = _ReservedWords(generator, 2 * ((n_static + 1) // 2), len(_chunk_sizes(n_static)))
+        return native.chunked_gaussian_noise_xla(
+            n_static, words._key, words._counter, CHUNK, _radius_scale(tf.float32, stddev))
     if dtype != tf.float32 or small or _in_xla_context():
         n = tf.cast(n, tf.int64)
         half = (n + 1) // 2
@@ -599,9 +609,12 @@ class PrefetchedNoise:
     in the same order: the values do not depend on the choice.
 
     Each draw serves at most one step: ``ready`` is set when ``current`` is filled and cleared
-    by the step that reads it; a step that finds it clear draws inline with the XLA sampler (the
-    first call, ``steps_per_execution > 1``, a loop that does not refill). That costs speed,
-    never privacy. The buffers hold future noise: like the generator's state they are secret;
+    by the step that reads it; a step that finds it clear draws inline (the first call,
+    ``steps_per_execution > 1``, a loop that does not refill): with the native kernel as an XLA
+    custom call where the native ops are built (:func:`gaussian_noise`; the MLP's XLA step took
+    4.78-4.91 ms drawing so every step against 4.51-4.58 ms reading the buffer, ``python -m
+    bench.step_time --model mlp --jit_compile --compare``, 2-core AMD EPYC, 2026-11-29), else
+    with XLA's own sampler. That costs speed, never privacy. The buffers hold future noise: like the generator's state they are secret;
     they are not model or optimizer variables and are never saved. Not used under
     ``tf.distribute`` (the noise is drawn in the replica step there).
 

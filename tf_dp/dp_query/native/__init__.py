@@ -1,9 +1,9 @@
 """tf_dp's native kernels: the float32 Box-Muller sampler fused into one TensorFlow op, and the
 ghost convolution rule's patch extraction.
 
-:func:`tf_dp.dp_query.noise.gaussian_noise` draws float32 noise (outside XLA and
-``tf.distribute``) with the op ``TfDpGaussianNoise`` when it is available, and with TensorFlow
-ops otherwise; :func:`tf_dp.dp_query.noise.add_gaussian_noise_structure` adds a large float32
+:func:`tf_dp.dp_query.noise.gaussian_noise` draws float32 noise (outside ``tf.distribute``)
+with the op ``TfDpGaussianNoise`` when it is available (under XLA: the chunked kernel as an XLA
+custom call, :func:`chunked_gaussian_noise_xla`), and with TensorFlow ops otherwise; :func:`tf_dp.dp_query.noise.add_gaussian_noise_structure` adds a large float32
 leaf's noise with ``TfDpAddGaussianNoise`` (every chunk of the draw added to the leaf in one
 op: no concatenation, no separate addition, the same values bit for bit), and a draw of several
 chunks is one ``TfDpChunkedGaussianNoise``. Both read the same Philox words from the same
@@ -23,7 +23,7 @@ uses it where it materialises per-example gradients (:func:`conv_kernel_grads_op
 function compiled with XLA, where TensorFlow's kernels cannot run, the same computation is an XLA
 CPU custom-call target that the library registers with XLA's registry when the installed
 TensorFlow ships it (``libtensorflow_cc`` and its header): :func:`conv_kernel_grads_xla`,
-:func:`xla_available`.
+:func:`chunked_gaussian_noise_xla`, :func:`xla_available`.
 
 The ops are compiled from ``gaussian_noise_op.cc`` and ``patches_op.cc`` (shipped with the
 package) into one library by the C++ compiler ``CXX`` (default ``g++``) the first time it is
@@ -61,6 +61,7 @@ __all__ = [
     "available", "status", "set_enabled", "gaussian_noise_op", "add_gaussian_noise_op",
     "chunked_gaussian_noise_op", "box_muller_op", "extract_patches_op",
     "conv_kernel_grads_op", "xla_available", "conv_kernel_grads_xla",
+    "chunked_gaussian_noise_xla",
 ]
 
 #: compiled together into one library
@@ -367,9 +368,9 @@ def conv_kernel_grads_op(x: Any, g: Any, sizes: Any, strides: Any, rates: Any,
 
 @tf.autograph.experimental.do_not_convert
 def xla_available() -> bool:
-    """Whether :func:`conv_kernel_grads_xla` can be used: :func:`available`, and the library
-    registered its XLA CPU custom-call target (the installed TensorFlow ships XLA's custom-call
-    registry; ``_xla_target_flags``)."""
+    """Whether :func:`conv_kernel_grads_xla` and :func:`chunked_gaussian_noise_xla` can be used:
+    :func:`available`, and the library registered its XLA CPU custom-call targets (the installed
+    TensorFlow ships XLA's custom-call registry; ``_xla_target_flags``)."""
     return available() and bool(_xla_target) and _xla_target[0]
 
 
@@ -422,3 +423,39 @@ def conv_kernel_grads_xla(x: Any, g: Any, sizes: Any, strides: Any, rates: Any,
     spec = tf.TensorSpec([b, sizes[0] * sizes[1] * c, f], tf.float32)
     return tf2xla.custom_call_v2("TfDpConvKernelGrads", [x, g], [spec],
                                  backend_config=config)[0]
+
+
+@tf.autograph.experimental.do_not_convert
+def chunked_gaussian_noise_xla(n: int, key: Any, counter: Any, chunk: int, scale: Any) -> Any:
+    """:func:`chunked_gaussian_noise_op` inside a function compiled with XLA: an XLA custom call
+    (``XlaCustomCallV2``) to the library's CPU target ``TfDpChunkedGaussianNoise``, the same
+    normals bit for bit from the same words. ``n`` and ``chunk`` are Python integers (the call's
+    shape is fixed when traced; ``chunk`` a positive multiple of 16384); ``key`` uint64 ``[1]``,
+    ``counter`` uint64 ``[2]``, ``scale`` float32 ``[]`` (``-2 stddev^2``). The pairs are split
+    over one thread per CPU the process may use. Requires :func:`xla_available`.
+
+    Example::
+
+        @tf.function(jit_compile=True)
+        def draw(key, counter):
+            return chunked_gaussian_noise_xla(100_000, key, counter, 1 << 20, tf.constant(-2.0))
+
+        draw(tf.constant([7], tf.uint64), tf.constant([0, 1], tf.uint64))   # [100000] normals
+    """
+    from tensorflow.compiler.tf2xla.python import xla as tf2xla
+
+    if not xla_available():
+        raise RuntimeError(f"the native XLA target is not available ({status()})")
+    n, chunk = int(n), int(chunk)
+    if not 0 <= n <= 1 << 41:
+        raise ValueError(f"n must be in [0, 2^41], got {n}")
+    if chunk <= 0 or chunk % 16384:
+        raise ValueError(f"chunk must be a positive multiple of 16384, got {chunk}")
+    if n == 0:
+        return tf.zeros([0], tf.float32)
+    key = tf.reshape(tf.convert_to_tensor(key, tf.uint64), [1])
+    counter = tf.reshape(tf.convert_to_tensor(counter, tf.uint64), [2])
+    scale = tf.reshape(tf.cast(scale, tf.float32), [])
+    return tf2xla.custom_call_v2(
+        "TfDpChunkedGaussianNoise", [key, counter, scale], [tf.TensorSpec([n], tf.float32)],
+        backend_config=f"{n} {chunk}")[0]

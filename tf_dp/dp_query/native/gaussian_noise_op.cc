@@ -22,15 +22,25 @@
 // The tests compare every value with a float64 computation from the same words and check the
 // words against TensorFlow's StatelessRandomUniformFullIntV2 bit for bit.
 
+#include <sched.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/platform/threadpool.h"
+#ifdef TF_DP_XLA_CUSTOM_CALL
+#include "xla/service/custom_call_target_registry.h"
+#endif
 
 namespace tf_dp {
 namespace {
@@ -276,6 +286,91 @@ class GaussianNoiseOp : public OpKernel {
 // intra-op threads together.
 // Without kAdd (TfDpChunkedGaussianNoise), input 0 is the count n and the output the [n]
 // normals themselves: the chunks written in place, no concatenation.
+// The [n] normals (kAdd: added to x) of a chunked draw at (key, c_lo, c_hi), as described above;
+// hi is scratch for the pairs' high words (ceil over chunks of the pairs, see `pairs`), and
+// shard(units, cost per unit, fn) runs fn(u0, u1) over ranges covering [0, units).
+template <bool kAdd, typename Shard>
+static void ChunkedNoise(int64_t n, uint64_t key, uint64_t c_lo, uint64_t c_hi, int64_t chunk,
+                         float scale, const float* x, float* y, uint32_t* hi, Shard shard) {
+  const uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const int64_t chunk_pairs = chunk / 2;
+  const int64_t last_m = n - (chunks - 1) * chunk;
+  const int64_t pairs = (chunks - 1) * chunk_pairs + (last_m + 1) / 2;
+  // units of kBlock pairs; chunk_pairs is a multiple of kBlock, so no unit spans two chunks
+  const int64_t units = (pairs + kBlock - 1) / kBlock;
+  const int64_t units_per_chunk = chunk_pairs / kBlock;
+  auto chunk_pairs_of = [&](int64_t j) {
+    return j + 1 < chunks ? chunk_pairs : (last_m + 1) / 2;
+  };
+  std::vector<int64_t> counts(units + 1, 0);
+  shard(units, 10 * kBlock * 10, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t j = u / units_per_chunk, base = j * chunk_pairs;
+      const int64_t s = u * kBlock - base;
+      const int64_t e = std::min(chunk_pairs_of(j), s + kBlock);
+      PhiloxWords(c_lo, c_hi + static_cast<uint64_t>(j), k0, k1, s, e, hi + base + s);
+      int64_t c = 0;
+      for (int64_t i = base + s; i < base + e; ++i) c += hi[i] < (1u << 24) ? 1 : 0;
+      counts[u + 1] = c;
+    }
+  });
+  // Ranks within each chunk: the k-th pair of chunk j with hi < 2^24 reads word k of plane 2C + j.
+  std::vector<int64_t> rank0(units, 0);
+  std::vector<int64_t> low_start(chunks + 1, 0);
+  for (int64_t u = 0; u < units; ++u) {
+    const bool first = u % units_per_chunk == 0;
+    rank0[u] = first ? 0 : rank0[u - 1] + counts[u];
+    if (u + 1 == units || (u + 1) % units_per_chunk == 0) {
+      const int64_t j = u / units_per_chunk;
+      low_start[j + 1] = low_start[j] + rank0[u] + counts[u + 1];
+    }
+  }
+  std::vector<uint32_t> low_words(static_cast<size_t>(low_start[chunks]) + 1);
+  for (int64_t j = 0; j < chunks; ++j) {
+    const int64_t n_low = low_start[j + 1] - low_start[j];
+    if (n_low > 0) {
+      PhiloxWords(c_lo, c_hi + static_cast<uint64_t>(2 * chunks + j), k0, k1, 0, n_low,
+                  low_words.data() + low_start[j]);
+    }
+  }
+  shard(units, 70 * kBlock * 10, [&](int64_t u0, int64_t u1) {
+    std::vector<uint32_t> lo(kBlock), angle_words(kBlock);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t j = u / units_per_chunk, base = j * chunk_pairs;
+      const int64_t h = chunk_pairs_of(j);
+      const int64_t m = j + 1 < chunks ? chunk : last_m;
+      const int64_t s = u * kBlock - base, e = std::min(h, s + kBlock);
+      PhiloxWords(c_lo, c_hi + static_cast<uint64_t>(chunks + j), k0, k1, s, e,
+                  angle_words.data());
+      const uint32_t* angle = angle_words.data();  // pair i's angle word: angle[i - s]
+      PlaceLowWords(hi + base + s, e - s, low_words.data() + low_start[j] + rank0[u],
+                    lo.data());
+      const float* xc = kAdd ? x + j * chunk : nullptr;
+      float* yc = y + j * chunk;
+      // pairs whose second normal is kept (h + i < m); an odd chunk drops the last pair's
+      const int64_t full = std::min(e, m - h);
+      if (full > s) {
+        TransformInto<kAdd>(hi + base + s, lo.data(), angle, scale, 0, full - s, h,
+                            kAdd ? xc + s : nullptr, yc + s);
+      }
+      for (int64_t i = std::max(s, full); i < e; ++i) {
+        float z[2];
+        TransformInto<false>(hi + base + i, lo.data() + (i - s), angle + (i - s), scale, 0,
+                             1, 1, nullptr, z);
+        yc[i] = kAdd ? xc[i] + z[0] : z[0];
+      }
+    }
+  });
+}
+
+// The number of pairs (high words) of a chunked draw of n normals in chunks of `chunk`.
+static int64_t ChunkedPairs(int64_t n, int64_t chunk) {
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const int64_t last_m = n - (chunks - 1) * chunk;
+  return (chunks - 1) * (chunk / 2) + (last_m + 1) / 2;
+}
+
 template <bool kAdd>
 class ChunkedGaussianNoiseOp : public OpKernel {
  public:
@@ -306,7 +401,6 @@ class ChunkedGaussianNoiseOp : public OpKernel {
     const uint64_t key = key_t.flat<uint64_t>()(0);
     const uint64_t c_lo = counter_t.flat<uint64_t>()(0), c_hi = counter_t.flat<uint64_t>()(1);
     const float scale = scale_t.scalar<float>()();
-    const uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
 
     Tensor* y_t = nullptr;
     if (kAdd) {
@@ -317,83 +411,77 @@ class ChunkedGaussianNoiseOp : public OpKernel {
     if (n == 0) return;
     const float* x = kAdd ? x_t.flat<float>().data() : nullptr;
     float* y = y_t->flat<float>().data();
-    const int64_t chunks = (n + chunk - 1) / chunk;
-    const int64_t chunk_pairs = chunk / 2;
-    // pairs of chunk j: chunk_pairs, the last one ceil(m / 2); global pair p of chunk p / chunk_pairs
-    const int64_t last_m = n - (chunks - 1) * chunk;
-    const int64_t pairs = (chunks - 1) * chunk_pairs + (last_m + 1) / 2;
+    const int64_t pairs = ChunkedPairs(n, chunk);
     Tensor words_t;  // the high words (the angle words are drawn where they are used)
     OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_UINT32, TensorShape({pairs}),
                                            &words_t));
-    uint32_t* hi = words_t.flat<uint32_t>().data();
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-    // units of kBlock pairs; chunk_pairs is a multiple of kBlock, so no unit spans two chunks
-    const int64_t units = (pairs + kBlock - 1) / kBlock;
-    const int64_t units_per_chunk = chunk_pairs / kBlock;
-    auto chunk_pairs_of = [&](int64_t j) {
-      return j + 1 < chunks ? chunk_pairs : (last_m + 1) / 2;
-    };
-    std::vector<int64_t> counts(units + 1, 0);
-    pool->ParallelFor(units, 10 * kBlock * 10, [&](int64_t u0, int64_t u1) {
-      for (int64_t u = u0; u < u1; ++u) {
-        const int64_t j = u / units_per_chunk, base = j * chunk_pairs;
-        const int64_t s = u * kBlock - base;
-        const int64_t e = std::min(chunk_pairs_of(j), s + kBlock);
-        PhiloxWords(c_lo, c_hi + static_cast<uint64_t>(j), k0, k1, s, e, hi + base + s);
-        int64_t c = 0;
-        for (int64_t i = base + s; i < base + e; ++i) c += hi[i] < (1u << 24) ? 1 : 0;
-        counts[u + 1] = c;
-      }
-    });
-    // Ranks within each chunk: the k-th pair of chunk j with hi < 2^24 reads word k of plane 2C + j.
-    std::vector<int64_t> rank0(units, 0);
-    std::vector<int64_t> low_start(chunks + 1, 0);
-    for (int64_t u = 0; u < units; ++u) {
-      const bool first = u % units_per_chunk == 0;
-      rank0[u] = first ? 0 : rank0[u - 1] + counts[u];
-      if (u + 1 == units || (u + 1) % units_per_chunk == 0) {
-        const int64_t j = u / units_per_chunk;
-        low_start[j + 1] = low_start[j] + rank0[u] + counts[u + 1];
-      }
-    }
-    std::vector<uint32_t> low_words(static_cast<size_t>(low_start[chunks]) + 1);
-    for (int64_t j = 0; j < chunks; ++j) {
-      const int64_t n_low = low_start[j + 1] - low_start[j];
-      if (n_low > 0) {
-        PhiloxWords(c_lo, c_hi + static_cast<uint64_t>(2 * chunks + j), k0, k1, 0, n_low,
-                    low_words.data() + low_start[j]);
-      }
-    }
-    pool->ParallelFor(units, 70 * kBlock * 10, [&](int64_t u0, int64_t u1) {
-      std::vector<uint32_t> lo(kBlock), angle_words(kBlock);
-      for (int64_t u = u0; u < u1; ++u) {
-        const int64_t j = u / units_per_chunk, base = j * chunk_pairs;
-        const int64_t h = chunk_pairs_of(j);
-        const int64_t m = j + 1 < chunks ? chunk : last_m;
-        const int64_t s = u * kBlock - base, e = std::min(h, s + kBlock);
-        PhiloxWords(c_lo, c_hi + static_cast<uint64_t>(chunks + j), k0, k1, s, e,
-                    angle_words.data());
-        const uint32_t* angle = angle_words.data();  // pair i's angle word: angle[i - s]
-        PlaceLowWords(hi + base + s, e - s, low_words.data() + low_start[j] + rank0[u],
-                      lo.data());
-        const float* xc = kAdd ? x + j * chunk : nullptr;
-        float* yc = y + j * chunk;
-        // pairs whose second normal is kept (h + i < m); an odd chunk drops the last pair's
-        const int64_t full = std::min(e, m - h);
-        if (full > s) {
-          TransformInto<kAdd>(hi + base + s, lo.data(), angle, scale, 0, full - s, h,
-                              kAdd ? xc + s : nullptr, yc + s);
-        }
-        for (int64_t i = std::max(s, full); i < e; ++i) {
-          float z[2];
-          TransformInto<false>(hi + base + i, lo.data() + (i - s), angle + (i - s), scale, 0,
-                               1, 1, nullptr, z);
-          yc[i] = kAdd ? xc[i] + z[0] : z[0];
-        }
-      }
-    });
+    ChunkedNoise<kAdd>(n, key, c_lo, c_hi, chunk, scale, x, y, words_t.flat<uint32_t>().data(),
+                       [pool](int64_t units, int64_t cost,
+                              const std::function<void(int64_t, int64_t)>& fn) {
+                         pool->ParallelFor(units, cost, fn);
+                       });
   }
 };
+
+#ifdef TF_DP_XLA_CUSTOM_CALL
+// The CPUs this process may run on (its affinity mask), at least 1.
+static int64_t UsableCpus() {
+  static const int64_t count = [] {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) {
+      return static_cast<int64_t>(CPU_COUNT(&set));
+    }
+    return std::max<int64_t>(1, std::thread::hardware_concurrency());
+  }();
+  return count;
+}
+
+// Runs fn(u0, u1) over [0, units) split into one contiguous range per usable CPU: this thread
+// and std::threads started for the call (XLA's legacy custom-call API gives no thread pool).
+// Ranges of at least `min_units` (fewer threads for small calls).
+static void ThreadShard(int64_t units, int64_t min_units,
+                        const std::function<void(int64_t, int64_t)>& fn) {
+  const int64_t shards =
+      std::max<int64_t>(1, std::min(UsableCpus(), units / std::max<int64_t>(1, min_units)));
+  std::vector<std::thread> threads;
+  for (int64_t i = 1; i < shards; ++i) {
+    threads.emplace_back(fn, units * i / shards, units * (i + 1) / shards);
+  }
+  fn(0, units / shards);
+  for (auto& t : threads) t.join();
+}
+
+// XLA's CPU custom-call target "TfDpChunkedGaussianNoise" (API_VERSION_STATUS_RETURNING_UNIFIED,
+// as tf2xla's XlaCustomCallV2 emits it): TfDpChunkedGaussianNoise's normals inside a function
+// compiled with XLA, the same values bit for bit. in = {key u64[1], counter u64[2], scale f32[]},
+// out = f32[n]; the opaque string is "N CHUNK" (decimal), written and checked by
+// tf_dp.dp_query.native.chunked_gaussian_noise_xla.
+static void TfDpChunkedGaussianNoiseXla(void* out, const void** in, const char* opaque,
+                                        size_t opaque_len, void* /*status*/) {
+  std::istringstream parse(std::string(opaque, opaque_len));
+  int64_t n = 0, chunk = 0;
+  parse >> n >> chunk;
+  if (n <= 0) return;
+  const uint64_t key = static_cast<const uint64_t*>(in[0])[0];
+  const uint64_t* counter = static_cast<const uint64_t*>(in[1]);
+  const float scale = static_cast<const float*>(in[2])[0];
+  std::vector<uint32_t> hi(static_cast<size_t>(ChunkedPairs(n, chunk)));
+  ChunkedNoise<false>(n, key, counter[0], counter[1], chunk, scale, nullptr,
+                      static_cast<float*>(out), hi.data(),
+                      [](int64_t units, int64_t /*cost*/,
+                         const std::function<void(int64_t, int64_t)>& fn) {
+                        ThreadShard(units, 4, fn);
+                      });
+}
+
+static const bool kNoiseXlaTargetRegistered = [] {
+  xla::CustomCallTargetRegistry::Global()->Register(
+      "TfDpChunkedGaussianNoise", reinterpret_cast<void*>(&TfDpChunkedGaussianNoiseXla), "Host");
+  return true;
+}();
+#endif  // TF_DP_XLA_CUSTOM_CALL
 
 // The transform alone on given words (for tests: extreme words, every angle cell).
 class BoxMullerOp : public OpKernel {
