@@ -49,14 +49,22 @@ def test_native_ops_are_built_on_this_machine():
     assert native.available(), native.status()
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-k{c[1]}-s{c[2]}-r{c[3]}-{c[4]}-f{c[5]}"
-                                             for c in CASES])
-def test_kernel_grads_equal_the_patches_product(case):
+def _case_inputs(case, seed):
+    """``(x, g)`` for a case: random input and an output gradient of the convolution's shape."""
     shape, ks, st, dr, padding, f = case
-    r = np.random.default_rng(0)
+    r = np.random.default_rng(seed)
     x = tf.constant(r.normal(size=shape), tf.float32)
     oshape = tf.image.extract_patches(x, [1, *ks, 1], [1, *st, 1], [1, *dr, 1], padding).shape
-    g = tf.constant(r.normal(size=(*oshape[:3], f)), tf.float32)
+    return x, tf.constant(r.normal(size=(*oshape[:3], f)), tf.float32)
+
+
+CASE_IDS = [f"{c[0]}-k{c[1]}-s{c[2]}-r{c[3]}-{c[4]}-f{c[5]}" for c in CASES]
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_kernel_grads_equal_the_patches_product(case):
+    _, ks, st, dr, padding, _ = case
+    x, g = _case_inputs(case, 0)
     got = native.conv_kernel_grads_op(x, g, ks, st, dr, padding)
     want, magnitude, t = _float64_grads(x, g, ks, st, dr, padding)
     assert got.shape == want.shape  # the static shape set in Python
@@ -124,16 +132,12 @@ def test_the_rule_uses_the_kernel_where_it_materialises_eagerly_and_under_xla():
     assert "XlaCustomCallV2" not in _rule_ops(late, y, jit=True)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-k{c[1]}-s{c[2]}-r{c[3]}-{c[4]}-f{c[5]}"
-                                             for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_the_xla_custom_call_equals_the_op_bit_for_bit(case):
     """The custom call runs the op's computation (the same sums in the same order): equal values,
     so the op's error bound above holds for it too."""
-    shape, ks, st, dr, padding, f = case
-    r = np.random.default_rng(1)
-    x = tf.constant(r.normal(size=shape), tf.float32)
-    oshape = tf.image.extract_patches(x, [1, *ks, 1], [1, *st, 1], [1, *dr, 1], padding).shape
-    g = tf.constant(r.normal(size=(*oshape[:3], f)), tf.float32)
+    _, ks, st, dr, padding, _ = case
+    x, g = _case_inputs(case, 1)
     want = native.conv_kernel_grads_op(x, g, ks, st, dr, padding)
     fn = tf.function(lambda x, g: native.conv_kernel_grads_xla(x, g, ks, st, dr, padding),
                      jit_compile=True)

@@ -67,6 +67,8 @@ __all__ = [
 #: compiled together into one library
 _SOURCES = [pathlib.Path(__file__).with_name(name)
             for name in ("gaussian_noise_op.cc", "patches_op.cc")]
+#: included by the sources (hashed with them)
+_HEADERS = [pathlib.Path(__file__).with_name("xla_threads.h")]
 _FLAGS = [
     "-std=c++17", "-shared", "-fPIC", "-O3", "-march=native",
     # IEEE float32 as written: no fused multiply-add (the values do not depend on whether the CPU
@@ -174,7 +176,7 @@ def _build(cxx: str, xla_flags: list) -> pathlib.Path:
     compile_flags += xla_flags[:1]
     link_flags += xla_flags[1:]
     digest = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in _SOURCES), tf.__version__.encode(),
+    for part in (*(src.read_bytes() for src in _SOURCES + _HEADERS), tf.__version__.encode(),
                  sys.version.encode(), _compiler_version(cxx).encode(), " ".join(_FLAGS + compile_flags + link_flags)
                  .encode(), _cpu_flags().encode()):
         digest.update(part)

@@ -22,8 +22,6 @@
 // The tests compare every value with a float64 computation from the same words and check the
 // words against TensorFlow's StatelessRandomUniformFullIntV2 bit for bit.
 
-#include <sched.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -31,7 +29,6 @@
 #include <functional>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "tensorflow/core/framework/op.h"
@@ -40,6 +37,7 @@
 #include "tensorflow/core/platform/threadpool.h"
 #ifdef TF_DP_XLA_CUSTOM_CALL
 #include "xla/service/custom_call_target_registry.h"
+#include "xla_threads.h"
 #endif
 
 namespace tf_dp {
@@ -425,33 +423,7 @@ class ChunkedGaussianNoiseOp : public OpKernel {
 };
 
 #ifdef TF_DP_XLA_CUSTOM_CALL
-// The CPUs this process may run on (its affinity mask), at least 1.
-static int64_t UsableCpus() {
-  static const int64_t count = [] {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) {
-      return static_cast<int64_t>(CPU_COUNT(&set));
-    }
-    return std::max<int64_t>(1, std::thread::hardware_concurrency());
-  }();
-  return count;
-}
 
-// Runs fn(u0, u1) over [0, units) split into one contiguous range per usable CPU: this thread
-// and std::threads started for the call (XLA's legacy custom-call API gives no thread pool).
-// Ranges of at least `min_units` (fewer threads for small calls).
-static void ThreadShard(int64_t units, int64_t min_units,
-                        const std::function<void(int64_t, int64_t)>& fn) {
-  const int64_t shards =
-      std::max<int64_t>(1, std::min(UsableCpus(), units / std::max<int64_t>(1, min_units)));
-  std::vector<std::thread> threads;
-  for (int64_t i = 1; i < shards; ++i) {
-    threads.emplace_back(fn, units * i / shards, units * (i + 1) / shards);
-  }
-  fn(0, units / shards);
-  for (auto& t : threads) t.join();
-}
 
 // XLA's CPU custom-call target "TfDpChunkedGaussianNoise" (API_VERSION_STATUS_RETURNING_UNIFIED,
 // as tf2xla's XlaCustomCallV2 emits it): TfDpChunkedGaussianNoise's normals inside a function
