@@ -196,12 +196,13 @@ def test_draws_of_several_chunks_come_from_one_op_on_the_documented_planes(n):
     assert ops.count("TfDpChunkedGaussianNoise") == 1 and "ConcatV2" not in ops
 
 
-@pytest.mark.parametrize("n", [noise.LAZY_MIN_SIZE, 100_001, noise.CHUNK, 3 * noise.CHUNK + 5,
-                               669_706])
+@pytest.mark.parametrize("n", [1, 7, noise.LAZY_MIN_SIZE - 1, noise.LAZY_MIN_SIZE, 100_001,
+                               noise.CHUNK, 3 * noise.CHUNK + 5, 669_706])
 def test_under_xla_the_draw_is_the_native_kernel_as_a_custom_call(n):
-    """Under XLA a float32 draw of at least noise.LAZY_MIN_SIZE is the native chunked kernel as
-    an XLA custom call: the documented planes' normals bit for bit (as outside XLA), the
-    generator moved by the same one skip, across a counter carry, and no XLA sampler traced."""
+    """Under XLA a float32 draw is the native chunked kernel as an XLA custom call: the
+    documented planes' normals bit for bit (as outside XLA for draws of at least
+    noise.LAZY_MIN_SIZE; smaller ones there draw three words per pair), the generator moved by
+    one skip, across a counter carry, and no XLA sampler traced."""
     state = tf.constant([np.array([2**64 - 2], np.uint64).view(np.int64)[0], 3, 99], tf.int64)
     gen = tf.random.Generator.from_state(state, alg="philox")
     fn = tf.function(lambda: noise.gaussian_noise(gen, n, stddev=2.0), jit_compile=True)

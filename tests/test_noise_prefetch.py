@@ -23,6 +23,16 @@ import tf_dp.keras as dpk
 from tf_dp.dp_query import noise
 
 K = 5.0
+
+
+@pytest.fixture(autouse=True)
+def _serve_from_the_buffer(monkeypatch):
+    """These tests exercise the buffer, which the query uses under XLA only where tf_dp's
+    native sampler cannot run inside XLA (or with ``over_native``); the default where it can is
+    tested last."""
+    monkeypatch.setattr(noise.PrefetchedNoise, "over_native", True)
+
+
 SIZES = [(300,), (400, 500)]  # 200,300 normals: two chunks of the float32 sampler
 N = sum(int(np.prod(s)) for s in SIZES)
 SIGMA = 1.1
@@ -136,9 +146,9 @@ def test_outside_xla_and_under_a_strategy_the_query_draws_inline():
     assert seen == [False]
 
 
-def _private_model(seed):
+def _private_model(seed, width=8):
     keras.utils.set_random_seed(seed)
-    model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(8), keras.layers.Dense(3)])
+    model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(width), keras.layers.Dense(3)])
     optimizer = dpk.DPKerasSGDOptimizer(
         l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.1, noise_seed=seed
     )
@@ -180,6 +190,7 @@ def test_a_process_that_exits_right_after_an_xla_fit_exits_cleanly(background):
         "import numpy as np, keras, tf_dp.keras as dpk\n"
         "from tf_dp.dp_query.noise import PrefetchedNoise\n"
         f"PrefetchedNoise.background = {background}\n"
+        "PrefetchedNoise.over_native = True\n"
         "m = keras.Sequential([keras.Input((20,)), keras.layers.Dense(3)])\n"
         "o = dpk.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.1)\n"
         "m = dpk.make_private(m)\n"
@@ -297,3 +308,32 @@ def test_fused_train_function_journals_the_steps_as_the_unfused_one(tmp_path, mo
             assert len(entries) == 9
             journals.append(entries)
     assert journals[0] == journals[1]
+
+
+def test_where_the_native_sampler_runs_in_xla_the_step_draws_its_own_noise(monkeypatch):
+    """The default where tf_dp's native ops are built: no buffer; each XLA step draws its noise
+    with the native kernel as a custom call, from the query's generator with the same
+    reservations as the eager step's native draws (the generator ends in the same state)."""
+    from tf_dp.dp_query import native
+
+    monkeypatch.setattr(noise.PrefetchedNoise, "over_native", False)
+    assert native.xla_available(), native.status()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 20)).astype("float32")
+    y = rng.integers(0, 3, size=64)
+    states = []
+    for jit in (True, False):
+        # 49k parameters: one draw of at least noise.LAZY_MIN_SIZE (XLA's own sampler would
+        # draw three words per pair from the generator instead of reserving two with a skip)
+        model, optimizer = _private_model(5, width=2048)
+        if not jit:
+            model.compile(optimizer=optimizer, jit_compile=False,
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            optimizer.set_sampling(64, 16 / 64, "shuffle")
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+        query = optimizer.engine.query
+        if jit:
+            assert query.prefetched_noise.served == 0 and query.prefetched_noise._vars is None
+        states.append(query._generator.state.numpy())
+        assert optimizer.ledger.num_samples == 4
+    np.testing.assert_array_equal(states[0], states[1])

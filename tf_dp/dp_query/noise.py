@@ -157,7 +157,8 @@ def gaussian_noise(
     ``dtype`` is float32 or float64. Counts above :data:`CHUNK` (known while tracing) are drawn in
     chunks of ``CHUNK``. Draws ``2 * ceil(n / 2)`` Philox words plus one per pair whose
     high word is below ``2^24`` in float32 (``3 * ceil(n / 2)`` in float64, for
-    ``n <`` :data:`LAZY_MIN_SIZE`, and under XLA without the native custom call); see the module docstring for the bits used and the tail
+    ``n <`` :data:`LAZY_MIN_SIZE` outside XLA, and under XLA without the native custom call);
+    see the module docstring for the bits used and the tail
     bound :data:`TAIL_BOUND`.
 
     Example::
@@ -173,10 +174,11 @@ def gaussian_noise(
     # small draws: the dense three-word transform (the lazy one's extra ops outweigh its saved
     # words), the same words as under XLA
     small = n_static is not None and n_static < LAZY_MIN_SIZE
-    if (dtype == tf.float32 and not small and n_static is not None and _in_xla_context()
+    if (dtype == tf.float32 and n_static is not None and _in_xla_context()
             and not _ReservedWords.is_direct(generator) and native.xla_available()):
         # under XLA: the native lazy draw as an XLA custom call (the same words and values as
-        # the native op outside XLA), inside the compiled step
+        # the native op outside XLA, for draws of LAZY_MIN_SIZE or more), inside the compiled
+        # step; small draws too (one call, cheaper than XLA's sampler)
         words = _ReservedWords(generator, 2 * ((n_static + 1) // 2), len(_chunk_sizes(n_static)))
         return native.chunked_gaussian_noise_xla(
             n_static, words._key, words._counter, CHUNK, _radius_scale(tf.float32, stddev))
@@ -587,7 +589,9 @@ class PrefetchedNoise:
 
     XLA's CPU backend runs this sampler 3-4x more slowly than TensorFlow's own kernels (the
     Philox words and the log/cos/sin alike; ``bench/README.md``, "Noise under XLA"), and a
-    ``jit_compile=True`` step cannot call those kernels. So a continuous-mode Gaussian sum query
+    ``jit_compile=True`` step cannot call those kernels. Where tf_dp's native ops are built, the
+    step calls the native sampler as an XLA custom call instead and this buffer is not used
+    (:attr:`over_native`). Otherwise a continuous-mode Gaussian sum query
     traced under XLA reads ``stddev * z`` from a buffer ``current`` of standard normals, which
     :meth:`refill` fills between compiled calls (the Keras ``fit`` loop and
     :meth:`tf_dp.keras.DPTrainStep.flush` call it before each call).
@@ -609,12 +613,9 @@ class PrefetchedNoise:
     in the same order: the values do not depend on the choice.
 
     Each draw serves at most one step: ``ready`` is set when ``current`` is filled and cleared
-    by the step that reads it; a step that finds it clear draws inline (the first call,
-    ``steps_per_execution > 1``, a loop that does not refill): with the native kernel as an XLA
-    custom call where the native ops are built (:func:`gaussian_noise`; the MLP's XLA step took
-    4.78-4.91 ms drawing so every step against 4.51-4.58 ms reading the buffer, ``python -m
-    bench.step_time --model mlp --jit_compile --compare``, 2-core AMD EPYC, 2026-11-29), else
-    with XLA's own sampler. That costs speed, never privacy. The buffers hold future noise: like the generator's state they are secret;
+    by the step that reads it; a step that finds it clear draws inline with XLA's sampler (the
+    first call, ``steps_per_execution > 1``, a loop that does not refill). That costs speed,
+    never privacy. The buffers hold future noise: like the generator's state they are secret;
     they are not model or optimizer variables and are never saved. Not used under
     ``tf.distribute`` (the noise is drawn in the replica step there).
 
@@ -635,6 +636,15 @@ class PrefetchedNoise:
     #: Default of :meth:`refill`'s ``background`` (see the class docstring).
     background = False
 
+    #: Serve from the buffer also where tf_dp's native sampler runs inside XLA
+    #: (:func:`tf_dp.dp_query.native.xla_available`). Default False: there the step draws its
+    #: own noise with the native kernel as an XLA custom call, which depends on no other value
+    #: of the step, so XLA runs it beside the forward and backward pass; the MLP's XLA step took
+    #: 3.91-3.94 ms so against 4.17-4.22 ms with the buffer drawn between steps (``python -m
+    #: bench.step_time --model mlp --jit_compile --compare``, alternating processes, 2-core AMD
+    #: EPYC, 2026-11-29).
+    over_native = False
+
     def __init__(self, generator: tf.random.Generator):
         self._generator = generator
         self._ahead: Optional[tf.random.Generator] = None  # the buffers' own generator
@@ -648,8 +658,11 @@ class PrefetchedNoise:
     @staticmethod
     def applies_to(values: Any) -> bool:
         """Whether :meth:`add_to` serves ``values``: traced under XLA, no distribution strategy,
-        every leaf of a static shape and not float64."""
+        every leaf of a static shape and not float64, and tf_dp's native sampler not available
+        inside XLA (unless :attr:`over_native`)."""
         if not _in_xla_context() or tf.distribute.has_strategy():
+            return False
+        if not PrefetchedNoise.over_native and native.xla_available():
             return False
         leaves = [tf.convert_to_tensor(v) for v in tf.nest.flatten(values)]
         return bool(leaves) and all(

@@ -37,7 +37,6 @@
 #include "tensorflow/core/platform/threadpool.h"
 #ifdef TF_DP_XLA_CUSTOM_CALL
 #include "xla/service/custom_call_target_registry.h"
-#include "xla_threads.h"
 #endif
 
 namespace tf_dp {
@@ -429,7 +428,9 @@ class ChunkedGaussianNoiseOp : public OpKernel {
 // as tf2xla's XlaCustomCallV2 emits it): TfDpChunkedGaussianNoise's normals inside a function
 // compiled with XLA, the same values bit for bit. in = {key u64[1], counter u64[2], scale f32[]},
 // out = f32[n]; the opaque string is "N CHUNK" (decimal), written and checked by
-// tf_dp.dp_query.native.chunked_gaussian_noise_xla.
+// tf_dp.dp_query.native.chunked_gaussian_noise_xla. One thread: the draw depends on no other
+// value of the step, so XLA runs it beside the step's other work (with a thread per CPU here it
+// competed with them, and the MLP's step was slower than with the noise drawn between steps).
 static void TfDpChunkedGaussianNoiseXla(void* out, const void** in, const char* opaque,
                                         size_t opaque_len, void* /*status*/) {
   std::istringstream parse(std::string(opaque, opaque_len));
@@ -443,9 +444,7 @@ static void TfDpChunkedGaussianNoiseXla(void* out, const void** in, const char* 
   ChunkedNoise<false>(n, key, counter[0], counter[1], chunk, scale, nullptr,
                       static_cast<float*>(out), hi.data(),
                       [](int64_t units, int64_t /*cost*/,
-                         const std::function<void(int64_t, int64_t)>& fn) {
-                        ThreadShard(units, 4, fn);
-                      });
+                         const std::function<void(int64_t, int64_t)>& fn) { fn(0, units); });
 }
 
 static const bool kNoiseXlaTargetRegistered = [] {
