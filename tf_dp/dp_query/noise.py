@@ -173,15 +173,14 @@ def gaussian_noise(
     n_static = int(n_static) if n_static is not None else None
     # small draws: the dense three-word transform (the TF-ops lazy one's extra ops outweigh its
     # saved words), unless the native op draws them (one op whatever the size: on the reference
-    # CNN's 26k normals 0.8 ms of CPU in TF ops, 0.05 ms natively)
+    # CNN's 26k normals 0.8 ms of op time in TF ops, 0.26 ms natively)
     small = (n_static is not None and n_static < LAZY_MIN_SIZE
              and not (dtype == tf.float32 and n_static > 0 and native.available()
                       and not _ReservedWords.is_direct(generator)))
     if (dtype == tf.float32 and n_static is not None and n_static > 0 and _in_xla_context()
             and not _ReservedWords.is_direct(generator) and native.xla_available()):
         # under XLA: the native lazy draw as an XLA custom call (the same words and values as
-        # the native op outside XLA, for draws of LAZY_MIN_SIZE or more), inside the compiled
-        # step; small draws too (one call, cheaper than XLA's sampler)
+        # the native op outside XLA), inside the compiled step
         words = _ReservedWords(generator, 2 * ((n_static + 1) // 2), len(_chunk_sizes(n_static)))
         return native.chunked_gaussian_noise_xla(
             n_static, words._key, words._counter, CHUNK, _radius_scale(tf.float32, stddev))
