@@ -200,9 +200,8 @@ def test_draws_of_several_chunks_come_from_one_op_on_the_documented_planes(n):
                                noise.CHUNK, 3 * noise.CHUNK + 5, 669_706])
 def test_under_xla_the_draw_is_the_native_kernel_as_a_custom_call(n):
     """Under XLA a float32 draw is the native chunked kernel as an XLA custom call: the
-    documented planes' normals bit for bit (as outside XLA for draws of at least
-    noise.LAZY_MIN_SIZE; smaller ones there draw three words per pair), the generator moved by
-    one skip, across a counter carry, and no XLA sampler traced."""
+    documented planes' normals bit for bit (as the native op outside XLA, small draws included),
+    the generator moved by one skip, across a counter carry, and no XLA sampler traced."""
     state = tf.constant([np.array([2**64 - 2], np.uint64).view(np.int64)[0], 3, 99], tf.int64)
     gen = tf.random.Generator.from_state(state, alg="philox")
     fn = tf.function(lambda: noise.gaussian_noise(gen, n, stddev=2.0), jit_compile=True)
