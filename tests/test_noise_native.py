@@ -214,6 +214,18 @@ def test_under_xla_the_draw_is_the_native_kernel_as_a_custom_call(n):
     assert ops.count("XlaCustomCallV2") == 1 and "StatefulUniformFullInt" not in ops
 
 
+@pytest.mark.parametrize("n", [1, 26_010, noise.LAZY_MIN_SIZE - 1])
+def test_small_draws_come_from_the_native_op_on_the_documented_planes(n):
+    """Draws under noise.LAZY_MIN_SIZE (the reference CNN's 26,010 parameters) come from the
+    native op too: the documented planes' normals bit for bit, no TensorFlow-ops sampler."""
+    state = tf.constant([np.array([2**64 - 2], np.uint64).view(np.int64)[0], 3, 99], tf.int64)
+    gen = tf.random.Generator.from_state(state, alg="philox")
+    fn = tf.function(lambda: noise.gaussian_noise(gen, n, stddev=2.0))
+    np.testing.assert_array_equal(fn().numpy(), _planes_reference(state.numpy(), n, 2.0))
+    ops = [op.type for op in fn.get_concrete_function().graph.get_operations()]
+    assert "TfDpGaussianNoise" in ops and "StatelessRandomUniformFullIntV2" not in ops
+
+
 def test_the_xla_noise_call_refuses_what_it_cannot_draw():
     key, counter = tf.constant([1], tf.uint64), tf.constant([0, 0], tf.uint64)
     with pytest.raises(ValueError, match="chunk must be a positive multiple of 16384"):
