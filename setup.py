@@ -19,7 +19,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["tf_dp", "tf_dp.*"]),
     # the native noise op's source, compiled on first use (tf_dp/dp_query/native)
-    package_data={"tf_dp.dp_query.native": ["*.cc", "*.h"]},
+    package_data={"tf_dp.dp_query.native": ["*.cc"]},
     install_requires=[
         "tensorflow>=2.16,<2.22",
         "keras>=3.0,<4",

@@ -103,7 +103,8 @@ def _rule_ops(layer, x, jit, batch=-1):
             layer, x, g)]
 
     fn = tf.function(rule, jit_compile=jit)
-    specs = [tf.TensorSpec([t.shape[0] if batch == -1 else batch, *t.shape[1:]]) for t in (x, g)]
+    specs = [tf.TensorSpec([t.shape[0] if batch == -1 else batch, *t.shape[1:]], t.dtype)
+             for t in (x, g)]
     return {op.type for op in fn.get_concrete_function(*specs).graph.get_operations()}
 
 
@@ -148,6 +149,27 @@ def test_the_xla_custom_call_equals_the_op_bit_for_bit(case):
     xb = tf.concat([x] * 5, 0)
     gb = tf.concat([g] * 5, 0)
     np.testing.assert_array_equal(fn(xb, gb).numpy(), np.concatenate([want.numpy()] * 5))
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_under_a_mixed_policy_and_xla_the_rule_takes_the_kernel_on_float32_values(policy):
+    """A layer computing in 16 bits: the rule casts its input and output gradient to float32
+    and, under XLA, takes the custom call; the result is the op's on the same float32 values,
+    bit for bit."""
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        layer = keras.layers.Conv2D(16, 8, strides=2, padding="same")
+        x = tf.cast(tf.random.stateless_normal([3, 28, 28, 1], [1, 2]), layer.compute_dtype)
+        g = tf.cast(tf.ones_like(layer(x)), layer.compute_dtype)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert x.dtype != tf.float32
+    assert "XlaCustomCallV2" in _rule_ops(layer, x, jit=True)  # traced with 16-bit x and g
+    got = tf.function(lambda x, g: ghost_conv.conv_rule(layer, x, g)[0][1].grads,
+                      jit_compile=True)(x, g)
+    want = native.conv_kernel_grads_op(tf.cast(x, tf.float32), tf.cast(g, tf.float32), (8, 8),
+                                       (2, 2), (1, 1), "SAME")
+    np.testing.assert_array_equal(got.numpy().reshape(want.shape), want.numpy())
 
 
 def test_the_xla_custom_call_with_no_output_position_gives_zeros():

@@ -67,8 +67,6 @@ __all__ = [
 #: compiled together into one library
 _SOURCES = [pathlib.Path(__file__).with_name(name)
             for name in ("gaussian_noise_op.cc", "patches_op.cc")]
-#: included by the sources (hashed with them)
-_HEADERS = [pathlib.Path(__file__).with_name("xla_threads.h")]
 _FLAGS = [
     "-std=c++17", "-shared", "-fPIC", "-O3", "-march=native",
     # IEEE float32 as written: no fused multiply-add (the values do not depend on whether the CPU
@@ -159,7 +157,8 @@ def _cache_dir() -> pathlib.Path:
 def _xla_target_flags() -> list:
     """``["-DTF_DP_XLA_CUSTOM_CALL", <link flags>]`` where the installed TensorFlow ships XLA's
     custom-call registry (its header and ``libtensorflow_cc``, which exports it): the library then
-    registers ``TfDpConvKernelGrads`` as an XLA CPU custom-call target too. ``[]`` otherwise."""
+    registers ``TfDpConvKernelGrads`` and ``TfDpChunkedGaussianNoise`` as XLA CPU custom-call
+    targets too. ``[]`` otherwise."""
     include = pathlib.Path(tf.sysconfig.get_include())
     lib = pathlib.Path(tf.sysconfig.get_lib())
     cc = sorted(lib.glob("libtensorflow_cc.so.*"))
@@ -176,7 +175,7 @@ def _build(cxx: str, xla_flags: list) -> pathlib.Path:
     compile_flags += xla_flags[:1]
     link_flags += xla_flags[1:]
     digest = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in _SOURCES + _HEADERS), tf.__version__.encode(),
+    for part in (*(src.read_bytes() for src in _SOURCES), tf.__version__.encode(),
                  sys.version.encode(), _compiler_version(cxx).encode(), " ".join(_FLAGS + compile_flags + link_flags)
                  .encode(), _cpu_flags().encode()):
         digest.update(part)
@@ -310,6 +309,14 @@ def box_muller_op(hi: Any, lo: Any, angle: Any, scale: Any = -2.0) -> Any:
     return _required().tf_dp_box_muller(hi=hi, lo=lo, angle=angle, scale=scale)
 
 
+def _output_size(n: int, k: int, s: int, d: int, padding: str) -> int:
+    """Output positions along an axis of ``n`` (window ``k``, stride ``s``, dilation ``d``,
+    ``"SAME"`` or ``"VALID"`` padding), as TensorFlow's convolutions count them."""
+    if padding == "SAME":
+        return -(-n // s)
+    return max((n - ((k - 1) * d + 1)) // s + 1, 0)
+
+
 @tf.autograph.experimental.do_not_convert
 def extract_patches_op(x: Any, sizes: Any, strides: Any, rates: Any, padding: str) -> Any:
     """``tf.image.extract_patches(x, [1, *sizes, 1], [1, *strides, 1], [1, *rates, 1],
@@ -329,13 +336,7 @@ def extract_patches_op(x: Any, sizes: Any, strides: Any, rates: Any, padding: st
                                        rates=list(rates), padding=padding)
     shape = [x.shape[0]]
     for n, k, s, d in zip(x.shape[1:3], sizes, strides, rates):
-        span = (k - 1) * d + 1
-        if n is None:
-            shape.append(None)
-        elif padding == "SAME":
-            shape.append(-(-n // s))
-        else:
-            shape.append(max((n - span) // s + 1, 0))
+        shape.append(None if n is None else _output_size(n, k, s, d, padding))
     c = x.shape[3]
     shape.append(None if c is None else sizes[0] * sizes[1] * c)
     out.set_shape(shape)
@@ -412,10 +413,7 @@ def conv_kernel_grads_xla(x: Any, g: Any, sizes: Any, strides: Any, rates: Any,
     if padding not in ("SAME", "VALID"):
         raise ValueError(f"padding must be 'SAME' or 'VALID', got {padding!r}")
     b, h, w, c = x.shape.as_list()
-    out = []
-    for n, k, s, d in zip((h, w), sizes, strides, rates):
-        span = (k - 1) * d + 1
-        out.append(-(-n // s) if padding == "SAME" else max((n - span) // s + 1, 0))
+    out = [_output_size(n, k, s, d, padding) for n, k, s, d in zip((h, w), sizes, strides, rates)]
     f = g.shape[3]
     if g.shape.as_list() != [b, *out, f]:
         raise ValueError(f"g must be {[b, *out, 'F']} for x of shape {x.shape} and this "
@@ -433,8 +431,9 @@ def chunked_gaussian_noise_xla(n: int, key: Any, counter: Any, chunk: int, scale
     (``XlaCustomCallV2``) to the library's CPU target ``TfDpChunkedGaussianNoise``, the same
     normals bit for bit from the same words. ``n`` and ``chunk`` are Python integers (the call's
     shape is fixed when traced; ``chunk`` a positive multiple of 16384); ``key`` uint64 ``[1]``,
-    ``counter`` uint64 ``[2]``, ``scale`` float32 ``[]`` (``-2 stddev^2``). The pairs are split
-    over one thread per CPU the process may use. Requires :func:`xla_available`.
+    ``counter`` uint64 ``[2]``, ``scale`` float32 ``[]`` (``-2 stddev^2``). One thread: the draw
+    depends on nothing else in a step, so XLA runs it beside the step's other work. Requires
+    :func:`xla_available`.
 
     Example::
 

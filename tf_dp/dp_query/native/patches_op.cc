@@ -42,8 +42,11 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/platform/threadpool.h"
 #ifdef TF_DP_XLA_CUSTOM_CALL
+#include <sched.h>
+
+#include <thread>
+
 #include "xla/service/custom_call_target_registry.h"
-#include "xla_threads.h"
 #endif
 
 namespace tf_dp {
@@ -341,6 +344,31 @@ class ConvKernelGradsOp : public WindowOp {
 
 #ifdef TF_DP_XLA_CUSTOM_CALL
 
+// The CPUs this process may run on (its affinity mask), at least 1.
+static int64_t UsableCpus() {
+  static const int64_t count = [] {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) {
+      return static_cast<int64_t>(CPU_COUNT(&set));
+    }
+    return std::max<int64_t>(1, std::thread::hardware_concurrency());
+  }();
+  return count;
+}
+
+// Runs fn(n0, n1) over [0, n) split into one contiguous range per usable CPU (at most n): this
+// thread and std::threads started for the call (XLA's legacy custom-call API gives no pool).
+static void ThreadShard(int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
+  const int64_t shards = std::max<int64_t>(1, std::min(UsableCpus(), n));
+  std::vector<std::thread> threads;
+  for (int64_t i = 1; i < shards; ++i) {
+    threads.emplace_back(fn, n * i / shards, n * (i + 1) / shards);
+  }
+  fn(0, n / shards);
+  for (auto& t : threads) t.join();
+}
+
 // XLA's CPU custom-call target "TfDpConvKernelGrads" (API_VERSION_STATUS_RETURNING_UNIFIED, as
 // tf2xla's XlaCustomCallV2 emits it): the same computation as the op, for the ghost rule under
 // XLA, where TensorFlow kernels cannot run. in = {x [B, H, W, C], g [B, OH, OW, F]} (float32,
@@ -372,7 +400,7 @@ static void TfDpConvKernelGradsXla(void* out, const void** in, const char* opaqu
   }
   KernelGrads(s, b, static_cast<const float*>(in[0]), static_cast<const float*>(in[1]), y,
               [](int64_t n, int64_t /*cost*/, const std::function<void(int64_t, int64_t)>& fn) {
-                ThreadShard(n, 1, fn);
+                ThreadShard(n, fn);
               });
 }
 
